@@ -1,0 +1,17 @@
+"""torchtpu: PyTorch's "tpu" device on any PJRT backend (TPU, GPU or CPU) through JAX.
+
+``import torch`` loads this through the ``torch.backends`` entry point; set
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` to turn that off and ``import torchtpu`` explicitly.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .runtime import devices as _devices  # noqa: F401  (enables jax x64 first)
+from .device.registration import register as _register
+
+_register()
+
+
+def _autoload() -> None:
+    """The ``torch.backends`` entry point: importing this module did the work."""

@@ -1,0 +1,48 @@
+"""Make PyTorch believe in device "tpu": rename PrivateUse1, hooks, guard, module, kernels."""
+from __future__ import annotations
+
+import torch
+import torch.utils.backend_registration as _br
+
+_done = [False]
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def register() -> None:
+    """Idempotent: set up the device, bind the lowering table and runtime kernels."""
+    if _done[0]:
+        return
+    _done[0] = True
+    from . import tpu_module
+
+    _br._setup_privateuseone_for_python_backend("tpu", tpu_module, _Hooks(), _Guard())
+
+    from .. import lowering  # noqa: F401  (fills the table)
+    from ..eager import fallback, kernels
+
+    kernels.bind_runtime()
+    kernels.bind_table()
+    global _fallback_lib
+    _fallback_lib = torch.library.Library("_", "IMPL")
+    _fallback_lib.fallback(fallback.fallback, "PrivateUse1")
+    # autocast: let ops fall through (DESIGN fact 7); rules come from the autocast module
+    _fallback_lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+
+    from . import extras
+
+    extras.install()

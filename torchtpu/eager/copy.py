@@ -1,0 +1,152 @@
+"""Moving values between tensors: host<->device transfers, device copies, out= writes.
+
+``value_of(t)`` is the one way to read a tpu tensor's value as a jax array (views resolved).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+
+from ..runtime import buffer as _buffer
+from ..runtime import devices as _devices
+from ..runtime.dtypes import to_jax, to_torch
+from ..runtime.metrics import count
+from . import views
+
+
+@functools.lru_cache(maxsize=None)
+def _reader(spec):
+    return jax.jit(lambda arr, off: views.read(arr, spec, off))
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(spec, shape, dtype):
+    jd = to_jax(dtype)
+
+    def write(arr, off, value):
+        v = jnp.broadcast_to(value.astype(jd), shape)
+        return views.write(arr, spec, off, v)
+
+    return jax.jit(write)
+
+
+def value_of(t: torch.Tensor):
+    """The jax array holding tensor ``t``'s value (one dispatch for a strided view)."""
+    arr = _buffer.buffer_of(t).array
+    spec, off = views.spec_of(t, arr)
+    if spec is None:
+        return arr
+    if spec[0] == "r":
+        return arr.reshape(spec[1])
+    return _reader(spec)(arr, off)
+
+
+def assign(dst: torch.Tensor, value) -> None:
+    """Write jax array ``value`` (cast, broadcast) into tpu tensor ``dst``, view-aware."""
+    buf = _buffer.buffer_of(dst)
+    arr = buf.array
+    spec, off = views.spec_of(dst, arr)
+    dt = to_jax(dst.dtype)
+    if spec is None and value.shape == arr.shape and value.dtype == dt:
+        buf.array = value  # immutable arrays: sharing is a copy
+        return
+    buf.array = _writer(spec, tuple(dst.shape), dst.dtype)(arr, off, value)
+
+
+def assign_out(out: torch.Tensor, value, op_name: str) -> None:
+    """An ``out=`` write: resize ``out`` like PyTorch does, check the cast, then assign."""
+    rdt = to_torch(value.dtype)
+    if not torch.can_cast(rdt, out.dtype):
+        raise RuntimeError(f"result type {_tname(rdt)} can't be cast to the desired output type "
+                           f"{_tname(out.dtype)}")
+    if tuple(out.shape) != tuple(value.shape):
+        resize(out, list(value.shape))
+    assign(out, value)
+
+
+def _tname(dt):
+    s = str(dt).replace("torch.", "")
+    return s[0].upper() + s[1:]
+
+
+def resize(t: torch.Tensor, shape) -> None:
+    """``resize_`` semantics: keep the storage prefix, grow it with zeros if needed."""
+    n = 1
+    for s in shape:
+        n *= s
+    need = t.storage_offset() + n
+    st = t.untyped_storage()
+    have = st.nbytes() // t.element_size()
+    if need > have:
+        old = _buffer.buffer_of(t).array.reshape(-1)
+        grown = jnp.concatenate([old, jnp.zeros((need - have,), old.dtype)])
+        new_st = _buffer.new_storage(need * t.element_size(), t.device.index or 0)
+        _buffer.buffer_of_storage(new_st, grown)
+        _set_storage(t, new_st, t.storage_offset(), shape)
+    else:
+        _set_storage(t, st, t.storage_offset(), shape)
+
+
+def _set_storage(t, st, offset, shape):
+    strides = _buffer._contiguous_strides(shape)
+    _buffer._set_storage(_buffer._CPU_KEYS, t, st, offset, list(shape), strides)
+
+
+# ---- host <-> device ----
+
+def to_numpy_dtype(dtype: torch.dtype):
+    return np.dtype(to_jax(dtype))
+
+
+def host_to_device(src: torch.Tensor, device_index: int = 0):
+    """A jax array on tpu:index holding a CPU tensor's value (copied)."""
+    src = src.detach().resolve_conj().resolve_neg()
+    if src.dtype == torch.bfloat16:
+        host = src.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    elif src.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        host = src.contiguous().view(torch.uint8).numpy().view(to_numpy_dtype(src.dtype))
+    else:
+        host = src.contiguous().numpy()
+    count("bytes_host_to_device", host.nbytes)
+    count("transfers_host_to_device")
+    return jax.device_put(host, _devices.jax_device(device_index))
+
+
+def device_to_host(value) -> torch.Tensor:
+    """A CPU tensor holding a jax array's value (blocks: a host sync)."""
+    host = np.asarray(value)
+    count("host_syncs")
+    count("bytes_device_to_host", host.nbytes)
+    dt = to_torch(host.dtype)
+    if dt == torch.bfloat16:
+        return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+    if dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.from_numpy(host.view(np.uint8).copy()).view(dt)
+    if not host.flags.writeable:
+        host = host.copy()
+    return torch.from_numpy(host)
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """aten::copy_ for every direction that involves a tpu tensor."""
+    dst_tpu = dst.device.type == "tpu"
+    src_tpu = src.device.type == "tpu"
+    if dst_tpu and src_tpu:
+        v = value_of(src)
+        if (src.device.index or 0) != (dst.device.index or 0):
+            v = jax.device_put(v, _devices.jax_device(dst.device.index or 0))
+            count("transfers_device_to_device")
+        assign(dst, v)
+    elif dst_tpu:
+        assign(dst, host_to_device(src, dst.device.index or 0))
+    elif src_tpu:
+        host = device_to_host(value_of(src))
+        dst.copy_(host)
+    else:
+        raise RuntimeError("copy_: neither tensor is on tpu")
+    return dst

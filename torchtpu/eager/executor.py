@@ -1,0 +1,219 @@
+"""Strict and Debug eager execution: one cached jitted XLA program per (op, static args, views).
+
+The hot path (``run``) does: walk the arguments once (tensors out, static values into a key),
+look the key up, call the cached ``jax.jit`` function on the storage arrays, wrap outputs and
+write back mutated storages. Everything else happens once per key, at a cache miss.
+"""
+from __future__ import annotations
+
+import jax
+import torch
+
+from ..runtime import buffer as _buffer
+from ..runtime import devices as _devices
+from ..runtime.metrics import COUNTERS, count
+from . import copy as _copy
+from . import modes, views
+from . import rng as _rng
+
+Tensor = torch.Tensor
+_wrap = _buffer.wrap
+
+# kinds of kernel, derived from the schema at registration
+FUNCTIONAL, INPLACE, OUT, DIRECT_INPLACE, FUNCTIONAL_RAW = range(5)
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i):
+        self.i = i
+
+
+def _key(x, tensors):
+    """Hashable static key of one argument; appends its tensors to ``tensors``."""
+    tx = type(x)
+    if tx is int or x is None or tx is str:
+        return x
+    if tx is float:
+        return (float, x) if x == x else (float, "nan")
+    if tx is bool:
+        return (bool, x)
+    if isinstance(x, Tensor):
+        tensors.append(x)
+        return Tensor
+    if tx is list or tx is tuple:
+        return tuple([_key(e, tensors) for e in x])
+    return x
+
+
+def _skeleton(x, counter):
+    """The argument with each tensor replaced by a _Slot (built at a cache miss only)."""
+    if isinstance(x, Tensor):
+        s = _Slot(counter[0])
+        counter[0] += 1
+        return s
+    if isinstance(x, (list, tuple)):
+        return type(x)(_skeleton(e, counter) for e in x)
+    return x
+
+
+def _fill(x, vals):
+    if type(x) is _Slot:
+        return vals[x.i]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fill(e, vals) for e in x)
+    return x
+
+
+_CACHE: dict = {}
+
+
+class _Entry:
+    __slots__ = ("jitted", "writes", "out_count")
+
+    def __init__(self, jitted, writes):
+        self.jitted = jitted
+        self.writes = writes
+
+
+def _check_cast(op_name, result_dt, self_dt):
+    if not torch.can_cast(result_dt, self_dt):
+        raise RuntimeError(
+            f"result type {str(result_dt).replace('torch.', '').capitalize()} can't be cast to the "
+            f"desired output type {str(self_dt).replace('torch.', '').capitalize()}")
+
+
+def _device_for_factory(kwargs, args):
+    dev = kwargs.get("device")
+    if dev is None:
+        for a in args:
+            if isinstance(a, torch.device):
+                dev = a
+    idx = 0 if dev is None or dev.index is None else dev.index
+    return _devices.jax_device(idx)
+
+
+def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
+    """Trace-ready function for one cache key."""
+    counter = [0]
+    sk_args = _skeleton(args, counter)
+    sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
+    fn = lowering.fn
+    is_random = lowering.random
+    self_dtypes = [tensors[i].dtype for i in write_slots]
+    op_name = lowering.name
+    n_tensors = len(tensors)
+
+    def traced(arrays, offsets, rng):
+        vals = [views.read(a, s, o) for a, s, o in zip(arrays, specs, offsets)]
+        a = _fill(sk_args, vals)
+        kw = {k: _fill(v, vals) for k, v in sk_kwargs.items()}
+        if is_random:
+            out = fn(_rng.key_from(rng), *a, **kw)
+        else:
+            out = fn(*a, **kw)
+        if kind == FUNCTIONAL or kind == FUNCTIONAL_RAW:
+            return out, ()
+        # in-place: out holds the new value(s) of the written tensor(s)
+        news = out if isinstance(out, (list, tuple)) else (out,)
+        if len(news) != len(write_slots):
+            raise RuntimeError(f"{op_name}: lowering returned {len(news)} values for "
+                               f"{len(write_slots)} mutated tensors")
+        new_storages = []
+        for v, slot, dt in zip(news, write_slots, self_dtypes):
+            _check_cast(op_name, _buffer.dtypes.to_torch(v.dtype), dt)
+            new_storages.append(views.write(arrays[slot], specs[slot], offsets[slot], v))
+        return None, tuple(new_storages)
+
+    jit_kwargs = {}
+    if n_tensors == 0:
+        jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(
+            _device_for_factory(kwargs, args))
+    return jax.jit(traced, **jit_kwargs)
+
+
+def _write_slots(kind, args, kwargs):
+    """Which flattened tensors an in-place kernel writes: ``self`` (a tensor or a list)."""
+    if kind in (INPLACE, DIRECT_INPLACE):
+        first = args[0] if args else kwargs.get("self")
+        if isinstance(first, Tensor):
+            return (0,)
+        return tuple(range(len(first)))
+    return ()
+
+
+# Set by the fused executor (eager/fused.py) when it is loaded: run(...) hands every op to it
+# while the mode is DEFER_AND_FUSE.
+fused_run = None
+_FUSED = modes.EagerMode.DEFER_AND_FUSE
+
+
+def run(lowering, kind, args, kwargs):
+    """Execute one op eagerly. Returns what the aten kernel must return."""
+    if fused_run is not None and modes._state["mode"] is _FUSED:
+        return fused_run(lowering, kind, args, kwargs)
+    if lowering.random:
+        gen = kwargs.pop("generator", None)
+        rng = _rng.next_state(gen)
+    else:
+        rng = None
+    tensors: list = []
+    key_args = _key(args, tensors)
+    key_kwargs = tuple((k, _key(v, tensors)) for k, v in kwargs.items())
+    arrays = []
+    specs = []
+    offsets = []
+    for t in tensors:
+        try:
+            arr = t.untyped_storage()._tpu_buffer.array
+        except AttributeError:
+            raise _device_error(lowering, tensors) from None
+        spec, off = views.spec_of(t, arr)
+        arrays.append(arr)
+        specs.append(spec)
+        offsets.append(off)
+    specs = tuple(specs)
+    key = (lowering, kind, key_args, key_kwargs, specs)
+    entry = _CACHE.get(key)
+    if entry is None:
+        COUNTERS["eager_cache_misses"] += 1
+        ws = _write_slots(kind, args, kwargs)
+        entry = _CACHE[key] = _Entry(_build(lowering, kind, args, kwargs, specs, tensors, ws), ws)
+        count("eager_compiles", op=lowering.name)
+    else:
+        COUNTERS["eager_cache_hits"] += 1
+    out, new_storages = entry.jitted(arrays, offsets, rng)
+    if modes._state["mode"] is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+        jax.block_until_ready((out, new_storages))
+    if kind == FUNCTIONAL:
+        return _wrap_out(out)
+    if kind == FUNCTIONAL_RAW:
+        return out
+    if kind == INPLACE or kind == DIRECT_INPLACE:
+        for slot, new in zip(entry.writes, new_storages):
+            tensors[slot].untyped_storage()._tpu_buffer.array = new
+        return args[0] if args else kwargs["self"]
+    raise AssertionError(kind)
+
+
+def run_out(lowering, args, kwargs, outs):
+    """An out= kernel: compute functionally, then write into (and resize) the out tensors."""
+    out = run(lowering, FUNCTIONAL_RAW, args, kwargs)
+    vals = out if isinstance(out, (list, tuple)) else (out,)
+    for t, v in zip(outs, vals):
+        _copy.assign_out(t, v, lowering.name)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _wrap_out(out):
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap(o) if o is not None else None for o in out)
+    return _wrap(out)
+
+
+def _device_error(lowering, tensors):
+    devs = sorted({str(t.device) for t in tensors})
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"{', '.join(devs)}! (when checking argument for {lowering.name})")

@@ -1,0 +1,40 @@
+"""Allocation of new tpu tensors (empty / empty_strided)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from ..runtime import buffer as _buffer
+from ..runtime import devices as _devices
+from ..runtime.dtypes import to_jax
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, jdtype, device):
+    return jax.jit(lambda: jnp.zeros(shape, jdtype),
+                   out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+def _zeros(shape, dtype, device_index):
+    return _zeros_fn(tuple(shape), to_jax(dtype), _devices.jax_device(device_index))()
+
+
+def empty_tensor(shape, dtype=None, device=None) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    idx = 0 if device is None or device.index is None else device.index
+    _devices.jax_device(idx)  # validates the ordinal
+    arr = _zeros(shape, dtype, idx)
+    return _buffer.wrap(arr, dtype)
+
+
+def empty_strided(shape, stride, dtype=None, device=None) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    if list(stride) == _buffer._contiguous_strides(shape):
+        return empty_tensor(shape, dtype, device)
+    idx = 0 if device is None or device.index is None else device.index
+    n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+    t = empty_tensor([n], dtype, device)
+    return torch.ops.aten.as_strided.default(t, shape, stride, 0)

@@ -1,0 +1,179 @@
+"""Binding the lowering table (and the runtime's own kernels) to PrivateUse1.
+
+For every functional overload in the table we also bind its in-place and out= siblings; the
+executor derives their behaviour from the kind. View ops use PyTorch's own metadata-only CPU
+kernels (redispatch), so views are real views of the same storage.
+"""
+from __future__ import annotations
+
+import torch
+from torch._ops import OpOverload
+
+from ..lowering import registry
+from ..runtime import buffer as _buffer
+from ..runtime.metrics import count
+from . import copy as _copy
+from . import executor
+from .dynamo_skip import skip
+
+aten = torch.ops.aten
+_lib = torch.library.Library("aten", "IMPL")
+_bound: set = set()
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _qualname(op: OpOverload) -> str:
+    name = op._schema.name.split("::", 1)[1]
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
+def _bind(op: OpOverload, fn) -> None:
+    if op in _bound:
+        return
+    _lib.impl(_qualname(op), skip(fn), "PrivateUse1")
+    _bound.add(op)
+
+
+def _arg_sig(args):
+    return [(a.name, str(a.type)) for a in args]
+
+
+def _siblings(op: OpOverload):
+    """(inplace overload or None, [out overloads]) of a functional overload."""
+    schema = op._schema
+    base = schema.name.split("::", 1)[1]
+    sig = _arg_sig(schema.arguments)
+    inplace = None
+    ip_packet = getattr(aten, base + "_", None)
+    if ip_packet is not None:
+        cand = getattr(ip_packet, op._overloadname, None)
+        if cand is not None and _arg_sig(cand._schema.arguments) == sig:
+            inplace = cand
+    outs = []
+    packet = getattr(aten, base)
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        cs = cand._schema
+        if not cs.is_mutable or cand is op:
+            continue
+        non_out = [a for a in cs.arguments if not (a.alias_info is not None and a.alias_info.is_write)]
+        if _arg_sig(non_out) == sig:
+            outs.append(cand)
+    return inplace, outs
+
+
+def _out_names(op: OpOverload):
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _make(lowering, kind, out_names=()):
+    run = executor.run
+    if kind == executor.FUNCTIONAL or kind == executor.INPLACE or kind == executor.DIRECT_INPLACE:
+        def kernel(*args, **kwargs):
+            return run(lowering, kind, args, kwargs)
+    else:
+        def kernel(*args, **kwargs):
+            outs = [kwargs.pop(n) for n in out_names]
+            return executor.run_out(lowering, args, kwargs, outs)
+    return kernel
+
+
+def is_view_schema(schema) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def bind_lowering(lowering: registry.Lowering) -> None:
+    op = lowering.op
+    schema = op._schema
+    if is_view_schema(schema):
+        # Lowerings of view ops serve the graph executors (compile, fused) only: in eager a
+        # view must alias its base, which PyTorch's metadata kernels do (see VIEW_OPS).
+        return
+    if not schema.is_mutable:
+        _bind(op, _make(lowering, executor.FUNCTIONAL))
+        inplace, outs = _siblings(op)
+        if inplace is not None and registry.get(inplace) is None:
+            _bind(inplace, _make(lowering, executor.INPLACE))
+        for o in outs:
+            if registry.get(o) is None:
+                _bind(o, _make(lowering, executor.OUT, _out_names(o)))
+    elif schema.name.endswith("_") or op._overloadname.endswith("_"):
+        _bind(op, _make(lowering, executor.DIRECT_INPLACE))
+    else:
+        _bind(op, _make(lowering, executor.OUT, _out_names(op)))
+
+
+def bind_table() -> None:
+    for lowering in list(registry.LOWERINGS.values()):
+        bind_lowering(lowering)
+
+
+# ---- the runtime's own kernels: allocation, copies, metadata, scalars ----
+
+def _redispatch_cpu(op):
+    h = op._handle
+
+    def kernel(*args, **kwargs):
+        return h.redispatch_boxed(_CPU_KEYS, *args, **kwargs)
+
+    return kernel
+
+
+VIEW_OPS = [aten.view.default, aten.as_strided.default, aten._reshape_alias.default,
+            aten.unfold.default, aten.view_as_real.default, aten.view_as_complex.default,
+            aten.set_.source_Storage_storage_offset, aten.set_.source_Storage,
+            aten.set_.source_Tensor, aten.set_.default, aten.view.dtype]
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    from .factories import empty_tensor
+
+    return empty_tensor(list(size), dtype, device)
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    from .factories import empty_strided
+
+    return empty_strided(list(size), list(stride), dtype, device)
+
+
+def _local_scalar_dense(t):
+    return _copy.device_to_host(_copy.value_of(t)).item()
+
+
+def _copy_kernel(self, src, non_blocking=False):
+    return _copy.copy_(self, src, non_blocking)
+
+
+def _copy_from(self, dst, non_blocking=False):
+    return _copy.copy_(dst, self, non_blocking)
+
+
+def _copy_from_and_resize(self, dst):
+    if tuple(dst.shape) != tuple(self.shape):
+        _copy.resize(dst, list(self.shape))
+    return _copy.copy_(dst, self)
+
+
+def _resize_(self, size, memory_format=None):
+    _copy.resize(self, list(size))
+    return self
+
+
+def _equal(a, b):
+    if a.shape != b.shape:
+        return False
+    return bool(aten.eq.Tensor(a, b).all().item())
+
+
+def bind_runtime() -> None:
+    for op in VIEW_OPS:
+        _bind(op, _redispatch_cpu(op))
+    _bind(aten.empty.memory_format, _empty)
+    _bind(aten.empty_strided.default, _empty_strided)
+    _bind(aten._local_scalar_dense.default, _local_scalar_dense)
+    _bind(aten.copy_.default, _copy_kernel)
+    _bind(aten._copy_from.default, _copy_from)
+    _bind(aten._copy_from_and_resize.default, _copy_from_and_resize)
+    _bind(aten.resize_.default, _resize_)
+    _bind(aten.equal.default, _equal)

@@ -1,0 +1,20 @@
+"""The lowering table. Importing this package fills ``registry.LOWERINGS``.
+
+One module per op family; each registers pure JAX functions with ``registry.register``.
+"""
+from . import registry  # noqa: F401
+from . import (  # noqa: F401
+    activations,
+    attention,
+    elementwise,
+    factories,
+    fft,
+    foreach,
+    indexing,
+    linalg,
+    losses,
+    nn,
+    random,
+    reductions,
+    shape,
+)

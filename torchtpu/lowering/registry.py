@@ -1,0 +1,88 @@
+"""The lowering table: aten overload -> pure JAX function.
+
+Contract for a lowering ``fn``:
+- It is called with the aten op's arguments exactly as the dispatcher passes them to a kernel
+  (positional arguments positionally, keyword-only arguments as keywords), except that every
+  Tensor is replaced by a ``jax.Array`` already shaped like the tensor (views resolved), and
+  every ``Tensor[]`` / ``Tensor?[]`` by a list of arrays (``None`` kept).
+- Every other argument (ints, floats, bools, dtypes, int lists, strings, ...) arrives as the
+  plain Python value and is static: it is part of the compile-cache key, so the lowering may
+  branch on it.
+- It returns what the op returns: one array, or a tuple/list of arrays, with PyTorch's dtypes
+  (see ``_util.result_type``) and shapes. It never syncs, never sees a torch.Tensor, and never
+  branches on array data, so jax.jit can trace it.
+- Registered on a functional overload (``add.Tensor``), it also serves the in-place
+  (``add_.Tensor``) and ``out=`` (``add.out``) overloads: the executors derive those.
+  Registered directly on an in-place overload (``uniform_``), it returns the new value of
+  ``self``. Registered on an ``out=`` overload, it returns the values of the out tensors.
+
+Flags (the executors read them; no op is special-cased inside an executor):
+- ``random``: fn(key, *args, **kwargs) receives a fresh ``jax.random`` key first; the op's
+  ``generator`` argument is removed.
+- ``dynamic_shape``: output shape depends on data; run un-jitted on concrete arrays, counted as
+  a host sync.
+- View ops (schema returns a non-writing alias: ``view``, ``permute``, ``select``...) may have
+  lowerings too (a reshape, a transpose): the graph executors (compile, fused) use them; eager
+  never binds them, because an eager view must alias its base (PyTorch's metadata kernels).
+- ``scalar_args``: names of float/int arguments passed as traced 0-d values instead of static
+  ones, so changing them (a learning rate) does not recompile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+
+@dataclass(eq=False)
+class Lowering:
+    op: OpOverload
+    fn: Callable
+    random: bool = False
+    dynamic_shape: bool = False
+    scalar_args: tuple = ()
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.op)
+
+
+LOWERINGS: dict[OpOverload, Lowering] = {}
+
+
+def _overloads(op) -> list[OpOverload]:
+    if isinstance(op, OpOverload):
+        return [op]
+    if isinstance(op, OpOverloadPacket):
+        out = []
+        for name in op.overloads():
+            ov = getattr(op, name)
+            schema = ov._schema
+            if schema.is_mutable:
+                continue  # in-place / out= overloads are derived by the executors
+            out.append(ov)
+        return out
+    raise TypeError(f"cannot register a lowering for {op!r}")
+
+
+def register(*ops, random: bool = False, dynamic_shape: bool = False, scalar_args=()):
+    """Decorator: register ``fn`` as the lowering of each op.
+
+    An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
+    functional overloads (so ``fn`` must accept each of their signatures).
+    """
+
+    def deco(fn):
+        for op in ops:
+            for ov in _overloads(op):
+                LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args))
+        return fn
+
+    return deco
+
+
+def get(op: OpOverload) -> Lowering | None:
+    return LOWERINGS.get(op)
