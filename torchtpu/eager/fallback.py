@@ -63,11 +63,41 @@ def no_lowering_error(op) -> NotImplementedError:
         "lowering and the CPU fallback is disabled (torch.tpu.enable_cpu_fallback = False).")
 
 
+_active_decomps: set = set()
+
+
+def _decomposition(op):
+    """PyTorch's registered decomposition of ``op`` (runs as tpu ops), or None."""
+    if op in _active_decomps:
+        return None  # a decomposition that re-enters its own op: fall back instead
+    return _decompositions().get(op)
+
+
+_table = []
+
+
+def _decompositions():
+    if not _table:
+        from torch._decomp import decomposition_table
+
+        _table.append(decomposition_table)
+    return _table[0]
+
+
 @skip
 def fallback(op, *args, **kwargs):
+    """Boxed PrivateUse1 fallback: metadata view, else decomposition, else CPU."""
     schema = op._schema
     if _is_view(schema):
         return op._handle.redispatch_boxed(_CPU_KEYS, *args, **kwargs)
+    decomp = _decomposition(op)
+    if decomp is not None:
+        count("decompositions", op=f"{schema.name}.{op._overloadname}")
+        _active_decomps.add(op)
+        try:
+            return decomp(*args, **kwargs)
+        finally:
+            _active_decomps.discard(op)
     if not _state["enabled"]:
         raise no_lowering_error(op)
     name = f"{schema.name}.{op._overloadname}"
