@@ -21,6 +21,8 @@ Flags (the executors read them; no op is special-cased inside an executor):
   ``generator`` argument is removed.
 - ``dynamic_shape``: output shape depends on data; run un-jitted on concrete arrays, counted as
   a host sync.
+  It may also be a predicate ``(args, kwargs) -> bool`` over the op's own (torch) arguments, for
+  ops whose shape is data-dependent only for some inputs (indexing with boolean masks).
 - View ops (schema returns a non-writing alias: ``view``, ``permute``, ``select``...) may have
   lowerings too (a reshape, a transpose): the graph executors (compile, fused) use them; eager
   never binds them, because an eager view must alias its base (PyTorch's metadata kernels).
@@ -41,7 +43,7 @@ class Lowering:
     op: OpOverload
     fn: Callable
     random: bool = False
-    dynamic_shape: bool = False
+    dynamic_shape: object = False  # bool, or a predicate (args, kwargs) -> bool
     scalar_args: tuple = ()
     meta: dict = field(default_factory=dict)
 
@@ -68,7 +70,7 @@ def _overloads(op) -> list[OpOverload]:
     raise TypeError(f"cannot register a lowering for {op!r}")
 
 
-def register(*ops, random: bool = False, dynamic_shape: bool = False, scalar_args=()):
+def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=()):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
