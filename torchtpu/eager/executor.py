@@ -95,7 +95,12 @@ def _device_for_factory(kwargs, args):
 
 
 def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
-    """Trace-ready function for one cache key."""
+    """The jitted program for one cache key.
+
+    It takes flat positional arguments: one storage array per tensor, then the traced storage
+    offsets of strided views, then the RNG words for a random op (no pytrees on the hot path).
+    It returns the op's outputs, or the new storage arrays of the tensors it writes.
+    """
     counter = [0]
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
@@ -103,18 +108,24 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
     is_random = lowering.random
     self_dtypes = [tensors[i].dtype for i in write_slots]
     op_name = lowering.name
-    n_tensors = len(tensors)
+    n = len(tensors)
+    strided = [i for i, sp in enumerate(specs) if sp is not None and sp[0] == "s"]
+    functional = kind == FUNCTIONAL or kind == FUNCTIONAL_RAW
 
-    def traced(arrays, offsets, rng):
+    def traced(*flat):
+        arrays = flat[:n]
+        offsets = [None] * n
+        for j, i in enumerate(strided):
+            offsets[i] = flat[n + j]
         vals = [views.read(a, s, o) for a, s, o in zip(arrays, specs, offsets)]
         a = _fill(sk_args, vals)
         kw = {k: _fill(v, vals) for k, v in sk_kwargs.items()}
         if is_random:
-            out = fn(_rng.key_from(rng), *a, **kw)
+            out = fn(_rng.key_from(flat[-1]), *a, **kw)
         else:
             out = fn(*a, **kw)
-        if kind == FUNCTIONAL or kind == FUNCTIONAL_RAW:
-            return out, ()
+        if functional:
+            return out
         # in-place: out holds the new value(s) of the written tensor(s)
         news = out if isinstance(out, (list, tuple)) else (out,)
         if len(news) != len(write_slots):
@@ -124,10 +135,10 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
         for v, slot, dt in zip(news, write_slots, self_dtypes):
             _check_cast(op_name, _buffer.dtypes.to_torch(v.dtype), dt)
             new_storages.append(views.write(arrays[slot], specs[slot], offsets[slot], v))
-        return None, tuple(new_storages)
+        return tuple(new_storages)
 
     jit_kwargs = {}
-    if n_tensors == 0:
+    if n == 0:
         jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(
             _device_for_factory(kwargs, args))
     return jax.jit(traced, **jit_kwargs)
@@ -147,32 +158,55 @@ def _write_slots(kind, args, kwargs):
 # while the mode is DEFER_AND_FUSE.
 fused_run = None
 _FUSED = modes.EagerMode.DEFER_AND_FUSE
+_DEBUG = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+_mode_state = modes._state
+
+
+def _array_of(t, lowering, tensors):
+    """The storage array of a tensor argument (a 0-dim CPU tensor is accepted as a scalar,
+    as CUDA does); PyTorch's device-mismatch error otherwise."""
+    try:
+        return t.untyped_storage()._tpu_buffer.array
+    except AttributeError:
+        if t.device.type == "cpu" and t.dim() == 0:
+            return _copy.host_to_device(t)
+        raise _device_error(lowering, tensors) from None
 
 
 def run(lowering, kind, args, kwargs):
     """Execute one op eagerly. Returns what the aten kernel must return."""
-    if fused_run is not None and modes._state["mode"] is _FUSED:
+    mode = _mode_state["mode"]
+    if mode is _FUSED and fused_run is not None:
         return fused_run(lowering, kind, args, kwargs)
-    if lowering.random:
-        gen = kwargs.pop("generator", None)
-        rng = _rng.next_state(gen)
-    else:
-        rng = None
+    gen = None
+    if lowering.random and "generator" in kwargs:
+        kwargs = dict(kwargs)
+        gen = kwargs.pop("generator")
     tensors: list = []
     key_args = _key(args, tensors)
-    key_kwargs = tuple((k, _key(v, tensors)) for k, v in kwargs.items())
-    arrays = []
+    key_kwargs = tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
+    flat = []
     specs = []
-    offsets = []
+    offs = None
     for t in tensors:
-        try:
-            arr = t.untyped_storage()._tpu_buffer.array
-        except AttributeError:
-            raise _device_error(lowering, tensors) from None
-        spec, off = views.spec_of(t, arr)
-        arrays.append(arr)
-        specs.append(spec)
-        offsets.append(off)
+        arr = _array_of(t, lowering, tensors)
+        flat.append(arr)
+        # views.spec_of, inlined: this loop runs for every tensor of every op
+        shape = t.shape
+        off = t.storage_offset()
+        if off == 0 and t.is_contiguous():
+            if arr.shape == shape:
+                specs.append(None)
+                continue
+            if t.numel() == arr.size:
+                specs.append(("r", tuple(shape)))
+                continue
+        specs.append(("s", tuple(shape), tuple(t.stride())))
+        if offs is None:
+            offs = []
+        offs.append(off)
+    if offs is not None:
+        flat.extend(offs)
     specs = tuple(specs)
     key = (lowering, kind, key_args, key_kwargs, specs)
     entry = _CACHE.get(key)
@@ -183,18 +217,20 @@ def run(lowering, kind, args, kwargs):
         count("eager_compiles", op=lowering.name)
     else:
         COUNTERS["eager_cache_hits"] += 1
-    out, new_storages = entry.jitted(arrays, offsets, rng)
-    if modes._state["mode"] is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-        jax.block_until_ready((out, new_storages))
+    if lowering.random:
+        flat.append(_rng.next_state(gen))
+    out = entry.jitted(*flat)
+    if mode is _DEBUG:
+        jax.block_until_ready(out)
     if kind == FUNCTIONAL:
-        return _wrap_out(out)
+        if type(out) is tuple or type(out) is list:
+            return type(out)(_wrap(o) if o is not None else None for o in out)
+        return _wrap(out)
     if kind == FUNCTIONAL_RAW:
         return out
-    if kind == INPLACE or kind == DIRECT_INPLACE:
-        for slot, new in zip(entry.writes, new_storages):
-            tensors[slot].untyped_storage()._tpu_buffer.array = new
-        return args[0] if args else kwargs["self"]
-    raise AssertionError(kind)
+    for slot, new in zip(entry.writes, out):
+        tensors[slot].untyped_storage()._tpu_buffer.array = new
+    return args[0] if args else kwargs["self"]
 
 
 def run_out(lowering, args, kwargs, outs):
@@ -204,12 +240,6 @@ def run_out(lowering, args, kwargs, outs):
     for t, v in zip(outs, vals):
         _copy.assign_out(t, v, lowering.name)
     return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def _wrap_out(out):
-    if isinstance(out, (list, tuple)):
-        return type(out)(_wrap(o) if o is not None else None for o in out)
-    return _wrap(out)
 
 
 def _device_error(lowering, tensors):
