@@ -1,0 +1,47 @@
+# torchtpu: `make demo` trains a small GPT on device "tpu"; `make test` runs the test suite.
+# Both create and use a local virtualenv (.venv) on first use.
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+# Where pip finds torch. Empty: pip's configured index. For a CPU-only wheel from the PyTorch
+# index (instead of PyPI's CUDA build) use: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+DEMO_ARGS ?= --steps 80 --layers 2 --embd 96 --batch-size 16 --seq-len 64 --log-every 5 --sample 120
+STAMP   := $(VENV)/.torchtpu-installed
+
+.PHONY: all venv demo demo-cpu test bench clean help
+
+all: help
+
+help:
+	@echo "make demo       train a small GPT on device tpu (creates $(VENV) if needed)"
+	@echo "make demo-cpu   the same run on PyTorch CPU eager, for comparison"
+	@echo "make test       run the test suite"
+	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
+	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -e ".[test]"
+	@touch $@
+
+demo: $(STAMP)
+	$(PY) examples/train_gpt.py --device tpu $(DEMO_ARGS)
+
+demo-cpu: $(STAMP)
+	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/eager_overhead.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
