@@ -66,15 +66,29 @@ def _torch_device(index: int) -> torch.device:
     return d
 
 
+_wrap_meta: dict = {}
+
+
+def _meta(shape, jdtype):
+    m = _wrap_meta.get((shape, jdtype))
+    if m is None:
+        dt = dtypes.to_torch(jdtype)
+        n = 1
+        for d in shape:
+            n *= d
+        m = _wrap_meta[(shape, jdtype)] = (list(shape), dt, _contiguous_strides(shape), n * dt.itemsize)
+    return m
+
+
 def wrap(array, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new tpu tensor (contiguous, offset 0) whose storage holds ``array``."""
-    shape = list(array.shape)
-    if dtype is None:
-        dtype = dtypes.to_torch(array.dtype)
-    t = _create_empty(shape, dtype)
-    nbytes = array.size * dtype.itemsize
+    shape, dt, strides, nbytes = _meta(array.shape, array.dtype)
+    if dtype is not None and dtype != dt:
+        nbytes = nbytes // dt.itemsize * dtype.itemsize
+        dt = dtype
+    t = _create_empty(shape, dt)
     st = _make_storage(_alloc_address(nbytes), _torch_device(0), nbytes)
-    _set_storage(_CPU_KEYS, t, st, 0, shape, _contiguous_strides(shape))
+    _set_storage(_CPU_KEYS, t, st, 0, shape, strides)
     st._tpu_buffer = Buffer(array)
     return t
 
