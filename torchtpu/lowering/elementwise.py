@@ -1,32 +1,802 @@
-"""Elementwise arithmetic with PyTorch's type promotion."""
+"""Elementwise (pointwise) math with PyTorch's type promotion and edge-case semantics.
+
+Every lowering here is a pure JAX function; dtype decisions use ``_util.result_type`` (PyTorch's
+promotion over arrays and Python scalars). Unary float ops on integer/bool inputs compute in the
+default float dtype, as PyTorch does.
+"""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import jax.scipy.special as jsp
+import numpy as np
 import torch
+from jax import lax
 
-from ._util import cast, result_type
+from ._util import cast, float_result_type, is_array, jdtype, result_type, to_jax
 from .registry import register
 
 aten = torch.ops.aten
 
 
+# ---------------------------------------------------------------- helpers
+
+def _is_int(dt: torch.dtype) -> bool:
+    return not (dt.is_floating_point or dt.is_complex) and dt != torch.bool
+
+
+def _is_intlike(dt: torch.dtype) -> bool:
+    return not (dt.is_floating_point or dt.is_complex)
+
+
+def _tname(dt) -> str:
+    s = str(dt).replace("torch.", "")
+    return s[0].upper() + s[1:]
+
+
+def _binop(self, other, dt=None):
+    dt = dt or result_type(self, other)
+    return cast(self, dt), cast(other, dt), dt
+
+
+def _check_alpha(dt, alpha):
+    if alpha is None:
+        return
+    if isinstance(alpha, bool):
+        if dt != torch.bool and not _is_intlike(dt) and not (dt.is_floating_point or dt.is_complex):
+            raise RuntimeError("Boolean alpha only supported for Boolean results.")
+        if dt != torch.bool and alpha is True:
+            return
+    if _is_intlike(dt) and isinstance(alpha, float):
+        raise RuntimeError("For integral input tensors, argument alpha must not be a floating point number.")
+    if not dt.is_complex and isinstance(alpha, complex):
+        raise RuntimeError("For non-complex input tensors, argument alpha must not be a complex number.")
+
+
+def _upcast(jfn):
+    """Run ``jfn`` in float32 for half/bfloat16 inputs (PyTorch's opmath on CPU)."""
+
+    def f(*xs):
+        d = xs[0].dtype
+        if d in (jnp.float16, jnp.bfloat16):
+            return jfn(*(x.astype(jnp.float32) for x in xs)).astype(d)
+        return jfn(*xs)
+
+    return f
+
+
+def _unary_float(jfn):
+    up = _upcast(jfn)
+
+    def lowering(self):
+        dt = float_result_type(self)
+        return up(cast(self, dt))
+
+    lowering.__name__ = getattr(jfn, "__name__", "unary")
+    return lowering
+
+
+def _real_dtype(dt):
+    return {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dt, dt)
+
+
+# ---------------------------------------------------------------- add / sub / mul / div
+
 @register(aten.add.Tensor, aten.add.Scalar)
 def add(self, other, alpha=1):
     dt = result_type(self, other)
+    _check_alpha(dt, alpha)
+    a, b, _ = _binop(self, other, dt)
     if alpha != 1:
-        other = cast(other, dt) * cast(alpha, dt) if not isinstance(other, (int, float, bool)) else other * alpha
-    return cast(self, dt) + cast(other, dt)
+        b = b * cast(alpha, dt)
+    if dt == torch.bool:
+        return jnp.logical_or(a, b)
+    return a + b
 
 
 @register(aten.sub.Tensor, aten.sub.Scalar)
 def sub(self, other, alpha=1):
     dt = result_type(self, other)
+    if dt == torch.bool:
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    _check_alpha(dt, alpha)
+    a, b, _ = _binop(self, other, dt)
     if alpha != 1:
-        other = cast(other, dt) * cast(alpha, dt) if not isinstance(other, (int, float, bool)) else other * alpha
-    return cast(self, dt) - cast(other, dt)
+        b = b * cast(alpha, dt)
+    return a - b
+
+
+@register(aten.rsub.Tensor, aten.rsub.Scalar)
+def rsub(self, other, alpha=1):
+    return sub(other, self, alpha) if is_array(other) else _rsub_scalar(self, other, alpha)
+
+
+def _rsub_scalar(self, other, alpha):
+    dt = result_type(self, other)
+    if dt == torch.bool:
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    _check_alpha(dt, alpha)
+    a, b, _ = _binop(self, other, dt)
+    if alpha != 1:
+        a = a * cast(alpha, dt)
+    return b - a
 
 
 @register(aten.mul.Tensor, aten.mul.Scalar)
 def mul(self, other):
+    a, b, dt = _binop(self, other)
+    if dt == torch.bool:
+        return jnp.logical_and(a, b)
+    return a * b
+
+
+def _trunc_div(a, b, dt):
+    if _is_intlike(dt):
+        if dt == torch.bool:
+            raise RuntimeError('"div_trunc_cpu" not implemented for \'Bool\'')
+        return lax.div(a, b)
+    return jnp.trunc(a / b)
+
+
+def _floor_div(a, b, dt):
+    if _is_intlike(dt):
+        if dt == torch.bool:
+            raise RuntimeError('"div_floor_cpu" not implemented for \'Bool\'')
+        if not jnp.issubdtype(a.dtype, jnp.signedinteger):
+            return lax.div(a, b)
+        q = lax.div(a, b)
+        r = lax.rem(a, b)
+        adjust = (r != 0) & ((a < 0) != (b < 0))
+        return jnp.where(adjust, q - 1, q)
+    if dt.is_complex:
+        raise RuntimeError("div_floor_cpu does not support complex inputs")
+    # PyTorch's div_floor_floating (Python's float floor division)
+    compute = a.dtype
+    if dt in (torch.float16, torch.bfloat16):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    mod = lax.rem(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    fl = jnp.floor(div)
+    fl = jnp.where(div - fl > 0.5, fl + 1, fl)
+    res = jnp.where(div != 0, fl, jnp.copysign(jnp.zeros_like(div), a / b))
+    res = jnp.where(b == 0, a / b, res)
+    return res.astype(compute)
+
+
+@register(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor, aten.true_divide.Scalar)
+def div(self, other):
+    dt = float_result_type(self, other)
+    a, b, _ = _binop(self, other, dt)
+    return a / b
+
+
+@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def div_mode(self, other, *, rounding_mode=None):
+    if rounding_mode is None:
+        return div(self, other)
     dt = result_type(self, other)
-    return cast(self, dt) * cast(other, dt)
+    a, b, _ = _binop(self, other, dt)
+    if rounding_mode == "trunc":
+        return _trunc_div(a, b, dt)
+    if rounding_mode == "floor":
+        return _floor_div(a, b, dt)
+    raise RuntimeError("div expected rounding_mode to be one of None, 'trunc', or 'floor' but found "
+                       f"'{rounding_mode}'")
+
+
+@register(aten.floor_divide.default, aten.floor_divide.Scalar)
+def floor_divide(self, other):
+    a, b, dt = _binop(self, other)
+    return _floor_div(a, b, dt)
+
+
+def _remainder(a, b, dt):
+    if dt.is_complex:
+        raise RuntimeError("remainder does not support complex inputs")
+    if _is_intlike(dt):
+        if dt == torch.bool:
+            raise RuntimeError('"remainder_cpu" not implemented for \'Bool\'')
+        r = lax.rem(a, b)
+        if not jnp.issubdtype(a.dtype, jnp.signedinteger):
+            return r
+        return jnp.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    compute = a.dtype
+    if dt in (torch.float16, torch.bfloat16):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    m = lax.rem(a, b)
+    m = jnp.where((m != 0) & ((b < 0) != (m < 0)), m + b, m)
+    return m.astype(compute)
+
+
+@register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+def remainder(self, other):
+    a, b, dt = _binop(self, other)
+    return _remainder(a, b, dt)
+
+
+@register(aten.fmod.Tensor, aten.fmod.Scalar)
+def fmod(self, other):
+    a, b, dt = _binop(self, other)
+    if dt == torch.bool:
+        raise RuntimeError('"fmod_cpu" not implemented for \'Bool\'')
+    if dt in (torch.float16, torch.bfloat16):
+        return lax.rem(a.astype(jnp.float32), b.astype(jnp.float32)).astype(a.dtype)
+    return lax.rem(a, b)
+
+
+# ---------------------------------------------------------------- pow
+
+def _int_pow(a, b):
+    """PyTorch's integer pow: negative exponents give 0 except for bases 1 and -1."""
+    pos = jnp.power(a, jnp.maximum(b, 0).astype(a.dtype))
+    if not jnp.issubdtype(b.dtype, jnp.signedinteger):
+        return pos
+    one = jnp.ones_like(a)
+    odd = (-b) % 2 == 1
+    neg = jnp.where(a == 1, one, jnp.where(a == -1, jnp.where(odd, -one, one), jnp.zeros_like(a)))
+    return jnp.where(b < 0, neg, pos)
+
+
+_FLOAT_EXP_SPECIAL = {2.0, 3.0, -1.0, -2.0, 0.5, -0.5, 1.0, 0.0}
+
+
+@register(aten.pow.Tensor_Tensor)
+def pow_tensor_tensor(self, exponent):
+    a, b, dt = _binop(self, exponent)
+    if dt == torch.bool:
+        raise RuntimeError('"pow" not implemented for \'Bool\'')
+    if _is_int(dt):
+        return _int_pow(a, b)
+    return jnp.power(a, b)
+
+
+@register(aten.pow.Tensor_Scalar)
+def pow_tensor_scalar(self, exponent):
+    dt = result_type(self, exponent)
+    if dt == torch.bool:
+        raise RuntimeError('"pow" not implemented for \'Bool\'')
+    a = cast(self, dt)
+    if _is_int(dt):
+        if isinstance(exponent, (int, bool)) and exponent < 0:
+            raise RuntimeError("Integers to negative integer powers are not allowed.")
+        return lax.integer_pow(a, int(exponent)) if int(exponent) <= 64 else _int_pow(a, cast(exponent, dt))
+    if not isinstance(exponent, complex) and float(exponent) in _FLOAT_EXP_SPECIAL:
+        e = float(exponent)
+        if e == 0.0:
+            return jnp.ones_like(a)
+        if e == 1.0:
+            return a
+        if e == 2.0:
+            return a * a
+        if e == 3.0:
+            return a * a * a
+        if e == 0.5:
+            return jnp.sqrt(a)
+        if e == -0.5:
+            return lax.rsqrt(a)
+        if e == -1.0:
+            return 1 / a
+        if e == -2.0:
+            return 1 / (a * a)
+    return jnp.power(a, cast(exponent, dt))
+
+
+@register(aten.pow.Scalar)
+def pow_scalar(self, exponent):
+    dt = result_type(self, exponent)
+    if dt == torch.bool:
+        raise RuntimeError('"pow" not implemented for \'Bool\'')
+    a = cast(self, dt)
+    b = cast(exponent, dt)
+    if _is_int(dt):
+        return _int_pow(jnp.broadcast_to(a, b.shape), b)
+    return jnp.power(a, b)
+
+
+@register(aten.float_power.Tensor_Tensor, aten.float_power.Tensor_Scalar, aten.float_power.Scalar)
+def float_power(self, exponent):
+    cplx = any((is_array(x) and jdtype(x).is_complex) or isinstance(x, complex) for x in (self, exponent))
+    dt = torch.complex128 if cplx else torch.float64
+    return jnp.power(cast(self, dt), cast(exponent, dt))
+
+
+# ---------------------------------------------------------------- unary
+
+@register(aten.neg.default)
+def neg(self):
+    if self.dtype == jnp.bool_:
+        raise RuntimeError("Negation, the `-` operator, on a bool tensor is not supported. If you are "
+                           "trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+    return -self
+
+
+@register(aten.abs.default)
+def abs_(self):
+    if self.dtype == jnp.bool_:
+        raise NotImplementedError('"abs_cpu" not implemented for \'Bool\'')
+    return jnp.abs(self)
+
+
+@register(aten.sign.default)
+def sign(self):
+    if self.dtype == jnp.bool_:
+        return self
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        raise RuntimeError("Unlike NumPy, torch.sign is not intended to support complex numbers. "
+                           "Please use torch.sgn instead.")
+    if jnp.issubdtype(self.dtype, jnp.floating):
+        # PyTorch: (0 < x) - (x < 0), so sign(nan) == 0
+        return (self > 0).astype(self.dtype) - (self < 0).astype(self.dtype)
+    return jnp.sign(self)
+
+
+@register(aten.sgn.default)
+def sgn(self):
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        mag = jnp.abs(self)
+        return jnp.where(mag == 0, jnp.zeros_like(self), self / jnp.where(mag == 0, 1, mag).astype(self.dtype))
+    return sign(self)
+
+
+@register(aten.reciprocal.default)
+def reciprocal(self):
+    dt = float_result_type(self)
+    return 1 / cast(self, dt)
+
+
+@register(aten.rsqrt.default)
+def rsqrt(self):
+    return lax.rsqrt(cast(self, float_result_type(self)))
+
+
+for _op, _fn in [
+    (aten.sqrt.default, jnp.sqrt), (aten.exp.default, jnp.exp), (aten.exp2.default, jnp.exp2),
+    (aten.expm1.default, jnp.expm1), (aten.log.default, jnp.log), (aten.log2.default, jnp.log2),
+    (aten.log10.default, jnp.log10), (aten.log1p.default, jnp.log1p),
+    (aten.sin.default, jnp.sin), (aten.cos.default, jnp.cos), (aten.tan.default, jnp.tan),
+    (aten.asin.default, jnp.arcsin), (aten.acos.default, jnp.arccos), (aten.atan.default, jnp.arctan),
+    (aten.sinh.default, jnp.sinh), (aten.cosh.default, jnp.cosh), (aten.tanh.default, jnp.tanh),
+    (aten.asinh.default, jnp.arcsinh), (aten.acosh.default, jnp.arccosh),
+    (aten.atanh.default, jnp.arctanh), (aten.erf.default, lax.erf), (aten.erfc.default, lax.erfc),
+    (aten.erfinv.default, lax.erf_inv), (aten.lgamma.default, lax.lgamma),
+    (aten.i0.default, jsp.i0), (aten.special_i0e.default, jsp.i0e), (aten.special_i1.default, jsp.i1),
+    (aten.special_i1e.default, jsp.i1e), (aten.special_ndtri.default, jsp.ndtri),
+    (aten.special_log_ndtr.default, jsp.log_ndtr), (aten.special_erfcx.default, jsp.erfcx),
+    (aten.sigmoid.default, jax.nn.sigmoid), (aten.sinc.default, jnp.sinc),
+    (aten.deg2rad.default, jnp.deg2rad), (aten.rad2deg.default, jnp.rad2deg),
+]:
+    register(_op)(_unary_float(_fn))
+
+
+@register(aten.special_entr.default)
+def special_entr(self):
+    x = cast(self, float_result_type(self))
+    safe = jnp.where(x > 0, x, 1)
+    return jnp.where(jnp.isnan(x), x,
+                     jnp.where(x > 0, -x * jnp.log(safe), jnp.where(x == 0, jnp.zeros_like(x), -jnp.inf)))
+
+
+def _digamma(x):
+    r = lax.digamma(x)
+    # PyTorch: digamma(+-0) = -+inf; poles at negative integers give nan (jax agrees)
+    return jnp.where(x == 0, jnp.copysign(jnp.full_like(x, jnp.inf), -x), r)
+
+
+@register(aten.digamma.default)
+def digamma(self):
+    return _digamma(cast(self, float_result_type(self)))
+
+
+@register(aten.polygamma.default)
+def polygamma(n, self):
+    if n < 0:
+        raise RuntimeError("polygamma(n, x) does not support negative n.")
+    x = cast(self, float_result_type(self))
+    if n == 0:
+        return _digamma(x)
+    if x.dtype in (jnp.float16, jnp.bfloat16):
+        return jsp.polygamma(jnp.full(x.shape, n, jnp.int32), x.astype(jnp.float32)).astype(x.dtype)
+    return jsp.polygamma(jnp.full(x.shape, n, jnp.int32), x)
+
+
+@register(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)
+def special_zeta(self, other):
+    dt = float_result_type(self, other)
+    return jsp.zeta(cast(self, dt), cast(other, dt))
+
+
+@register(aten.logit.default)
+def logit(self, eps=None):
+    x = cast(self, float_result_type(self))
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+@register(aten.ceil.default)
+def ceil(self):
+    return self if _is_intlike(jdtype(self)) else jnp.ceil(self)
+
+
+@register(aten.floor.default)
+def floor(self):
+    return self if _is_intlike(jdtype(self)) else jnp.floor(self)
+
+
+@register(aten.trunc.default)
+def trunc(self):
+    return self if _is_intlike(jdtype(self)) else jnp.trunc(self)
+
+
+@register(aten.round.default)
+def round_(self):
+    return self if _is_intlike(jdtype(self)) else jnp.round(self)
+
+
+@register(aten.round.decimals)
+def round_decimals(self, *, decimals):
+    if _is_intlike(jdtype(self)):
+        return self
+    if decimals == 0:
+        return jnp.round(self)
+    x = self.astype(jnp.float32) if self.dtype in (jnp.float16, jnp.bfloat16) else self
+    if decimals > 0:
+        p = jnp.asarray(10.0 ** decimals, x.dtype)
+        r = jnp.round(x * p) / p
+    else:
+        p = jnp.asarray(10.0 ** (-decimals), x.dtype)
+        r = jnp.round(x / p) * p
+    return r.astype(self.dtype)
+
+
+@register(aten.frac.default)
+def frac(self):
+    if _is_intlike(jdtype(self)):
+        raise RuntimeError(f'"frac_cpu" not implemented for \'{_tname(jdtype(self))}\'')
+    return self - jnp.trunc(self)
+
+
+@register(aten.signbit.default)
+def signbit(self):
+    dt = jdtype(self)
+    if dt == torch.bool:
+        return jnp.zeros(self.shape, jnp.bool_)
+    if _is_intlike(dt):
+        return self < 0
+    return jnp.signbit(self)
+
+
+@register(aten.isnan.default)
+def isnan(self):
+    return jnp.isnan(self) if not _is_intlike(jdtype(self)) else jnp.zeros(self.shape, jnp.bool_)
+
+
+@register(aten.isinf.default)
+def isinf(self):
+    return jnp.isinf(self) if not _is_intlike(jdtype(self)) else jnp.zeros(self.shape, jnp.bool_)
+
+
+@register(aten.isfinite.default)
+def isfinite(self):
+    return jnp.isfinite(self) if not _is_intlike(jdtype(self)) else jnp.ones(self.shape, jnp.bool_)
+
+
+@register(aten.isposinf.default)
+def isposinf(self):
+    if jdtype(self).is_complex:
+        raise RuntimeError("isposinf does not support complex inputs.")
+    return jnp.isposinf(self) if not _is_intlike(jdtype(self)) else jnp.zeros(self.shape, jnp.bool_)
+
+
+@register(aten.isneginf.default)
+def isneginf(self):
+    if jdtype(self).is_complex:
+        raise RuntimeError("isneginf does not support complex inputs.")
+    return jnp.isneginf(self) if not _is_intlike(jdtype(self)) else jnp.zeros(self.shape, jnp.bool_)
+
+
+@register(aten.nan_to_num.default)
+def nan_to_num(self, nan=None, posinf=None, neginf=None):
+    dt = jdtype(self)
+    if _is_intlike(dt):
+        return self
+    if dt.is_complex:
+        re = nan_to_num(jnp.real(self), nan, posinf, neginf)
+        im = nan_to_num(jnp.imag(self), nan, posinf, neginf)
+        return lax.complex(re, im)
+    fi = jnp.finfo(self.dtype)
+    nan_v = jnp.asarray(0.0 if nan is None else nan, self.dtype)
+    pos_v = jnp.asarray(fi.max if posinf is None else posinf, self.dtype)
+    neg_v = jnp.asarray(fi.min if neginf is None else neginf, self.dtype)
+    x = jnp.where(jnp.isnan(self), nan_v, self)
+    x = jnp.where(jnp.isposinf(self), pos_v, x)
+    return jnp.where(jnp.isneginf(self), neg_v, x)
+
+
+@register(aten.conj_physical.default)
+def conj_physical(self):
+    return jnp.conj(self) if jnp.issubdtype(self.dtype, jnp.complexfloating) else self
+
+
+@register(aten.angle.default)
+def angle(self):
+    dt = jdtype(self)
+    if dt.is_complex:
+        return jnp.angle(self)
+    x = cast(self, float_result_type(self))
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.asarray(np.pi, x.dtype), jnp.zeros_like(x)))
+
+
+# ---------------------------------------------------------------- binary float math
+
+def _binary_float(jfn, name):
+    up = _upcast(jfn)
+
+    def lowering(self, other):
+        dt = float_result_type(self, other)
+        return up(cast(self, dt), cast(other, dt))
+
+    lowering.__name__ = name
+    return lowering
+
+
+register(aten.atan2.default)(_binary_float(jnp.arctan2, "atan2"))
+register(aten.hypot.default)(_binary_float(jnp.hypot, "hypot"))
+register(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign, "copysign"))
+
+
+@register(aten.nextafter.default)
+def nextafter(self, other):
+    a, b, dt = _binop(self, other)
+    return jnp.nextafter(a, b)
+
+
+@register(aten.xlogy.Tensor, aten.xlogy.Scalar_Other, aten.xlogy.Scalar_Self)
+def xlogy(self, other):
+    dt = float_result_type(self, other)
+    x, y = cast(self, dt), cast(other, dt)
+    x, y = jnp.broadcast_arrays(x, y)
+    r = x * jnp.log(y)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(r), r))
+
+
+@register(aten.special_xlog1py.default, aten.special_xlog1py.other_scalar,
+          aten.special_xlog1py.self_scalar)
+def xlog1py(self, other):
+    dt = float_result_type(self, other)
+    x, y = cast(self, dt), cast(other, dt)
+    x, y = jnp.broadcast_arrays(x, y)
+    r = x * jnp.log1p(y)
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, jnp.zeros_like(r), r))
+
+
+@register(aten.heaviside.default)
+def heaviside(self, values):
+    if jdtype(self) != jdtype(values):
+        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes")
+    x, v = jnp.broadcast_arrays(self, values)
+    return jnp.where(x == 0, v, (x > 0).astype(x.dtype))
+
+
+@register(aten.logaddexp.default)
+def logaddexp(self, other):
+    a, b, dt = _binop(self, other)
+    m = jnp.maximum(a, b)
+    r = m + jnp.log1p(jnp.exp(-jnp.abs(a - b)))
+    return jnp.where(jnp.isinf(a) & (a == b), a, r)
+
+
+@register(aten.logaddexp2.default)
+def logaddexp2(self, other):
+    a, b, dt = _binop(self, other)
+    m = jnp.maximum(a, b)
+    r = m + jnp.log1p(jnp.exp2(-jnp.abs(a - b))) / jnp.log(jnp.asarray(2.0, a.dtype))
+    return jnp.where(jnp.isinf(a) & (a == b), a, r)
+
+
+# ---------------------------------------------------------------- clamp / min / max / lerp
+
+def _clamp(x, lo, hi):
+    if lo is not None:
+        x = jnp.maximum(x, lo)
+    if hi is not None:
+        x = jnp.minimum(x, hi)
+    return x
+
+
+@register(aten.clamp.default, aten.clamp.Tensor)
+def clamp(self, min=None, max=None):
+    if min is None and max is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    dt = result_type(self, min, max)
+    if dt == torch.bool:
+        raise RuntimeError('"clamp_cpu" not implemented for \'Bool\'')
+    lo = None if min is None else cast(min, dt)
+    hi = None if max is None else cast(max, dt)
+    return _clamp(cast(self, dt), lo, hi)
+
+
+@register(aten.clamp_min.default, aten.clamp_min.Tensor)
+def clamp_min(self, min):
+    dt = result_type(self, min)
+    return jnp.maximum(cast(self, dt), cast(min, dt))
+
+
+@register(aten.clamp_max.default, aten.clamp_max.Tensor)
+def clamp_max(self, max):
+    dt = result_type(self, max)
+    return jnp.minimum(cast(self, dt), cast(max, dt))
+
+
+def _minmax(jfn, name):
+    def lowering(self, other):
+        a, b, dt = _binop(self, other)
+        if dt.is_complex:
+            raise RuntimeError(f"{name} not implemented for complex tensors.")
+        if dt == torch.bool:
+            return jnp.logical_or(a, b) if "max" in name else jnp.logical_and(a, b)
+        return jfn(a, b)
+
+    lowering.__name__ = name
+    return lowering
+
+
+register(aten.maximum.default)(_minmax(jnp.maximum, "maximum"))
+register(aten.minimum.default)(_minmax(jnp.minimum, "minimum"))
+register(aten.fmax.default)(_minmax(jnp.fmax, "fmax"))
+register(aten.fmin.default)(_minmax(jnp.fmin, "fmin"))
+
+
+def _lerp(a, b, w):
+    diff = b - a
+    return jnp.where(jnp.abs(w) < 0.5, a + w * diff, b - diff * (1 - w))
+
+
+@register(aten.lerp.Scalar)
+def lerp_scalar(self, end, weight):
+    dt = jdtype(self)
+    if jdtype(end) != dt:
+        raise RuntimeError(f"expected dtype {dt} for `end` but got dtype {jdtype(end)}")
+    return _lerp(self, end, cast(weight, dt))
+
+
+@register(aten.lerp.Tensor)
+def lerp_tensor(self, end, weight):
+    dt = jdtype(self)
+    if jdtype(end) != dt:
+        raise RuntimeError(f"expected dtype {dt} for `end` but got dtype {jdtype(end)}")
+    if jdtype(weight) != dt:
+        raise RuntimeError(f"expected dtype {dt} for `weight` but got dtype {jdtype(weight)}")
+    return _lerp(self, end, weight)
+
+
+@register(aten.addcmul.default)
+def addcmul(self, tensor1, tensor2, *, value=1):
+    dt = result_type(self, tensor1, tensor2)
+    s, t1, t2 = cast(self, dt), cast(tensor1, dt), cast(tensor2, dt)
+    if dt == torch.bool:
+        return s | (t1 & t2) if value else s
+    return s + cast(value, dt) * t1 * t2
+
+
+@register(aten.addcdiv.default)
+def addcdiv(self, tensor1, tensor2, *, value=1):
+    dt = result_type(self, tensor1, tensor2)
+    if _is_intlike(jdtype(tensor1)) and _is_intlike(jdtype(tensor2)):
+        raise RuntimeError("Integer division with addcdiv is no longer supported, and in a future "
+                           "release addcdiv will perform a true division of tensor1 and tensor2. "
+                           "The historic addcdiv behavior can be implemented as "
+                           "(input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for "
+                           "integer inputs and as (input + value * tensor1 / tensor2) for float "
+                           "inputs. The future addcdiv behavior is just the latter implementation: "
+                           "(input + value * tensor1 / tensor2), for all dtypes.")
+    s, t1, t2 = cast(self, dt), cast(tensor1, dt), cast(tensor2, dt)
+    return s + cast(value, dt) * (t1 / t2)
+
+
+# ---------------------------------------------------------------- bitwise / logical / comparison
+
+def _bitwise(jfn, name):
+    def lowering(self, other):
+        a, b, dt = _binop(self, other)
+        if not _is_intlike(dt):
+            raise RuntimeError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
+        return jfn(a, b)
+
+    lowering.__name__ = name
+    return lowering
+
+
+for _pk, _fn, _nm in [(aten.bitwise_and, jnp.bitwise_and, "bitwise_and"),
+                      (aten.bitwise_or, jnp.bitwise_or, "bitwise_or"),
+                      (aten.bitwise_xor, jnp.bitwise_xor, "bitwise_xor")]:
+    register(_pk.Tensor, _pk.Scalar, _pk.Scalar_Tensor)(_bitwise(_fn, _nm))
+register(aten.__and__.Tensor, aten.__and__.Scalar)(_bitwise(jnp.bitwise_and, "bitwise_and"))
+register(aten.__or__.Tensor, aten.__or__.Scalar)(_bitwise(jnp.bitwise_or, "bitwise_or"))
+register(aten.__xor__.Tensor, aten.__xor__.Scalar)(_bitwise(jnp.bitwise_xor, "bitwise_xor"))
+
+
+@register(aten.bitwise_not.default)
+def bitwise_not(self):
+    dt = jdtype(self)
+    if not _is_intlike(dt):
+        raise RuntimeError(f'"bitwise_not_cpu" not implemented for \'{_tname(dt)}\'')
+    return jnp.logical_not(self) if dt == torch.bool else jnp.bitwise_not(self)
+
+
+def _lshift(a, b):
+    bits = jnp.iinfo(a.dtype).bits
+    ok = (b >= 0) & (b < bits)
+    return jnp.where(ok, lax.shift_left(a, jnp.where(ok, b, 0)), jnp.zeros_like(a))
+
+
+def _rshift(a, b):
+    bits = jnp.iinfo(a.dtype).bits
+    signed = jnp.issubdtype(a.dtype, jnp.signedinteger)
+    ok = (b >= 0) & (b < bits)
+    sh = lax.shift_right_arithmetic if signed else lax.shift_right_logical
+    inrange = sh(a, jnp.where(ok, b, 0))
+    if signed:
+        return jnp.where(ok, inrange, sh(a, jnp.full_like(a, bits - 1)))
+    return jnp.where(ok, inrange, jnp.zeros_like(a))
+
+
+def _shift(jfn, name):
+    def lowering(self, other):
+        a, b, dt = _binop(self, other)
+        if not _is_int(dt):
+            raise RuntimeError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
+        a, b = jnp.broadcast_arrays(a, b)
+        return jfn(a, b)
+
+    lowering.__name__ = name
+    return lowering
+
+
+register(aten.bitwise_left_shift.Tensor, aten.bitwise_left_shift.Tensor_Scalar,
+         aten.bitwise_left_shift.Scalar_Tensor, aten.__lshift__.Tensor,
+         aten.__lshift__.Scalar)(_shift(_lshift, "lshift"))
+register(aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
+         aten.bitwise_right_shift.Scalar_Tensor, aten.__rshift__.Tensor,
+         aten.__rshift__.Scalar)(_shift(_rshift, "rshift"))
+
+
+def _nz(x):
+    return x if x.dtype == jnp.bool_ else x != 0
+
+
+@register(aten.logical_and.default)
+def logical_and(self, other):
+    return jnp.logical_and(_nz(self), _nz(other))
+
+
+@register(aten.logical_or.default)
+def logical_or(self, other):
+    return jnp.logical_or(_nz(self), _nz(other))
+
+
+@register(aten.logical_xor.default)
+def logical_xor(self, other):
+    return jnp.logical_xor(_nz(self), _nz(other))
+
+
+@register(aten.logical_not.default)
+def logical_not(self):
+    return jnp.logical_not(_nz(self))
+
+
+def _compare(jfn, name):
+    def lowering(self, other):
+        a, b, dt = _binop(self, other)
+        return jfn(a, b)
+
+    lowering.__name__ = name
+    return lowering
+
+
+for _pk, _fn in [(aten.eq, jnp.equal), (aten.ne, jnp.not_equal), (aten.lt, jnp.less),
+                 (aten.le, jnp.less_equal), (aten.gt, jnp.greater), (aten.ge, jnp.greater_equal)]:
+    register(_pk.Tensor, _pk.Scalar)(_compare(_fn, _pk.__name__))
