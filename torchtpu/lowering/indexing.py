@@ -1,9 +1,464 @@
-"""indexing lowerings."""
+"""Indexing lowerings: gathers, scatters, advanced indexing, masks, embeddings, and the ops
+whose output shape depends on data (nonzero, masked_select, unique: registry flag
+``dynamic_shape``; they run un-jitted on concrete arrays and count as host syncs).
+
+Out-of-range indices cannot be checked without a host sync; like XLA gathers they are clamped
+(reads) or dropped (writes) instead of raising.
+"""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
 
+from ._util import canonical_dim, cast, jdtype, result_type, to_jax
 from .registry import register
 
 aten = torch.ops.aten
+
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _dim(dim, ndim):
+    return canonical_dim(dim, ndim)
+
+
+def _is_concrete(x):
+    return not isinstance(x, jax.core.Tracer)
+
+
+# ---- index_select / gather / take ----
+
+@register(aten.index_select.default)
+def index_select(self, dim, index):
+    if index.ndim > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    if self.ndim == 0:
+        return jnp.take(self.reshape(1), index.reshape(-1), axis=0).reshape(())
+    d = _dim(dim, self.ndim)
+    return jnp.take(self, index.reshape(-1), axis=d)
+
+
+def _gather_along(self, dim, index):
+    """torch.gather: ``index`` may be smaller than ``self`` in every dim but ``dim``."""
+    if self.ndim == 0 or index.ndim == 0:
+        s = self.reshape(1) if self.ndim == 0 else self
+        out = jnp.take_along_axis(s.reshape(-1), index.reshape(-1), axis=0)
+        return out.reshape(index.shape)
+    d = _dim(dim, self.ndim)
+    if index.size == 0:
+        return jnp.zeros(index.shape, self.dtype)
+    part = self[tuple(slice(None) if i == d else slice(0, n) for i, n in enumerate(index.shape))]
+    return jnp.take_along_axis(part, index, axis=d)
+
+
+@register(aten.gather.default)
+def gather(self, dim, index, *, sparse_grad=False):
+    return _gather_along(self, dim, index)
+
+
+@register(aten.take.default)
+def take(self, index):
+    return self.reshape(-1)[index]
+
+
+@register(aten.put.default)
+def put(self, index, source, accumulate=False):
+    flat = self.reshape(-1)
+    upd = flat.at[index.reshape(-1)]
+    src = source.reshape(-1).astype(self.dtype)
+    flat = upd.add(src) if accumulate else upd.set(src)
+    return flat.reshape(self.shape)
+
+
+# ---- scatter family ----
+
+def _scatter_index(index, dim):
+    """The full index tuple addressing ``self`` for each element of ``index`` along ``dim``."""
+    return tuple(index if d == dim else lax.broadcasted_iota(index.dtype, index.shape, d)
+                 for d in range(index.ndim))
+
+
+def _src_part(src, index):
+    if not hasattr(src, "shape"):
+        return src
+    if src.ndim == 0:
+        return src
+    return src[tuple(slice(0, n) for n in index.shape)]
+
+
+def _identity(reduce, dtype):
+    jd = jnp.dtype(dtype)
+    if reduce in ("sum", "mean", "add"):
+        return jnp.zeros((), jd)
+    if reduce in ("prod", "multiply"):
+        return jnp.ones((), jd)
+    big = reduce == "amin"
+    if jd == jnp.bool_:
+        return jnp.asarray(big, jd)
+    if jnp.issubdtype(jd, jnp.floating):
+        return jnp.asarray(jnp.inf if big else -jnp.inf, jd)
+    info = jnp.iinfo(jd)
+    return jnp.asarray(info.max if big else info.min, jd)
+
+
+def _reduce_at(self, tup, src, reduce, include_self=True):
+    """``self`` with ``src`` reduced into the positions ``self[tup]`` (duplicates combine)."""
+    src = jnp.asarray(src).astype(self.dtype) if not hasattr(src, "astype") else src.astype(self.dtype)
+    base = self
+    if not include_self:
+        base = self.at[tup].set(_identity(reduce, self.dtype))
+    at = base.at[tup]
+    if reduce in ("sum", "add"):
+        return at.add(src)
+    if reduce in ("prod", "multiply"):
+        return at.multiply(src)
+    if reduce == "amax":
+        return at.max(src)
+    if reduce == "amin":
+        return at.min(src)
+    if reduce == "mean":
+        total = at.add(src)
+        ones = jnp.ones(jnp.broadcast_shapes(jnp.shape(src), self[tup].shape), jnp.int64)
+        count = jnp.full(self.shape, 1 if include_self else 0, jnp.int64).at[tup].add(ones)
+        count = jnp.maximum(count, 1)
+        if jnp.issubdtype(self.dtype, jnp.floating) or jnp.issubdtype(self.dtype, jnp.complexfloating):
+            return (total / count.astype(self.dtype)).astype(self.dtype)
+        return jnp.floor_divide(total, count.astype(self.dtype)).astype(self.dtype)
+    raise RuntimeError(f"reduce argument must be either sum, prod, mean, amax or amin, got {reduce}")
+
+
+def _scatter(self, dim, index, src, reduce=None, include_self=True):
+    if self.ndim == 0:
+        out = _scatter(self.reshape(1), 0, index.reshape(1) if index.ndim == 0 else index,
+                       src.reshape(1) if hasattr(src, "ndim") and src.ndim == 0 else src,
+                       reduce, include_self)
+        return out.reshape(())
+    d = _dim(dim, self.ndim)
+    if index.ndim == 0:
+        index = index.reshape((1,) * self.ndim)
+    if index.size == 0:
+        return self
+    tup = _scatter_index(index, d)
+    part = _src_part(src, index)
+    if reduce is None:
+        return self.at[tup].set(jnp.asarray(part).astype(self.dtype))
+    return _reduce_at(self, tup, part, reduce, include_self)
+
+
+@register(aten.scatter.src, aten.scatter.value)
+def scatter(self, dim, index, src):
+    return _scatter(self, dim, index, src)
+
+
+@register(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(self, dim, index, src, *, reduce):
+    if reduce not in ("add", "multiply"):
+        raise RuntimeError(f"reduce argument must be either add or multiply, got {reduce}")
+    return _scatter(self, dim, index, src, reduce)
+
+
+@register(aten.scatter_add.default)
+def scatter_add(self, dim, index, src):
+    return _scatter(self, dim, index, src, "sum")
+
+
+@register(aten.scatter_reduce.two)
+def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
+    return _scatter(self, dim, index, src, reduce, include_self)
+
+
+# ---- index_add / index_copy / index_fill / index_reduce ----
+
+def _index_dim(self, dim, index, source, fn):
+    """Apply ``fn(array, tup, src)`` where ``tup`` selects ``index`` along ``dim``."""
+    idx = index.reshape(-1)
+    if self.ndim == 0:
+        src = source.reshape(-1) if hasattr(source, "ndim") else source
+        return fn(self.reshape(1), (idx,), src).reshape(())
+    d = _dim(dim, self.ndim)
+    src = source
+    if hasattr(source, "ndim") and source.ndim > 0:
+        src = source.reshape(self.shape[:d] + (idx.shape[0],) + self.shape[d + 1:])
+    elif hasattr(source, "ndim") and source.ndim == 0 and fn is not _fill_fn:
+        src = source.reshape((1,) * self.ndim)
+    return fn(self, (slice(None),) * d + (idx,), src)
+
+
+def _fill_fn(a, tup, v):
+    return a.at[tup].set(jnp.asarray(v).astype(a.dtype))
+
+
+@register(aten.index_add.default)
+def index_add(self, dim, index, source, *, alpha=1):
+    def fn(a, tup, src):
+        src = src.astype(a.dtype)
+        if alpha != 1:
+            src = src * jnp.asarray(alpha).astype(a.dtype)
+        return a.at[tup].add(src)
+    return _index_dim(self, dim, index, source, fn)
+
+
+@register(aten.index_copy.default)
+def index_copy(self, dim, index, source):
+    return _index_dim(self, dim, index, source, lambda a, tup, src: a.at[tup].set(src.astype(a.dtype)))
+
+
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(self, dim, index, value):
+    return _index_dim(self, dim, index, value, _fill_fn)
+
+
+@register(aten.index_reduce.default)
+def index_reduce(self, dim, index, source, reduce, *, include_self=True):
+    return _index_dim(self, dim, index, source,
+                      lambda a, tup, src: _reduce_at(a, tup, src, reduce, include_self))
+
+
+# ---- advanced indexing: index.Tensor, index_put ----
+
+def _has_mask(indices):
+    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices)
+
+
+def _index_dynamic(args, kwargs):
+    """index.Tensor with a boolean mask: the result's length is the mask's count."""
+    return _has_mask(args[1])
+
+
+def _index_put_dynamic(args, kwargs):
+    """index_put with a mask and values that are not a single element: values are matched to
+    the mask's count (a scalar value is written jitted, through a static-size nonzero)."""
+    values = args[2] if len(args) > 2 else kwargs["values"]
+    return _has_mask(args[1]) and values.numel() != 1
+
+
+def _index_tuple(x, indices, for_write=False):
+    """numpy-style index tuple for aten's ``indices`` (None = whole dim, masks expanded)."""
+    tup = []
+    drop = False
+    d = 0
+    for ix in indices:
+        if ix is None:
+            tup.append(slice(None))
+            d += 1
+            continue
+        if ix.dtype in (jnp.bool_, jnp.uint8):
+            m = ix.astype(jnp.bool_)
+            for k in range(m.ndim):
+                if m.shape[k] != x.shape[d + k]:
+                    raise IndexError(f"The shape of the mask {list(m.shape)} at index {k} does "
+                                     f"not match the shape of the indexed tensor "
+                                     f"{list(x.shape)} at index {d + k}")
+            if _is_concrete(m):
+                nz = np.nonzero(np.asarray(m))
+            else:  # jitted write of one value: padded nonzero, padding dropped
+                fill = tuple(x.shape[d + k] for k in range(m.ndim))
+                nz = jnp.nonzero(m, size=m.size, fill_value=fill)
+                drop = True
+            if m.ndim == 0:
+                # x[True] / x[False]: a new leading dim of size 1 / 0
+                return None, m
+            tup.extend(jnp.asarray(z, jnp.int64) for z in nz)
+            d += m.ndim
+        else:
+            tup.append(ix)
+            d += 1
+    if d > x.ndim:
+        raise IndexError(f"too many indices for tensor of dimension {x.ndim} "
+                         f"(got {d})")
+    return tuple(tup), drop
+
+
+def _index(self, indices):
+    tup, extra = _index_tuple(self, indices)
+    if tup is None:  # 0-d mask
+        return self[None][: int(np.asarray(extra))]
+    return self[tup]
+
+
+@register(aten.index.Tensor, dynamic_shape=_index_dynamic)
+def index(self, indices):
+    return _index(self, indices)
+
+
+@register(aten._unsafe_index.Tensor, dynamic_shape=_index_dynamic)
+def unsafe_index(self, indices):
+    return _index(self, indices)
+
+
+def _index_put(self, indices, values, accumulate):
+    tup, drop = _index_tuple(self, indices, True)
+    values = values.astype(self.dtype)
+    if tup is None:  # 0-d mask
+        m = drop
+        upd = (self + values) if accumulate else jnp.broadcast_to(values, self.shape)
+        return jnp.where(m, upd, self)
+    mode = "drop" if drop else None
+    at = self.at[tup]
+    if accumulate:
+        return at.add(values, mode=mode)
+    return at.set(values, mode=mode)
+
+
+@register(aten.index_put.default, dynamic_shape=_index_put_dynamic)
+def index_put(self, indices, values, accumulate=False):
+    return _index_put(self, indices, values, accumulate)
+
+
+@register(aten._index_put_impl.default, dynamic_shape=_index_put_dynamic)
+def index_put_impl(self, indices, values, accumulate=False, unsafe=False):
+    return _index_put(self, indices, values, accumulate)
+
+
+@register(aten._unsafe_index_put.default, dynamic_shape=_index_put_dynamic)
+def unsafe_index_put(self, indices, values, accumulate=False):
+    return _index_put(self, indices, values, accumulate)
+
+
+# ---- masks and where ----
+
+@register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(self, mask, value):
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(f"masked_fill_ only supports boolean masks, but got mask with dtype "
+                           f"{str(jdtype(mask)).replace('torch.', '')}")
+    v = jnp.asarray(value).astype(self.dtype)
+    return jnp.where(mask, v, self)
+
+
+@register(aten.masked_scatter.default)
+def masked_scatter(self, mask, source):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    x = jnp.broadcast_to(self, shape).reshape(-1)
+    m = jnp.broadcast_to(mask.astype(jnp.bool_), shape).reshape(-1)
+    src = source.reshape(-1).astype(self.dtype)
+    if src.shape[0] == 0:
+        return jnp.broadcast_to(self, shape)
+    pos = jnp.clip(jnp.cumsum(m.astype(jnp.int64)) - 1, 0, src.shape[0] - 1)
+    return jnp.where(m, src[pos], x).reshape(shape)
+
+
+@register(aten.where.self)
+def where(condition, self, other):
+    dt = result_type(self, other)
+    return jnp.where(condition.astype(jnp.bool_), cast(self, dt), cast(other, dt))
+
+
+# ---- embeddings ----
+
+@register(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    g = grad_output.reshape(idx.shape[0], -1) if idx.shape[0] else \
+        grad_output.reshape(0, grad_output.shape[-1])
+    if padding_idx >= 0:
+        g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), g.dtype), g)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), jnp.int64).at[idx].add(1)
+        g = g / counts[idx][:, None].astype(g.dtype)
+    out = jnp.zeros((num_weights, g.shape[1]), g.dtype)
+    return out.at[idx].add(g)
+
+
+# ---- data-dependent shapes (run un-jitted on concrete arrays) ----
+
+@register(aten.nonzero.default, dynamic_shape=True)
+def nonzero(self):
+    a = np.asarray(self)
+    if a.ndim == 0:
+        return jnp.zeros((int(a != 0), 0), jnp.int64)
+    return jnp.asarray(np.stack(np.nonzero(a), axis=1).astype(np.int64))
+
+
+@register(aten.masked_select.default, dynamic_shape=True)
+def masked_select(self, mask):
+    if mask.dtype != jnp.bool_:
+        raise RuntimeError(f"masked_select: expected BoolTensor for mask")
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    x = jnp.broadcast_to(self, shape)
+    m = np.asarray(jnp.broadcast_to(mask, shape))
+    return x[m] if m.ndim else x.reshape(1)[m.reshape(1)]
+
+
+_EMPTY_I64 = np.zeros((0,), np.int64)
+
+
+def _unique_flat(x, return_inverse, return_counts):
+    a = np.asarray(x)
+    u, inv, cnt = np.unique(a.reshape(-1), return_inverse=True, return_counts=True)
+    inv = inv.reshape(a.shape).astype(np.int64) if return_inverse else _EMPTY_I64
+    cnt = cnt.astype(np.int64) if return_counts else _EMPTY_I64
+    return jnp.asarray(u.astype(a.dtype)), jnp.asarray(inv), jnp.asarray(cnt)
+
+
+@register(aten._unique2.default, dynamic_shape=True)
+def unique2(self, sorted=True, return_inverse=False, return_counts=False):
+    return _unique_flat(self, return_inverse, return_counts)
+
+
+@register(aten._unique.default, dynamic_shape=True)
+def unique_legacy(self, sorted=True, return_inverse=False):
+    u, inv, _ = _unique_flat(self, return_inverse, False)
+    return u, inv
+
+
+def _consecutive(a, axis):
+    """Start flags of runs of equal consecutive slices of ``a`` along ``axis`` (numpy)."""
+    n = a.shape[axis]
+    if n == 0:
+        return np.zeros((0,), bool)
+    moved = np.moveaxis(a, axis, 0).reshape(n, -1)
+    diff = np.any(moved[1:] != moved[:-1], axis=1) if moved.shape[1] else np.zeros(n - 1, bool)
+    return np.concatenate([[True], diff])
+
+
+@register(aten.unique_consecutive.default, dynamic_shape=True)
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    a = np.asarray(self)
+    if dim is None:
+        flat = a.reshape(-1)
+        start = _consecutive(flat, 0)
+        out = flat[start]
+        inv = (np.cumsum(start) - 1).reshape(a.shape)
+    else:
+        d = _dim(dim, a.ndim)
+        start = _consecutive(a, d)
+        out = np.compress(start, a, axis=d)
+        inv = np.cumsum(start) - 1
+    cnt = np.diff(np.append(np.nonzero(start)[0], start.shape[0]))
+    return (jnp.asarray(out),
+            jnp.asarray(inv.astype(np.int64) if return_inverse else _EMPTY_I64),
+            jnp.asarray(cnt.astype(np.int64) if return_counts else _EMPTY_I64))
+
+
+@register(aten.unique_dim_consecutive.default, dynamic_shape=True)
+def unique_dim_consecutive(self, dim, return_inverse=False, return_counts=False):
+    return unique_consecutive(self, return_inverse, return_counts, dim)
+
+
+@register(aten.unique_dim.default, dynamic_shape=True)
+def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
+    a = np.asarray(self)
+    d = _dim(dim, a.ndim)
+    n = a.shape[d]
+    if n == 0:
+        return (jnp.asarray(a), jnp.asarray(_EMPTY_I64), jnp.asarray(_EMPTY_I64))
+    moved = np.moveaxis(a, d, 0).reshape(n, -1)
+    # lexicographic order of the slices (first element most significant), stable
+    order = np.lexsort(moved.T[::-1]) if moved.shape[1] else np.arange(n)
+    srt = moved[order]
+    start = _consecutive(srt, 0)
+    groups = np.cumsum(start) - 1
+    inv = np.empty(n, np.int64)
+    inv[order] = groups
+    cnt = np.diff(np.append(np.nonzero(start)[0], n))
+    out = np.moveaxis(srt[start].reshape((-1,) + np.moveaxis(a, d, 0).shape[1:]), 0, d)
+    return jnp.asarray(out), jnp.asarray(inv), jnp.asarray(cnt.astype(np.int64))
