@@ -6,6 +6,7 @@ from . import registry  # noqa: F401
 from . import (  # noqa: F401
     activations,
     attention,
+    copy,
     elementwise,
     factories,
     fft,

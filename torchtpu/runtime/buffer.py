@@ -93,6 +93,17 @@ def wrap(array, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t
 
 
+def wrap_pending(aval, buf: Buffer) -> torch.Tensor:
+    """A new tpu tensor of ``aval``'s shape and dtype whose storage holds ``buf`` (a buffer
+    whose value is not computed yet: the fused executor's)."""
+    shape, dt, strides, nbytes = _meta(tuple(aval.shape), aval.dtype)
+    t = _create_empty(shape, dt)
+    st = _make_storage(_alloc_address(nbytes), _torch_device(0), nbytes)
+    _set_storage(_CPU_KEYS, t, st, 0, shape, strides)
+    st._tpu_buffer = buf
+    return t
+
+
 def buffer_of(t: torch.Tensor) -> Buffer:
     """The Buffer behind a tpu tensor; RuntimeError if it has none."""
     try:
