@@ -1,9 +1,1040 @@
-"""reductions lowerings."""
+"""Reductions, scans, sorting and softmax lowerings (PyTorch semantics).
+
+Conventions shared by this module:
+- ``dim`` lists are canonicalised with ``_dims``; ``None`` (and, for most ops, ``[]``) means
+  every dimension, like PyTorch. A 0-d tensor accepts dim 0 / -1.
+- Half-precision floats (float16, bfloat16) accumulate in float32 and are cast back, which is
+  what PyTorch's CPU kernels do.
+- Index outputs are int64. Ties and NaNs follow PyTorch's CPU kernels (first occurrence for
+  max/min/argmax, NaN treated as larger than every number by sort/topk/kthvalue/median).
+"""
 from __future__ import annotations
 
-import jax.numpy as jnp
-import torch
+import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from ._util import canonical_dim, cast, jdtype, to_jax
 from .registry import register
 
 aten = torch.ops.aten
+
+_LOW = (jnp.float16, jnp.bfloat16)
+_I64 = jnp.int64
+
+
+# ---------------------------------------------------------------- helpers
+
+def _dims(dim, ndim, empty_means_all=True):
+    """Canonical tuple of reduced dims (sorted, unique)."""
+    if dim is None:
+        return tuple(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    dim = list(dim)
+    if not dim and empty_means_all:
+        return tuple(range(ndim))
+    out = []
+    for d in dim:
+        c = canonical_dim(d, ndim)
+        if c in out:
+            raise RuntimeError(f"dim {c} appears multiple times in the list of dims")
+        out.append(c)
+    if ndim == 0:
+        return ()
+    return tuple(sorted(out))
+
+
+def _acc(x):
+    """Upcast half-precision floats for accumulation."""
+    if x.dtype in _LOW:
+        return x.astype(jnp.float32)
+    return x
+
+
+def _is_float(x):
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _is_complex(x):
+    return jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+def _is_intlike(x):
+    return not (_is_float(x) or _is_complex(x))
+
+
+def _real_dtype(jd):
+    jd = np.dtype(jd)
+    if jd == np.complex64:
+        return jnp.float32
+    if jd == np.complex128:
+        return jnp.float64
+    return jd
+
+
+def _tname(jd) -> str:
+    """PyTorch's name for a dtype in error messages (Float, Long, ...)."""
+    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+            torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int",
+            torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+            torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}.get(
+        jdtype_of(jd), str(jd))
+
+
+def jdtype_of(jd):
+    from ._util import to_torch
+
+    return to_torch(np.dtype(jd))
+
+
+def _keep(r, x_ndim, dims, keepdim):
+    """Re-insert reduced dims (size 1) into ``r`` when keepdim."""
+    if keepdim and x_ndim > 0:
+        return jnp.expand_dims(r, dims)
+    return r
+
+
+def _numel_check(x, name, dims):
+    if x.size == 0:
+        if not dims and x.ndim != 0:
+            raise IndexError(
+                f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+                "Specify the reduction dim with the 'dim' argument.")
+        for d in dims:
+            if x.shape[d] == 0:
+                raise IndexError(
+                    f"{name}(): Expected reduction dim {d} to have non-zero size.")
+
+
+def _to_axis_last(x, dim):
+    return jnp.moveaxis(x, dim, -1)
+
+
+def _from_axis_last(x, dim):
+    return jnp.moveaxis(x, -1, dim)
+
+
+# ---------------------------------------------------------------- sum / mean / prod
+
+def _sum_dtype(x, dtype):
+    if dtype is not None:
+        return to_jax(dtype)
+    if _is_intlike(x):
+        return _I64
+    return x.dtype
+
+
+@register(aten.sum.default)
+def sum_default(self, *, dtype=None):
+    return sum_dim(self, None, False, dtype=dtype)
+
+
+@register(aten.sum.dim_IntList)
+def sum_dim(self, dim, keepdim=False, *, dtype=None):
+    od = _sum_dtype(self, dtype)
+    x = self.astype(od)
+    dims = _dims(dim, self.ndim)
+    r = jnp.sum(_acc(x), axis=dims, keepdims=keepdim)
+    return r.astype(od)
+
+
+@register(aten.nansum.default)
+def nansum(self, dim=None, keepdim=False, *, dtype=None):
+    if _is_complex(self):
+        raise RuntimeError("nansum does not support complex inputs")
+    od = _sum_dtype(self, dtype)
+    x = self.astype(od)
+    if _is_float(x):
+        x = jnp.where(jnp.isnan(x), jnp.zeros((), x.dtype), x)
+    dims = _dims(dim, self.ndim)
+    return jnp.sum(_acc(x), axis=dims, keepdims=keepdim).astype(od)
+
+
+def _mean_dtype(self, dtype, name="mean"):
+    od = to_jax(dtype) if dtype is not None else self.dtype
+    if not (jnp.issubdtype(od, jnp.floating) or jnp.issubdtype(od, jnp.complexfloating)):
+        raise RuntimeError(
+            f"{name}(): could not infer output dtype. "
+            f"{'Input' if dtype is None else 'Optional'} dtype must be either a floating point "
+            f"or complex dtype. Got: {_tname(od)}")
+    return od
+
+
+@register(aten.mean.default)
+def mean_default(self, *, dtype=None):
+    return mean_dim(self, None, False, dtype=dtype)
+
+
+@register(aten.mean.dim)
+def mean_dim(self, dim, keepdim=False, *, dtype=None):
+    od = _mean_dtype(self, dtype)
+    x = _acc(self.astype(od))
+    dims = _dims(dim, self.ndim)
+    n = 1
+    for d in dims:
+        n *= self.shape[d]
+    s = jnp.sum(x, axis=dims, keepdims=keepdim)
+    return (s / jnp.asarray(n, s.dtype) if n else s * jnp.asarray(np.nan, s.dtype)).astype(od)
+
+
+@register(aten.nanmean.default)
+def nanmean(self, dim=None, keepdim=False, *, dtype=None):
+    od = _mean_dtype(self, dtype, "nanmean")
+    x = _acc(self.astype(od))
+    dims = _dims(dim, self.ndim)
+    nan = jnp.isnan(x)
+    s = jnp.sum(jnp.where(nan, jnp.zeros((), x.dtype), x), axis=dims, keepdims=keepdim)
+    n = jnp.sum(~nan, axis=dims, keepdims=keepdim).astype(s.dtype)
+    return (s / n).astype(od)
+
+
+@register(aten.prod.default)
+def prod_default(self, *, dtype=None):
+    od = _sum_dtype(self, dtype)
+    return jnp.prod(_acc(self.astype(od))).astype(od)
+
+
+@register(aten.prod.dim_int)
+def prod_dim(self, dim, keepdim=False, *, dtype=None):
+    od = _sum_dtype(self, dtype)
+    dims = _dims([dim], self.ndim)
+    return jnp.prod(_acc(self.astype(od)), axis=dims, keepdims=keepdim).astype(od)
+
+
+# ---------------------------------------------------------------- var / std
+
+def _var_core(self, dim, correction, keepdim, name):
+    if _is_intlike(self):
+        raise RuntimeError("std and var only support floating point and complex dtypes")
+    if correction is None:
+        correction = 1
+    dims = _dims(dim, self.ndim)
+    x = _acc(self)
+    n = 1
+    for d in dims:
+        n *= self.shape[d]
+    if n:
+        mean = jnp.sum(x, axis=dims, keepdims=True) / jnp.asarray(n, x.dtype)
+    else:
+        mean = jnp.sum(x, axis=dims, keepdims=True) * jnp.asarray(np.nan, x.dtype)
+    d = x - mean
+    sq = jnp.real(d * jnp.conj(d)) if _is_complex(d) else d * d
+    s = jnp.sum(sq, axis=dims, keepdims=keepdim)
+    denom = max(0, n - correction)
+    var = s / jnp.asarray(denom, s.dtype)
+    mean_out = mean if keepdim else jnp.squeeze(mean, dims) if dims else mean
+    if self.ndim == 0:
+        mean_out = mean.reshape(())
+    return var, mean_out
+
+
+@register(aten.var.correction)
+def var_correction(self, dim=None, *, correction=None, keepdim=False):
+    v, _ = _var_core(self, dim, correction, keepdim, "var")
+    return v.astype(_real_dtype(self.dtype))
+
+
+@register(aten.std.correction)
+def std_correction(self, dim=None, *, correction=None, keepdim=False):
+    v, _ = _var_core(self, dim, correction, keepdim, "std")
+    return jnp.sqrt(v).astype(_real_dtype(self.dtype))
+
+
+@register(aten.var_mean.correction)
+def var_mean_correction(self, dim=None, *, correction=None, keepdim=False):
+    v, m = _var_core(self, dim, correction, keepdim, "var_mean")
+    return v.astype(_real_dtype(self.dtype)), m.astype(self.dtype)
+
+
+@register(aten.std_mean.correction)
+def std_mean_correction(self, dim=None, *, correction=None, keepdim=False):
+    v, m = _var_core(self, dim, correction, keepdim, "std_mean")
+    return jnp.sqrt(v).astype(_real_dtype(self.dtype)), m.astype(self.dtype)
+
+
+# legacy overloads (CompositeImplicit in PyTorch, but a graph may still carry them)
+def _legacy(fn):
+    def lowering(self, dim=None, unbiased=True, keepdim=False):
+        return fn(self, dim, correction=1 if unbiased else 0, keepdim=keepdim)
+
+    return lowering
+
+
+for _op, _fn in ((aten.var, var_correction), (aten.std, std_correction),
+                 (aten.var_mean, var_mean_correction), (aten.std_mean, std_mean_correction)):
+    _l = _legacy(_fn)
+    register(_op.dim)(_l)
+    register(_op.default)(lambda self, unbiased=True, _l=_l: _l(self, None, unbiased, False))
+
+
+# ---------------------------------------------------------------- max / min family
+
+def _check_not_complex(x, name):
+    if _is_complex(x):
+        raise RuntimeError(f"{name}(): does not support complex input")
+
+
+@register(aten.amax.default)
+def amax(self, dim=(), keepdim=False):
+    _check_not_complex(self, "amax")
+    dims = _dims(dim, self.ndim)
+    _numel_check(self, "amax", dims if dim else ())
+    return jnp.max(self, axis=dims, keepdims=keepdim)
+
+
+@register(aten.amin.default)
+def amin(self, dim=(), keepdim=False):
+    _check_not_complex(self, "amin")
+    dims = _dims(dim, self.ndim)
+    _numel_check(self, "amin", dims if dim else ())
+    return jnp.min(self, axis=dims, keepdims=keepdim)
+
+
+@register(aten.max.default)
+def max_default(self):
+    _check_not_complex(self, "max")
+    if self.size == 0:
+        raise RuntimeError("max(): Expected reduction dim to be specified for input.numel() == 0. "
+                           "Specify the reduction dim with the 'dim' argument.")
+    return jnp.max(self)
+
+
+@register(aten.min.default)
+def min_default(self):
+    _check_not_complex(self, "min")
+    if self.size == 0:
+        raise RuntimeError("min(): Expected reduction dim to be specified for input.numel() == 0. "
+                           "Specify the reduction dim with the 'dim' argument.")
+    return jnp.min(self)
+
+
+def _not_impl(kernel, x):
+    return NotImplementedError(f"\"{kernel}\" not implemented for '{_tname(x.dtype)}'")
+
+
+def _arg_extreme(x, axis, largest):
+    """First index of the max (min); NaN counts as the extreme (first NaN wins)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.int8)
+    return (jnp.argmax if largest else jnp.argmin)(x, axis=axis).astype(_I64)
+
+
+def _minmax_dim(self, dim, keepdim, largest, name):
+    _check_not_complex(self, name)
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    if self.shape[d] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+    idx = _arg_extreme(self, d, largest)
+    vals = jnp.take_along_axis(self, jnp.expand_dims(idx, d), axis=d)
+    if not keepdim:
+        vals = jnp.squeeze(vals, d)
+    else:
+        idx = jnp.expand_dims(idx, d)
+    return vals, idx
+
+
+@register(aten.max.dim)
+def max_dim(self, dim, keepdim=False):
+    return _minmax_dim(self, dim, keepdim, True, "max")
+
+
+@register(aten.min.dim)
+def min_dim(self, dim, keepdim=False):
+    return _minmax_dim(self, dim, keepdim, False, "min")
+
+
+@register(aten.max.other)
+def max_other(self, other):
+    return jnp.maximum(self, other)
+
+
+@register(aten.min.other)
+def min_other(self, other):
+    return jnp.minimum(self, other)
+
+
+@register(aten.aminmax.default)
+def aminmax(self, *, dim=None, keepdim=False):
+    _check_not_complex(self, "aminmax")
+    if dim is None:
+        if self.size == 0:
+            raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the "
+                               "operation has no identity.")
+        lo, hi = jnp.min(self), jnp.max(self)
+        if keepdim:
+            shp = (1,) * self.ndim
+            lo, hi = lo.reshape(shp), hi.reshape(shp)
+        return lo, hi
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim and self.shape[d] == 0:
+        raise IndexError(f"aminmax(): Expected reduction dim {d} to have non-zero size.")
+    axes = (d,) if self.ndim else ()
+    return (jnp.min(self, axis=axes, keepdims=keepdim), jnp.max(self, axis=axes, keepdims=keepdim))
+
+
+def _argminmax(self, dim, keepdim, largest, name):
+    _check_not_complex(self, name)
+    if self.dtype == jnp.bool_:
+        raise RuntimeError(f"{name}(): does not support bool input")
+    if dim is None:
+        if self.size == 0:
+            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for "
+                               "input.numel() == 0.")
+        r = _arg_extreme(self.reshape(-1), 0, largest)
+        return r.reshape((1,) * self.ndim) if keepdim else r
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return jnp.zeros((), _I64)
+    if self.shape[d] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+    r = _arg_extreme(self, d, largest)
+    return jnp.expand_dims(r, d) if keepdim else r
+
+
+@register(aten.argmax.default)
+def argmax(self, dim=None, keepdim=False):
+    return _argminmax(self, dim, keepdim, True, "argmax")
+
+
+@register(aten.argmin.default)
+def argmin(self, dim=None, keepdim=False):
+    return _argminmax(self, dim, keepdim, False, "argmin")
+
+
+# ---------------------------------------------------------------- all / any
+
+def _bool_out(x, r):
+    return r.astype(jnp.uint8) if x.dtype == jnp.uint8 else r
+
+
+def _truthy(x):
+    return x if x.dtype == jnp.bool_ else (x != 0)
+
+
+@register(aten.all.default)
+def all_default(self):
+    return _bool_out(self, jnp.all(_truthy(self)))
+
+
+@register(aten.any.default)
+def any_default(self):
+    return _bool_out(self, jnp.any(_truthy(self)))
+
+
+@register(aten.all.dim)
+def all_dim(self, dim, keepdim=False):
+    return _bool_out(self, jnp.all(_truthy(self), axis=_dims([dim], self.ndim), keepdims=keepdim))
+
+
+@register(aten.any.dim)
+def any_dim(self, dim, keepdim=False):
+    return _bool_out(self, jnp.any(_truthy(self), axis=_dims([dim], self.ndim), keepdims=keepdim))
+
+
+@register(aten.all.dims)
+def all_dims(self, dim=None, keepdim=False):
+    dims = _dims(dim, self.ndim, empty_means_all=False)
+    return _bool_out(self, jnp.all(_truthy(self), axis=dims, keepdims=keepdim))
+
+
+@register(aten.any.dims)
+def any_dims(self, dim=None, keepdim=False):
+    dims = _dims(dim, self.ndim, empty_means_all=False)
+    return _bool_out(self, jnp.any(_truthy(self), axis=dims, keepdims=keepdim))
+
+
+@register(aten.count_nonzero.default)
+def count_nonzero(self, dim=None):
+    dims = _dims(dim, self.ndim)
+    return jnp.sum(_truthy(self), axis=dims, dtype=_I64)
+
+
+@register(aten.count_nonzero.dim_IntList)
+def count_nonzero_dims(self, dim):
+    dims = _dims(dim, self.ndim)
+    return jnp.sum(_truthy(self), axis=dims, dtype=_I64)
+
+
+# ---------------------------------------------------------------- logsumexp / norms
+
+def _float_in(x):
+    """Integer inputs compute in the default float dtype (PyTorch's int -> float promotion)."""
+    if _is_intlike(x):
+        return x.astype(to_jax(torch.get_default_dtype()))
+    return x
+
+
+@register(aten.logsumexp.default)
+def logsumexp(self, dim, keepdim=False):
+    x = _float_in(self)
+    od = x.dtype
+    x = _acc(x)
+    dims = _dims(dim, self.ndim)
+    if self.size == 0:
+        return jnp.log(jnp.sum(jnp.exp(x), axis=dims, keepdims=keepdim)).astype(od)
+    m = jnp.max(jnp.real(x) if _is_complex(x) else x, axis=dims, keepdims=True)
+    m = jnp.where(jnp.isinf(m), jnp.zeros((), m.dtype), m)
+    m = lax.stop_gradient(m)
+    s = jnp.sum(jnp.exp(x - m), axis=dims, keepdims=True)
+    r = jnp.log(s) + m
+    if not keepdim:
+        r = jnp.squeeze(r, dims) if dims else r
+    if self.ndim == 0:
+        r = r.reshape(())
+    return r.astype(od)
+
+
+def _vector_norm(x, ord, dims, keepdim, name="linalg.vector_norm"):
+    if _is_intlike(x):
+        raise RuntimeError(f"{name}: Expected a floating point or complex tensor as input. "
+                           f"Got {_tname(x.dtype)}")
+    od = _real_dtype(x.dtype)
+    a = jnp.abs(_acc(x)) if not _is_complex(x) else jnp.abs(x)
+    a = _acc(a)
+    ord = float(ord)
+    if x.size == 0 and ord < 0 or (x.size == 0 and math.isinf(ord)):
+        zero_dims = [d for d in dims if x.shape[d] == 0] if x.ndim else []
+        if zero_dims or not dims:
+            raise RuntimeError(
+                f"{name} cannot compute the {ord:g} norm on an empty tensor because the "
+                "operation does not have an identity" if not math.isinf(ord) else
+                f"{name} cannot compute the {'inf' if ord > 0 else '-inf'} norm on an empty "
+                "tensor because the operation does not have an identity")
+    if ord == math.inf:
+        r = jnp.max(a, axis=dims, keepdims=keepdim)
+    elif ord == -math.inf:
+        r = jnp.min(a, axis=dims, keepdims=keepdim)
+    elif ord == 0:
+        r = jnp.sum((a != 0).astype(a.dtype), axis=dims, keepdims=keepdim)
+    elif ord == 1:
+        r = jnp.sum(a, axis=dims, keepdims=keepdim)
+    elif ord == 2:
+        r = jnp.sqrt(jnp.sum(a * a, axis=dims, keepdims=keepdim))
+    else:
+        r = jnp.power(jnp.sum(jnp.power(a, ord), axis=dims, keepdims=keepdim), 1.0 / ord)
+    return r.astype(od)
+
+
+@register(aten.linalg_vector_norm.default)
+def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = self
+    if dtype is not None:
+        x = x.astype(to_jax(dtype))
+    return _vector_norm(x, ord, _dims(dim, self.ndim), keepdim)
+
+
+@register(aten.norm.Scalar)
+def norm_scalar(self, p=2):
+    return _vector_norm(self, 2 if p is None else p, _dims(None, self.ndim), False, "norm")
+
+
+@register(aten.norm.ScalarOpt_dim)
+def norm_dim(self, p, dim, keepdim=False):
+    return _vector_norm(self, 2 if p is None else p, _dims(dim, self.ndim), keepdim, "norm")
+
+
+@register(aten.norm.ScalarOpt_dim_dtype)
+def norm_dim_dtype(self, p, dim, keepdim, *, dtype):
+    return _vector_norm(self.astype(to_jax(dtype)), 2 if p is None else p,
+                        _dims(dim, self.ndim), keepdim, "norm")
+
+
+@register(aten.norm.ScalarOpt_dtype)
+def norm_dtype(self, p, *, dtype):
+    return _vector_norm(self.astype(to_jax(dtype)), 2 if p is None else p,
+                        _dims(None, self.ndim), False, "norm")
+
+
+@register(aten.dist.default)
+def dist(self, other, p=2):
+    from ._util import result_type
+
+    dt = to_jax(result_type(self, other))
+    d = self.astype(dt) - other.astype(dt)
+    return _vector_norm(d, p, _dims(None, d.ndim), False, "dist")
+
+
+@register(aten.renorm.default)
+def renorm(self, p, dim, maxnorm):
+    if _is_intlike(self):
+        raise RuntimeError("renorm: expected a floating point or complex tensor as input")
+    d = canonical_dim(dim, self.ndim)
+    dims = tuple(i for i in range(self.ndim) if i != d)
+    norm = _vector_norm(self, p, dims, True).astype(_acc(jnp.zeros((), _real_dtype(self.dtype))).dtype)
+    factor = jnp.where(norm > maxnorm, maxnorm / (norm + 1e-7), jnp.ones((), norm.dtype))
+    return (_acc(self) * factor).astype(self.dtype)
+
+
+# ---------------------------------------------------------------- scans
+
+def _scan_prep(self, dim, dtype, name):
+    d = canonical_dim(dim, self.ndim)
+    od = _sum_dtype(self, dtype)
+    return d, od
+
+
+@register(aten.cumsum.default)
+def cumsum(self, dim, *, dtype=None):
+    d, od = _scan_prep(self, dim, dtype, "cumsum")
+    x = self.astype(od)
+    if self.ndim == 0:
+        return x
+    return jnp.cumsum(_acc(x), axis=d).astype(od)
+
+
+@register(aten.cumprod.default)
+def cumprod(self, dim, *, dtype=None):
+    d, od = _scan_prep(self, dim, dtype, "cumprod")
+    x = self.astype(od)
+    if self.ndim == 0:
+        return x
+    return jnp.cumprod(_acc(x), axis=d).astype(od)
+
+
+def _cum_extreme(self, dim, largest):
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    if self.shape[d] == 0:
+        return self, jnp.zeros(self.shape, _I64)
+    idx = lax.broadcasted_iota(_I64, self.shape, d)
+    isf = _is_float(self)
+
+    def combine(a, b):
+        av, ai = a
+        bv, bi = b
+        if isf:
+            a_nan, b_nan = jnp.isnan(av), jnp.isnan(bv)
+            better = (bv >= av) if largest else (bv <= av)
+            take_b = b_nan | (~a_nan & better)
+        else:
+            x, y = (av, bv) if av.dtype != jnp.bool_ else (av.astype(jnp.int8), bv.astype(jnp.int8))
+            take_b = (y >= x) if largest else (y <= x)
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    v, i = lax.associative_scan(combine, (self, idx), axis=d)
+    return v, i
+
+
+@register(aten.cummax.default)
+def cummax(self, dim):
+    return _cum_extreme(self, dim, True)
+
+
+@register(aten.cummin.default)
+def cummin(self, dim):
+    return _cum_extreme(self, dim, False)
+
+
+def _logaddexp_c(a, b):
+    ra, rb = jnp.real(a), jnp.real(b)
+    m = jnp.where(ra >= rb, a, b)
+    o = jnp.where(ra >= rb, b, a)
+    inf = jnp.isinf(jnp.real(m)) & (jnp.real(m) < 0)
+    return jnp.where(inf, m, m + jnp.log1p(jnp.exp(o - m)))
+
+
+@register(aten.logcumsumexp.default, aten._logcumsumexp.default)
+def logcumsumexp(self, dim):
+    d = canonical_dim(dim, self.ndim)
+    if _is_intlike(self):
+        raise _not_impl("logcumsumexp_out_cpu", self)
+    x = self
+    od = x.dtype
+    if self.ndim == 0 or self.shape[d] == 0:
+        return x
+    x = _acc(x)
+    if _is_complex(x):
+        r = lax.associative_scan(_logaddexp_c, x, axis=d)
+    else:
+        r = lax.cumlogsumexp(x, axis=d)
+    return r.astype(od)
+
+
+# ---------------------------------------------------------------- sort family
+
+def _sort_key(x):
+    """Key whose order is PyTorch's: -0.0 == 0.0, every NaN above +inf."""
+    if _is_float(x):
+        x = jnp.where(x == 0, jnp.zeros((), x.dtype), x)
+        x = jnp.where(jnp.isnan(x), jnp.asarray(np.nan, x.dtype), x)
+    return x
+
+
+def _sort_last(x, descending):
+    """Stable sort along the last axis: (values, int64 indices)."""
+    n = x.shape[-1]
+    idx = lax.broadcasted_iota(_I64, x.shape, x.ndim - 1)
+    key = _sort_key(x)
+    if descending:
+        key = jnp.flip(key, -1)
+        idx = jnp.flip(idx, -1)
+    _, si = lax.sort((key, idx), dimension=x.ndim - 1, is_stable=True, num_keys=1)
+    if descending:
+        si = jnp.flip(si, -1)
+    del n
+    return jnp.take_along_axis(x, si, axis=-1), si
+
+
+def _sort(self, dim, descending):
+    if _is_complex(self):
+        raise RuntimeError("sort(): input tensor must be of non-complex type")
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    x = _to_axis_last(self, d)
+    v, i = _sort_last(x, descending)
+    return _from_axis_last(v, d), _from_axis_last(i, d)
+
+
+@register(aten.sort.default)
+def sort(self, dim=-1, descending=False):
+    return _sort(self, dim, descending)
+
+
+@register(aten.sort.stable)
+def sort_stable(self, *, stable, dim=-1, descending=False):
+    return _sort(self, dim, descending)
+
+
+@register(aten.argsort.default)
+def argsort(self, dim=-1, descending=False):
+    return _sort(self, dim, descending)[1]
+
+
+@register(aten.argsort.stable)
+def argsort_stable(self, *, stable, dim=-1, descending=False):
+    return _sort(self, dim, descending)[1]
+
+
+@register(aten.topk.default)
+def topk(self, k, dim=-1, largest=True, sorted=True):
+    if self.dtype == jnp.bool_:
+        raise RuntimeError("topk does not support bool dtypes on CPU")
+    d = canonical_dim(dim, self.ndim)
+    size = self.shape[d] if self.ndim else 1
+    if not 0 <= k <= size:
+        raise RuntimeError("selected index k out of range")
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    v, i = _sort(self, d, largest)
+    return lax.slice_in_dim(v, 0, k, axis=d), lax.slice_in_dim(i, 0, k, axis=d)
+
+
+@register(aten.kthvalue.default)
+def kthvalue(self, k, dim=-1, keepdim=False):
+    if self.dtype == jnp.bool_:
+        raise _not_impl("kthvalue_cpu", self)
+    d = canonical_dim(dim, self.ndim)
+    size = self.shape[d] if self.ndim else 1
+    if not 1 <= k <= size:
+        raise IndexError(f"kthvalue(): selected number k out of range for dimension {d}")
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    v, i = _sort(self, d, False)
+    v = lax.index_in_dim(v, k - 1, axis=d, keepdims=keepdim)
+    i = lax.index_in_dim(i, k - 1, axis=d, keepdims=keepdim)
+    return v, i
+
+
+def _median_last(x, ignore_nan):
+    """Lower median along the last axis of x: (values, indices)."""
+    n = x.shape[-1]
+    v, i = _sort_last(x, False)
+    if _is_float(x):
+        nnan = jnp.sum(jnp.isnan(x), axis=-1, keepdims=True)
+        if ignore_nan:
+            m = n - nnan
+            pos = jnp.where(m > 0, (m - 1) // 2, 0)
+        else:
+            pos = jnp.where(nnan > 0, n - nnan, (n - 1) // 2)
+    else:
+        pos = jnp.full(x.shape[:-1] + (1,), (n - 1) // 2, _I64)
+    pos = pos.astype(_I64)
+    return (jnp.take_along_axis(v, pos, axis=-1)[..., 0],
+            jnp.take_along_axis(i, pos, axis=-1)[..., 0])
+
+
+def _median_all(self, ignore_nan, name):
+    if self.dtype == jnp.bool_:
+        raise _not_impl("median_cpu", self)
+    if self.size == 0:
+        raise RuntimeError(f"{name}() input tensor cannot be empty")
+    return _median_last(self.reshape(-1), ignore_nan)[0]
+
+
+def _median_dim(self, dim, keepdim, ignore_nan, name):
+    if self.dtype == jnp.bool_:
+        raise _not_impl("median_out", self)
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    if self.shape[d] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {d} to have non-zero size.")
+    v, i = _median_last(_to_axis_last(self, d), ignore_nan)
+    if keepdim:
+        v, i = jnp.expand_dims(v, d), jnp.expand_dims(i, d)
+    return v, i
+
+
+@register(aten.median.default)
+def median(self):
+    return _median_all(self, False, "median")
+
+
+@register(aten.nanmedian.default)
+def nanmedian(self):
+    return _median_all(self, True, "nanmedian")
+
+
+@register(aten.median.dim)
+def median_dim(self, dim, keepdim=False):
+    return _median_dim(self, dim, keepdim, False, "median")
+
+
+@register(aten.nanmedian.dim)
+def nanmedian_dim(self, dim, keepdim=False):
+    return _median_dim(self, dim, keepdim, True, "nanmedian")
+
+
+@register(aten.mode.default)
+def mode(self, dim=-1, keepdim=False):
+    d = canonical_dim(dim, self.ndim)
+    if self.ndim == 0:
+        return self, jnp.zeros((), _I64)
+    if self.shape[d] == 0:
+        raise IndexError(f"mode(): Expected reduction dim {d} to have non-zero size.")
+    x = _to_axis_last(self, d)
+    n = x.shape[-1]
+    v, i = _sort_last(x, False)
+    pos = lax.broadcasted_iota(_I64, v.shape, v.ndim - 1)
+    same = jnp.concatenate([jnp.zeros(v.shape[:-1] + (1,), bool), v[..., 1:] == v[..., :-1]], -1)
+    start = lax.cummax(jnp.where(same, jnp.zeros((), _I64), pos), axis=v.ndim - 1)
+    count = pos - start + 1
+    best = jnp.argmax(count, axis=-1, keepdims=True)
+    del n
+    val = jnp.take_along_axis(v, best, axis=-1)[..., 0]
+    ind = jnp.take_along_axis(i, best, axis=-1)[..., 0]
+    if keepdim:
+        val, ind = jnp.expand_dims(val, d), jnp.expand_dims(ind, d)
+    return val, ind
+
+
+# ---------------------------------------------------------------- softmax
+
+def _softmax_prep(self, dim, half_to_float, kernel):
+    if _is_intlike(self):
+        raise _not_impl(kernel, self)
+    d = canonical_dim(dim, self.ndim)
+    od = self.dtype
+    if half_to_float:
+        if self.dtype not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+            raise RuntimeError("conversion is supported for Half type only")
+        od = jnp.float32
+    return d, od
+
+
+@register(aten._softmax.default)
+def _softmax(self, dim, half_to_float):
+    d, od = _softmax_prep(self, dim, half_to_float, "softmax_lastdim_kernel_impl")
+    if self.ndim == 0:
+        return jnp.ones((), od)
+    x = _acc(self)
+    m = lax.stop_gradient(jnp.max(x, axis=d, keepdims=True))
+    e = jnp.exp(x - m)
+    return (e / jnp.sum(e, axis=d, keepdims=True)).astype(od)
+
+
+@register(aten._log_softmax.default)
+def _log_softmax(self, dim, half_to_float):
+    d, od = _softmax_prep(self, dim, half_to_float, "log_softmax_lastdim_kernel_impl")
+    if self.ndim == 0:
+        return jnp.zeros((), od)
+    x = _acc(self)
+    m = lax.stop_gradient(jnp.max(x, axis=d, keepdims=True))
+    s = x - m
+    return (s - jnp.log(jnp.sum(jnp.exp(s), axis=d, keepdims=True))).astype(od)
+
+
+@register(aten._softmax_backward_data.default)
+def _softmax_backward_data(grad_output, output, dim, input_dtype):
+    d = canonical_dim(dim, output.ndim)
+    g, o = _acc(grad_output), _acc(output)
+    if output.ndim == 0:
+        return (g * 0).astype(to_jax(input_dtype))
+    r = o * (g - jnp.sum(g * o, axis=d, keepdims=True))
+    return r.astype(to_jax(input_dtype))
+
+
+@register(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
+    d = canonical_dim(dim, output.ndim)
+    g, o = _acc(grad_output), _acc(output)
+    if output.ndim == 0:
+        return (g * 0).astype(to_jax(input_dtype))
+    r = g - jnp.exp(o) * jnp.sum(g, axis=d, keepdims=True)
+    return r.astype(to_jax(input_dtype))
+
+
+# ---------------------------------------------------------------- searchsorted / bucketize
+
+def _bsearch(seq, vals, right):
+    """PyTorch's binary search, vectorised: seq [..., n] sorted; vals [..., m] (same leading).
+
+    lower bound: first i with seq[i] >= v; upper bound: first i with seq[i] > v (comparisons
+    written exactly as PyTorch's, so NaNs land where they land on CPU).
+    """
+    n = seq.shape[-1]
+    lo = jnp.zeros(vals.shape, _I64)
+    hi = jnp.full(vals.shape, n, _I64)
+    steps = max(1, int(n).bit_length() + 1)
+    for _ in range(steps):
+        active = lo < hi
+        mid = lo + ((hi - lo) >> 1)
+        midc = jnp.clip(mid, 0, max(n - 1, 0))
+        mv = jnp.take_along_axis(seq, midc, axis=-1) if n else jnp.zeros(vals.shape, seq.dtype)
+        go_right = ~(mv > vals) if right else ~(mv >= vals)
+        lo = jnp.where(active & go_right, mid + 1, lo)
+        hi = jnp.where(active & ~go_right, mid, hi)
+    return lo
+
+
+def _searchsorted(sorted_sequence, values, out_int32, right, side, sorter):
+    if side is not None:
+        if side not in ("left", "right"):
+            raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but "
+                               f"got {side}")
+        if right and side == "left":
+            raise RuntimeError("torch.searchsorted(): side and right can't be set to opposites, "
+                               "got side of left while right was True")
+        right = side == "right"
+    seq = sorted_sequence
+    if sorter is not None:
+        seq = jnp.take_along_axis(seq, sorter.astype(_I64), axis=-1)
+    od = jnp.int32 if out_int32 else _I64
+    from ._util import result_type
+
+    ct = to_jax(result_type(seq, values)) if seq.dtype != values.dtype else seq.dtype
+    seq = seq.astype(ct)
+    values = values.astype(ct)
+    if seq.ndim == 1:
+        flat = values.reshape(1, -1)
+        r = _bsearch(seq.reshape(1, -1), flat, right).reshape(values.shape)
+    else:
+        if seq.shape[:-1] != values.shape[:-1]:
+            raise RuntimeError(
+                "torch.searchsorted(): boundaries tensor should be 1 dimension or the first N-1 "
+                "dimensions of boundaries tensor and input value tensor must match, but we got "
+                f"boundaries tensor {list(seq.shape)} and input value tensor {list(values.shape)}")
+        r = _bsearch(seq, values, right)
+    return r.astype(od)
+
+
+@register(aten.searchsorted.Tensor)
+def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    return _searchsorted(sorted_sequence, self, out_int32, right, side, sorter)
+
+
+@register(aten.searchsorted.Scalar)
+def searchsorted_scalar(sorted_sequence, self, *, out_int32=False, right=False, side=None,
+                        sorter=None):
+    from ._util import result_type
+
+    if sorted_sequence.ndim != 1:
+        raise RuntimeError("torch.searchsorted(): input value can be a scalar only when "
+                           "boundaries tensor dimension is 1, but we got boundaries tensor dim("
+                           f"{sorted_sequence.ndim}) and input value's dim(0) numel(1)")
+    v = jnp.asarray(self, to_jax(result_type(sorted_sequence, self)))
+    return _searchsorted(sorted_sequence, v, out_int32, right, side, sorter)
+
+
+@register(aten.bucketize.Tensor)
+def bucketize(self, boundaries, *, out_int32=False, right=False):
+    if boundaries.ndim != 1:
+        raise RuntimeError("boundaries tensor must be 1 dimension, but got dim("
+                           f"{boundaries.ndim})")
+    return _searchsorted(boundaries, self, out_int32, right, None, None)
+
+
+@register(aten.bucketize.Scalar)
+def bucketize_scalar(self, boundaries, *, out_int32=False, right=False):
+    from ._util import result_type
+
+    v = jnp.asarray(self, to_jax(result_type(boundaries, self)))
+    return bucketize(v, boundaries, out_int32=out_int32, right=right)
+
+
+# ---------------------------------------------------------------- histograms
+
+@register(aten.histc.default)
+def histc(self, bins=100, min=0, max=0):
+    if not _is_float(self):
+        raise NotImplementedError(f"\"histogram_cpu\" not implemented for '{_tname(self.dtype)}'")
+    if bins <= 0:
+        raise RuntimeError(f"torch.histc(): bins must be > 0, but got {bins} for dimension 0")
+    if min > max:
+        raise RuntimeError(f"torch.histc(): max must be larger than min")
+    od = self.dtype
+    x = self.reshape(-1)
+    ct = jnp.float64 if od == jnp.float64 else jnp.float32
+    xc = x.astype(ct)
+    lo = jnp.asarray(min, ct)
+    hi = jnp.asarray(max, ct)
+    if min == max:
+        if x.size:
+            fin = jnp.isfinite(xc)
+            lo = jnp.min(jnp.where(fin, xc, jnp.inf)).astype(ct)
+            hi = jnp.max(jnp.where(fin, xc, -jnp.inf)).astype(ct)
+            lo = jnp.where(fin.any(), lo, jnp.zeros((), ct))
+            hi = jnp.where(fin.any(), hi, jnp.zeros((), ct))
+        else:
+            lo = hi = jnp.zeros((), ct)
+        eq = lo == hi
+        lo = jnp.where(eq, lo - 1, lo)
+        hi = jnp.where(eq, hi + 1, hi)
+    # PyTorch rounds the edges through the input dtype (linspace in self's dtype)
+    lo = lo.astype(od).astype(ct)
+    hi = hi.astype(od).astype(ct)
+    inside = (xc >= lo) & (xc <= hi)
+    pos = jnp.floor((xc - lo) * bins / (hi - lo))
+    pos = jnp.where(inside, pos, 0).astype(_I64)
+    pos = jnp.where(pos >= bins, bins - 1, pos)
+    pos = jnp.clip(pos, 0, bins - 1)
+    out = jnp.zeros((bins,), ct).at[pos].add(inside.astype(ct))
+    return out.astype(od)
+
+
+def _bincount_concrete(self, weights=None, minlength=0):
+    if self.ndim != 1:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if not jnp.issubdtype(self.dtype, jnp.integer):
+        raise RuntimeError(f"\"bincount_cpu\" not implemented for '{_tname(self.dtype)}'")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    if weights is not None and weights.shape != self.shape:
+        raise RuntimeError("weights should be 1-d and have the same length as input")
+    host = np.asarray(self)
+    if host.size and host.min() < 0:
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    length = builtins_max(int(host.max()) + 1 if host.size else 0, minlength)
+    if weights is None:
+        return jnp.zeros((length,), _I64).at[self].add(1)
+    wd = weights.dtype if weights.dtype in (np.dtype(jnp.float32),) else jnp.float64
+    if weights.dtype == jnp.float64:
+        wd = jnp.float64
+    return jnp.zeros((length,), wd).at[self].add(weights.astype(wd))
+
+
+builtins_max = max
+
+
+@register(aten.bincount.default, dynamic_shape=True)
+def bincount(self, weights=None, minlength=0):
+    return _bincount_concrete(self, weights, minlength)
