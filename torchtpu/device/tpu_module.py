@@ -12,6 +12,7 @@ from ..eager import modes as _modes
 from ..eager import rng as _rng
 from ..runtime import devices as _devices
 from ..runtime import metrics as _metrics
+from ..compile import compiler  # noqa: F401  (torch.tpu.compiler; installs backend "tpu")
 
 EagerMode = _modes.EagerMode
 set_eager_mode = _modes.set_eager_mode

@@ -1,0 +1,96 @@
+"""``torch.compile(backend="tpu")``: whole aten graphs compiled to one XLA program each.
+
+Importing this package is cheap (no Dynamo import). It
+- registers the Dynamo backend "tpu" (lazily: on the first torch.compile, or right away when
+  Dynamo is already loaded);
+- makes ``dynamic=False`` the default for backend "tpu";
+- routes the default backend (Inductor, which cannot run on "tpu") to "tpu" when the graph's
+  inputs live on "tpu"; CPU graphs keep PyTorch's behaviour unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+
+import torch
+
+from . import compiler  # noqa: F401
+
+_registered = [False]
+
+
+def register_backend() -> None:
+    if _registered[0]:
+        return
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend as _reg
+
+    from .backend import tpu_backend
+
+    if "tpu" not in _BACKENDS:
+        _reg(compiler_fn=tpu_backend, name="tpu")
+    _registered[0] = True
+
+
+def _is_tpu_backend(backend) -> bool:
+    if backend == "tpu":
+        return True
+    from .backend import tpu_backend
+
+    return backend is tpu_backend or backend is compiler.backend
+
+
+def _module_on_tpu(model) -> bool:
+    if isinstance(model, torch.nn.Module):
+        for t in model.parameters():
+            return t.device.type == "tpu"
+        for t in model.buffers():
+            return t.device.type == "tpu"
+    return False
+
+
+_orig_compile = torch.compile
+
+
+@functools.wraps(_orig_compile)
+def _compile(model=None, *args, **kwargs):
+    backend = kwargs.get("backend", "inductor")
+    if isinstance(backend, str) and backend == "tpu" or not isinstance(backend, str) and \
+            _is_tpu_backend(backend):
+        register_backend()
+        if kwargs.get("dynamic") is None:
+            kwargs["dynamic"] = False
+    elif backend == "inductor" and "backend" not in kwargs and _module_on_tpu(model):
+        register_backend()
+        kwargs["backend"] = "tpu"
+        if kwargs.get("dynamic") is None:
+            kwargs["dynamic"] = False
+    return _orig_compile(model, *args, **kwargs)
+
+
+def _install() -> None:
+    if getattr(torch.compile, "_torchtpu", False):
+        return
+    _compile._torchtpu = True
+    torch.compile = _compile
+    # Inductor cannot run on "tpu": a default-backend graph whose inputs are on tpu goes to us.
+    wrapper = torch._TorchCompileInductorWrapper
+    orig_call = wrapper.__call__
+
+    def __call__(self, model_, inputs_):
+        if any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in inputs_):
+            register_backend()
+            from .backend import tpu_backend
+
+            return tpu_backend(model_, inputs_)
+        return orig_call(self, model_, inputs_)
+
+    wrapper.__call__ = __call__
+    if "torch._dynamo" in sys.modules:
+        try:
+            register_backend()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"torchtpu: could not register the 'tpu' compile backend: {e}")
+
+
+_install()

@@ -1,0 +1,274 @@
+"""The ``torch.compile`` backend "tpu": Dynamo -> aot_autograd -> one XLA executable per graph.
+
+aot_autograd (min-cut partitioner, PyTorch's core aten decompositions for every op the lowering
+table does not cover, input mutations kept in the graph) hands us forward, backward or inference
+graphs; each becomes a ``CompiledGraph``: the FX graph lowered through the table
+(``lower.GraphLowering``) under jax.jit, compiled ahead of time per input signature (shapes,
+dtypes, static ints), cached in memory and on disk (``cache.py``). Inputs the graph overwrites
+(optimizer state, BatchNorm statistics, KV caches) have their buffers donated when nothing else
+holds them, so XLA updates them in place.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import warnings
+
+import jax
+import numpy as np
+import torch
+
+from ..eager import copy as _copy
+from ..eager import rng as _rng
+from ..runtime import buffer as _buffer
+from ..runtime import devices as _devices
+from ..runtime.metrics import COUNTERS, count
+from . import cache as _cache
+from . import lower as _lower
+from . import options as _options
+
+Tensor = torch.Tensor
+_wrap = _buffer.wrap
+
+
+class _Entry:
+    __slots__ = ("compiled", "consts", "donate")
+
+    def __init__(self, compiled, consts, donate):
+        self.compiled = compiled
+        self.consts = consts
+        self.donate = donate
+
+
+# refcount of a jax.Array held only by its Buffer, while it sits in our list and is passed to
+# sys.getrefcount (measured once at import, so interpreter differences do not matter)
+def _baseline_refcount():
+    b = _buffer.Buffer(jax.numpy.zeros(()))
+    lst = [b.array]
+    return sys.getrefcount(lst[0])
+
+
+_BASE_REFS = _baseline_refcount()
+
+
+class CompiledGraph:
+    """One aten graph: a callable taking aot_autograd's boxed list of inputs."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str, opts: dict):
+        self.low = _lower.GraphLowering(gm, name)
+        self.name = name
+        self.opts = opts
+        self.entries: dict = {}
+        self.mutated = self.low.mutated
+        self.n_random = len(self.low.random_nodes)
+        self.out_devices = self._out_devices(gm)
+        self._lock = threading.Lock()
+        self._warned_dynamic = False
+
+    @staticmethod
+    def _out_devices(gm):
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        devs = []
+        for o in outs:
+            v = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+            devs.append(v.device.type if isinstance(v, Tensor) else None)
+        return devs
+
+    def __call__(self, args):
+        arrays = []
+        slots = []
+        sig = []
+        statics = {}
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor):
+                if a.device.type == "tpu":
+                    arr = _copy.value_of(a)
+                else:
+                    arr = _copy.host_to_device(a)
+                arrays.append(arr)
+                slots.append(i)
+                sig.append((arr.shape, arr.dtype))
+            else:
+                if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                    a = a.node.hint if hasattr(a.node, "hint") else int(a)
+                statics[i] = a
+                sig.append(("s", type(a), a))
+        arr = None
+        donate = self._donatable(args, arrays, slots) if self.mutated else ()
+        key = (tuple(sig), tuple(donate))
+        entry = self.entries.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self.entries.get(key)
+                if entry is None:
+                    COUNTERS["compile_cache_misses"] += 1
+                    entry = self._compile(arrays, slots, statics, tuple(donate))
+                    self.entries[key] = entry
+                else:
+                    COUNTERS["compile_cache_hits"] += 1
+        else:
+            COUNTERS["compile_cache_hits"] += 1
+        flat = arrays
+        if self.n_random:
+            words = np.stack([_rng.next_state(None) for _ in range(self.n_random)])
+            flat = arrays + [words]
+        outs, news = entry.compiled(*flat)
+        del flat
+        # write back mutated inputs
+        for i, new in zip(self.mutated, news):
+            t = args[i]
+            if t.device.type == "tpu":
+                _copy.assign(t, new)
+            else:
+                with torch.no_grad():
+                    t.copy_(_copy.device_to_host(new).view(t.shape))
+        consts, is_seq = entry.consts
+        res = []
+        devs = self.out_devices
+        for j, (kind, v) in enumerate(consts):
+            if kind == "array":
+                arr = outs[v]
+                if devs[j] == "cpu":
+                    res.append(_copy.device_to_host(arr))
+                else:
+                    res.append(_wrap(arr))
+            elif kind == "input":
+                res.append(args[v])
+            else:
+                res.append(v)
+        args.clear()  # boxed calling convention: let inputs die early
+        return res if is_seq else res[0]
+
+    def _donatable(self, args, arrays, slots):
+        """Positions (in ``arrays``) of mutated inputs whose buffer nothing else holds."""
+        if not self.opts.get("donate", True):
+            return ()
+        pos = {s: j for j, s in enumerate(slots)}
+        ids = [id(x) for x in arrays]
+        donate = []
+        for i in self.mutated:
+            j = pos.get(i)
+            if j is None or args[i].device.type != "tpu":
+                continue
+            if _buffer.buffer_of(args[i]).array is not arrays[j] or ids.count(ids[j]) != 1:
+                continue
+            if sys.getrefcount(arrays[j]) > _BASE_REFS:  # someone else holds it too
+                continue
+            donate.append(j)
+        return tuple(donate)
+
+    def _compile(self, arrays, slots, statics, donate):
+        if any(isinstance(v, (torch.SymInt,)) for v in statics.values()):
+            raise _lower.Unsupported("symbolic inputs without hints")
+        if statics and not self._warned_dynamic and any(
+                isinstance(p.meta.get("val"), torch.SymInt) for p in self.low.placeholders):
+            self._warned_dynamic = True
+            if _options.get(self.opts, "bucket_size") is not None:
+                warnings.warn("torchtpu.compile: option bucket_size (padding dynamic dims to "
+                              "buckets) is not supported yet; each distinct shape is compiled "
+                              "as its own XLA program", stacklevel=3)
+            else:
+                warnings.warn("torchtpu.compile: dynamic shapes are specialised: each distinct "
+                              "shape is compiled as its own XLA program (torch.compile(..., "
+                              "dynamic=False) is the default for 'tpu')", stacklevel=3)
+        t0 = time.perf_counter()
+        fn = self.low.trace_fn(slots, statics, self.out_devices)
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(_dev_of(a)))
+                  for a in arrays]
+        if self.n_random:
+            shapes.append(jax.ShapeDtypeStruct((self.n_random, 4), np.uint32))
+        jitted = jax.jit(fn, donate_argnums=donate)
+        lowered = jitted.lower(*shapes)
+        consts = self.low.const_outputs
+        count("compile_traces")
+        copts = _options.compiler_options(self.opts)
+        compiled = None
+        key = None
+        cacheable = not self.low.fallback_ops and _options.get(self.opts, "persistent_cache", True)
+        if cacheable:
+            try:
+                key = _cache.key_of(lowered.as_text(), copts)
+                compiled = _cache.load(key, lowered)
+            except Exception:  # noqa: BLE001
+                compiled = None
+        if compiled is None:
+            t1 = time.perf_counter()
+            compiled = lowered.compile(compiler_options=copts or None)
+            count("xla_compiles")
+            count("xla_compile_ms", int((time.perf_counter() - t1) * 1000))
+            if key is not None:
+                _cache.store(key, compiled)
+        count("compile_ms", int((time.perf_counter() - t0) * 1000))
+        return _Entry(compiled, consts, donate)
+
+
+def _dev_of(a):
+    try:
+        return next(iter(a.devices()))
+    except Exception:  # noqa: BLE001
+        return _devices.jax_device(0)
+
+
+# ---- the Dynamo backend ----
+
+def _decompositions():
+    """PyTorch's decompositions for every op the lowering table does not cover."""
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    table = {}
+    core = core_aten_decompositions()
+    for op, fn in core.items():
+        if not _lower.has_lowering(op):
+            table[op] = fn
+    for op, fn in decomposition_table.items():
+        if op in table or _lower.has_lowering(op) or not isinstance(op, torch._ops.OpOverload):
+            continue
+        if op._schema.is_mutable or _is_view(op):
+            continue
+        table[op] = fn
+    return table
+
+
+def _is_view(op) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+_graph_counter = [0]
+
+
+def _compiler(kind: str, opts: dict):
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        _graph_counter[0] += 1
+        count("compile_graphs")
+        cg = CompiledGraph(gm, example_inputs, f"{kind}{_graph_counter[0]}", opts)
+        _make_boxed(cg)
+        return cg
+
+    return compile_graph
+
+
+def _make_boxed(fn):
+    fn._boxed_call = True
+    return fn
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None, **kwargs):
+    """``torch.compile(model, backend="tpu")``."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    opts = _options.resolve(mode, options, kwargs)
+    backend = aot_autograd(
+        fw_compiler=_compiler("forward", opts),
+        bw_compiler=_compiler("backward", opts),
+        inference_compiler=_compiler("inference", opts),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=_decompositions(),
+        keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)

@@ -1,0 +1,300 @@
+"""An aten FX graph -> one pure JAX function, using the same lowering table as eager.
+
+``GraphLowering(gm)`` analyses the graph once (placeholders, input mutations, random ops);
+``trace_fn(static)`` returns a function of flat jax arrays that jax.jit can trace. Each node is
+evaluated at trace time:
+
+- an ``OpOverload`` with a lowering in the table: the lowering (random lowerings get a key
+  derived from the generator's (seed, offset) words, which are a graph input);
+- ``copy_`` onto a graph input (aot_autograd's kept input mutations) and any other in-place
+  op: computed functionally; the new value is returned so the runtime can write it back
+  (donating the input's buffer where it can);
+- an op with no lowering: run on CPU inside the XLA program through ``jax.pure_callback``,
+  counted as ``compile_cpu_fallbacks`` with a one-time warning (decompositions were already
+  applied by aot_autograd, see backend.py);
+- Python functions on sizes (``operator.*``, ``sym_size``): evaluated on the concrete shapes,
+  so graphs with symbolic shapes are specialised per concrete shape.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+from torch._ops import OpOverload
+
+from ..eager import rng as _rng
+from ..lowering import registry
+from ..runtime.dtypes import to_jax, to_torch
+from ..runtime.metrics import count
+
+aten = torch.ops.aten
+_warned: set = set()
+
+
+def op_name(op) -> str:
+    if isinstance(op, OpOverload):
+        return f"{op._schema.name}.{op._overloadname}"
+    return getattr(op, "__name__", str(op))
+
+
+def has_lowering(op) -> bool:
+    return registry.get(op) is not None
+
+
+def _functional_of(op: OpOverload):
+    """The functional overload of an in-place op (``add_.Tensor`` -> ``add.Tensor``)."""
+    base = op._schema.name.split("::", 1)[1]
+    if not base.endswith("_"):
+        return None
+    packet = getattr(aten, base[:-1], None)
+    if packet is None:
+        return None
+    return getattr(packet, op._overloadname, None)
+
+
+def _is_inplace(op) -> bool:
+    if not isinstance(op, OpOverload):
+        return False
+    s = op._schema
+    return bool(s.arguments) and s.arguments[0].alias_info is not None \
+        and s.arguments[0].alias_info.is_write and s.name.split("::", 1)[1].endswith("_")
+
+
+class Unsupported(RuntimeError):
+    pass
+
+
+class GraphLowering:
+    """Static facts about one aten graph, and the traceable function for it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str = "graph"):
+        self.gm = gm
+        self.name = name
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.ph_index = {n: i for i, n in enumerate(self.placeholders)}
+        self.random_nodes = []
+        self.mutated = []  # placeholder indices whose value the graph overwrites
+        self.fallback_ops = set()
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or not isinstance(n.target, OpOverload):
+                continue
+            low = registry.get(n.target)
+            if low is not None and low.random:
+                self.random_nodes.append(n)
+            if _is_inplace(n.target) or n.target is aten.copy_.default:
+                dst = n.args[0]
+                if isinstance(dst, torch.fx.Node) and dst.op == "placeholder":
+                    i = self.ph_index[dst]
+                    if i not in self.mutated:
+                        self.mutated.append(i)
+                else:
+                    raise Unsupported(f"{op_name(n.target)} writes to a non-input value")
+        self.random_index = {n: i for i, n in enumerate(self.random_nodes)}
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self.out_node = out_node
+        # outputs that are graph inputs unchanged: the runtime returns the input itself
+        outs = out_node.args[0]
+        self.out_is_input = {}
+        if isinstance(outs, (list, tuple)):
+            for j, o in enumerate(outs):
+                if isinstance(o, torch.fx.Node) and o.op == "placeholder" \
+                        and self.ph_index[o] not in self.mutated:
+                    self.out_is_input[j] = self.ph_index[o]
+
+    # ---- tracing ----
+
+    def trace_fn(self, tensor_slots, statics, out_devices):
+        """A function ``f(*arrays[, rng_words]) -> (outputs, new_values_of_mutated_inputs)``.
+
+        ``tensor_slots``: placeholder indices fed by arrays, in order; ``statics``: placeholder
+        index -> concrete non-tensor value. The outputs that are not arrays (ints, None) are
+        recorded into ``self.const_outputs`` during the trace.
+        """
+        gm = self.gm
+        nodes = list(gm.graph.nodes)
+        n_arr = len(tensor_slots)
+        has_rng = bool(self.random_nodes)
+        lowering = self
+
+        def f(*flat):
+            env = {}
+            for j, i in enumerate(tensor_slots):
+                env[self.placeholders[i]] = flat[j]
+            for i, v in statics.items():
+                env[self.placeholders[i]] = v
+            rng = flat[n_arr] if has_rng else None
+            mutated_vals = {}
+            for n in nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outs = n.args[0]
+                    break
+                if n.op == "get_attr":
+                    env[n] = _constant(_fetch_attr(gm, n.target))
+                    continue
+                if n.op != "call_function":
+                    raise Unsupported(f"{self.name}: FX node kind {n.op} ({n.target})")
+                args = torch.fx.node.map_arg(n.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+                env[n] = lowering._eval(n, args, kwargs, rng, mutated_vals)
+            flat_outs = []
+            const_outs = []
+            out_list = outs if isinstance(outs, (list, tuple)) else [outs]
+            for j, o in enumerate(out_list):
+                if j in lowering.out_is_input:
+                    const_outs.append(("input", lowering.out_is_input[j]))
+                    continue
+                v = env[o] if isinstance(o, torch.fx.Node) else o
+                if _is_array(v):
+                    const_outs.append(("array", len(flat_outs)))
+                    flat_outs.append(v)
+                else:
+                    const_outs.append(("const", v))
+            lowering.const_outputs = (const_outs, isinstance(outs, (list, tuple)))
+            new_vals = [mutated_vals[i] for i in lowering.mutated]
+            return tuple(flat_outs), tuple(new_vals)
+
+        return f
+
+    def _eval(self, n, args, kwargs, rng, mutated_vals):
+        target = n.target
+        if not isinstance(target, OpOverload):
+            if target is operator.getitem:
+                return args[0][args[1]]
+            if getattr(target, "__module__", None) in ("_operator", "operator", "math", "builtins") \
+                    or target in (torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min,
+                                  torch.sym_not, torch.sym_sqrt):
+                return target(*args, **kwargs)
+            if isinstance(target, torch._ops.HigherOrderOperator):
+                raise Unsupported(f"{self.name}: higher-order op {target} is not supported by the "
+                                  "tpu compiler")
+            return target(*args, **kwargs)
+        if target is aten.sym_size.int:
+            return int(args[0].shape[args[1]])
+        if target is aten.sym_numel.default:
+            return int(args[0].size)
+        if target is aten.sym_stride.int:
+            shape = args[0].shape
+            st = 1
+            for s in shape[args[1] + 1:]:
+                st *= s
+            return st
+        if target is aten.copy_.default:
+            dst, src = args[0], args[1]
+            new = jnp.broadcast_to(src.astype(dst.dtype), dst.shape)
+            mutated_vals[self.ph_index[n.args[0]]] = new
+            return new
+        if _is_inplace(target) and registry.get(target) is None:
+            func = _functional_of(target)
+            if func is None:
+                raise Unsupported(f"{self.name}: in-place op {op_name(target)} has no functional form")
+            new = self._call(n, func, args, kwargs, rng)
+            dst = args[0]
+            new = jnp.broadcast_to(new.astype(dst.dtype), dst.shape)
+            if isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder":
+                mutated_vals[self.ph_index[n.args[0]]] = new
+            return new
+        return self._call(n, target, args, kwargs, rng)
+
+    def _call(self, n, op, args, kwargs, rng):
+        low = registry.get(op)
+        if low is not None and not low.dynamic_shape:
+            if low.random:
+                kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+                i = self.random_index.get(n)
+                if i is None:  # an in-place random op traced through its functional form
+                    raise Unsupported(f"{self.name}: random op {op_name(op)} outside the table")
+                return low.fn(_rng.key_from(rng[i]), *args, **kwargs)
+            return low.fn(*args, **kwargs)
+        return self._cpu_callback(op, args, kwargs)
+
+    def _cpu_callback(self, op, args, kwargs):
+        """Run ``op`` on CPU inside the program (jax.pure_callback): slow, never wrong."""
+        name = op_name(op)
+        from ..eager import fallback as _fallback
+
+        if not _fallback.enabled():
+            raise NotImplementedError(
+                f"Could not run '{name}' in a graph compiled for the 'tpu' backend: it has no "
+                "lowering and the CPU fallback is disabled (torch.tpu.enable_cpu_fallback = False).")
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"torchtpu.compile: {name} has no lowering; it runs on CPU inside the "
+                          "compiled program (slow). Counted in torch.tpu.metrics()['per_op']"
+                          "['compile_cpu_fallbacks'].", stacklevel=2)
+        count("compile_cpu_fallbacks", op=name)
+        self.fallback_ops.add(name)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_array)
+        arr_pos = [i for i, x in enumerate(leaves) if _is_array(x)]
+        arrays = [leaves[i] for i in arr_pos]
+        # output shapes from PyTorch's meta kernels on the concrete input shapes
+        meta_leaves = list(leaves)
+        for i in arr_pos:
+            meta_leaves[i] = torch.empty(leaves[i].shape, dtype=to_torch(leaves[i].dtype),
+                                         device="meta")
+        meta_leaves = [_to_device(x, "meta") for x in meta_leaves]
+        margs, mkwargs = jax.tree_util.tree_unflatten(treedef, meta_leaves)
+        with torch.no_grad():
+            mout = op(*margs, **mkwargs)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(mout, is_leaf=lambda x: isinstance(x, torch.Tensor))
+        shapes = [jax.ShapeDtypeStruct(tuple(t.shape), to_jax(t.dtype)) for t in out_leaves]
+        cpu_leaves = [_to_device(x, "cpu") for x in leaves]
+
+        def host(*np_arrays):
+            ls = list(cpu_leaves)
+            for i, a in zip(arr_pos, np_arrays):
+                ls[i] = _np_to_torch(np.asarray(a))
+            a_, k_ = jax.tree_util.tree_unflatten(treedef, ls)
+            with torch.no_grad():
+                out = op(*a_, **k_)
+            outs = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, torch.Tensor))[0]
+            return tuple(_torch_to_np(o) for o in outs)
+
+        res = jax.pure_callback(host, tuple(shapes), *arrays, vmap_method="sequential")
+        return jax.tree_util.tree_unflatten(out_tree, list(res))
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
+
+
+def _to_device(x, dev):
+    if isinstance(x, torch.device):
+        return torch.device(dev)
+    return x
+
+
+def _np_to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def _torch_to_np(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _fetch_attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _constant(v):
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "tpu":
+            from ..eager.copy import value_of
+
+            return value_of(v)
+        return jnp.asarray(_torch_to_np(v.detach().cpu()))
+    return v
