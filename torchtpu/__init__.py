@@ -7,11 +7,17 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+
+def _autoload() -> None:
+    """The ``torch.backends`` entry point: importing this module did the work.
+
+    Defined before the imports below: when ``import torchtpu`` (or ``python -m torchtpu.x``)
+    comes first, its ``import torch`` calls this entry point on the half-initialised module.
+    """
+
+
 from .runtime import devices as _devices  # noqa: F401  (enables jax x64 first)
 from .device.registration import register as _register
 
 _register()
 
-
-def _autoload() -> None:
-    """The ``torch.backends`` entry point: importing this module did the work."""
