@@ -37,6 +37,9 @@ def register() -> None:
 
     kernels.bind_runtime()
     kernels.bind_table()
+    from ..eager import fused
+
+    fused.install()
     global _fallback_lib
     _fallback_lib = torch.library.Library("_", "IMPL")
     _fallback_lib.fallback(fallback.fallback, "PrivateUse1")

@@ -132,11 +132,24 @@ def device_to_host(value) -> torch.Tensor:
     return torch.from_numpy(host)
 
 
+def _recording() -> bool:
+    from . import modes
+
+    return modes._state["mode"] is modes.EagerMode.DEFER_AND_FUSE
+
+
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """aten::copy_ for every direction that involves a tpu tensor."""
     dst_tpu = dst.device.type == "tpu"
     src_tpu = src.device.type == "tpu"
     if dst_tpu and src_tpu:
+        if _recording() and (src.device.index or 0) == (dst.device.index or 0):
+            from . import executor  # a recorded copy keeps the fused graph uncut
+            from ..lowering import registry
+
+            executor.run(registry.get(torch.ops.aten.copy_.default), executor.DIRECT_INPLACE,
+                         (dst, src), {})
+            return dst
         v = value_of(src)
         if (src.device.index or 0) != (dst.device.index or 0):
             v = jax.device_put(v, _devices.jax_device(dst.device.index or 0))

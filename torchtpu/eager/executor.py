@@ -7,16 +7,19 @@ write back mutated storages. Everything else happens once per key, at a cache mi
 from __future__ import annotations
 
 import jax
+import numpy as np
 import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
+from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
 from . import modes, views
 from . import rng as _rng
 
 Tensor = torch.Tensor
+_NP = {k: np.dtype(v) for k, v in _T2J.items()}
 _wrap = _buffer.wrap
 
 # kinds of kernel, derived from the schema at registration
@@ -77,6 +80,52 @@ class _Entry:
         self.writes = writes
 
 
+@jax.tree_util.register_pytree_node_class
+class _Static:
+    """A Python scalar result of a lowering (a SymInt return such as ``max_q``): a pytree node
+    without leaves, so it passes through ``jax.jit`` as static data instead of an array."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def tree_flatten(self):
+        return (), self.value
+
+    @classmethod
+    def tree_unflatten(cls, value, children):
+        return cls(value)
+
+
+def _static_results(out):
+    if type(out) is tuple or type(out) is list:
+        if any(isinstance(o, (int, float)) for o in out):
+            return type(out)(_Static(o) if isinstance(o, (int, float)) else o for o in out)
+    return out
+
+
+def _result(o):
+    if o is None:
+        return None
+    if type(o) is _Static:
+        return o.value
+    return _wrap(o)
+
+
+def _write_mutated(lowering, args, kwargs, out):
+    """Registry flag ``mutates``: the lowering's trailing results are the new values of those
+    arguments; write them back and return the op's own results."""
+    names = [a.name for a in lowering.op._schema.arguments]
+    n = len(lowering.mutates)
+    for name, new in zip(lowering.mutates, out[-n:]):
+        i = names.index(name)
+        t = args[i] if i < len(args) else kwargs.get(name)
+        if t is not None and new is not None:
+            _copy.assign(t, new)
+    res = out[:-n]
+    return res[0] if len(res) == 1 else tuple(res)
+
+
 def _check_cast(op_name, result_dt, self_dt):
     if not torch.can_cast(result_dt, self_dt):
         raise RuntimeError(
@@ -95,7 +144,17 @@ def _device_for_factory(kwargs, args):
 
 
 def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
-    """The jitted program for one cache key.
+    """The jitted program for one cache key (see make_traced)."""
+    traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots)
+    jit_kwargs = {}
+    if not tensors:
+        jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(
+            _device_for_factory(kwargs, args))
+    return jax.jit(traced, **jit_kwargs)
+
+
+def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
+    """The pure function of one op application, shared by the Strict and Fused executors.
 
     It takes flat positional arguments: one storage array per tensor, then the traced storage
     offsets of strided views, then the RNG words for a random op (no pytrees on the hot path).
@@ -125,7 +184,7 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
         else:
             out = fn(*a, **kw)
         if functional:
-            return out
+            return _static_results(out)
         # in-place: out holds the new value(s) of the written tensor(s)
         news = out if isinstance(out, (list, tuple)) else (out,)
         if len(news) != len(write_slots):
@@ -137,11 +196,7 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
             new_storages.append(views.write(arrays[slot], specs[slot], offsets[slot], v))
         return tuple(new_storages)
 
-    jit_kwargs = {}
-    if n == 0:
-        jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(
-            _device_for_factory(kwargs, args))
-    return jax.jit(traced, **jit_kwargs)
+    return traced
 
 
 def _write_slots(kind, args, kwargs):
@@ -173,11 +228,28 @@ def _array_of(t, lowering, tensors):
         raise _device_error(lowering, tensors) from None
 
 
+def spec_for(t, arr):
+    """(view spec, offset) of tensor ``t`` over a storage array (or its aval)."""
+    shape = t.shape
+    if t.storage_offset() == 0 and arr.shape == shape and _NP[t.dtype] == arr.dtype \
+            and t.is_contiguous():
+        return None, None
+    return views.spec_of(t, arr)
+
+
 def run(lowering, kind, args, kwargs):
     """Execute one op eagerly. Returns what the aten kernel must return."""
     mode = _mode_state["mode"]
     if mode is _FUSED and fused_run is not None:
         return fused_run(lowering, kind, args, kwargs)
+    return run_strict(lowering, kind, args, kwargs, mode)
+
+
+def run_strict(lowering, kind, args, kwargs, mode=None):
+    """One op, now: the Strict (and Debug) executor."""
+    dyn = lowering.dynamic_shape
+    if dyn and (dyn is True or dyn(args, kwargs)):
+        return run_dynamic(lowering, kind, args, kwargs)
     gen = None
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
@@ -191,20 +263,17 @@ def run(lowering, kind, args, kwargs):
     for t in tensors:
         arr = _array_of(t, lowering, tensors)
         flat.append(arr)
-        # views.spec_of, inlined: this loop runs for every tensor of every op
-        shape = t.shape
-        off = t.storage_offset()
-        if off == 0 and t.is_contiguous():
-            if arr.shape == shape:
-                specs.append(None)
-                continue
-            if t.numel() == arr.size:
-                specs.append(("r", tuple(shape)))
-                continue
-        specs.append(("s", tuple(shape), tuple(t.stride())))
-        if offs is None:
-            offs = []
-        offs.append(off)
+        # spec_for's fast path, inlined: this loop runs for every tensor of every op
+        if t.storage_offset() == 0 and arr.shape == t.shape and _NP[t.dtype] == arr.dtype \
+                and t.is_contiguous():
+            specs.append(None)
+            continue
+        spec, off = views.spec_of(t, arr)
+        specs.append(spec)
+        if off is not None:
+            if offs is None:
+                offs = []
+            offs.append(off)
     if offs is not None:
         flat.extend(offs)
     specs = tuple(specs)
@@ -222,23 +291,75 @@ def run(lowering, kind, args, kwargs):
     out = entry.jitted(*flat)
     if mode is _DEBUG:
         jax.block_until_ready(out)
+    if lowering.mutates:
+        out = _write_mutated(lowering, args, kwargs, out)
     if kind == FUNCTIONAL:
         if type(out) is tuple or type(out) is list:
-            return type(out)(_wrap(o) if o is not None else None for o in out)
+            return type(out)(_result(o) for o in out)
         return _wrap(out)
     if kind == FUNCTIONAL_RAW:
+        if type(out) is tuple or type(out) is list:
+            return type(out)(o.value if type(o) is _Static else o for o in out)
         return out
     for slot, new in zip(entry.writes, out):
         tensors[slot].untyped_storage()._tpu_buffer.array = new
     return args[0] if args else kwargs["self"]
 
 
+def run_dynamic(lowering, kind, args, kwargs):
+    """A data-dependent-shape op (registry flag ``dynamic_shape``): run the lowering un-jitted
+    on the concrete values (its output shape is known only then); counted as a host sync."""
+    tensors: list = []
+    _key(args, tensors)
+    _key(tuple(kwargs.values()), tensors)
+    vals = [_copy.value_of(t) for t in tensors]
+    counter = [0]
+    a = _fill(_skeleton(args, counter), vals)
+    kw = {k: _fill(_skeleton(v, counter), vals) for k, v in kwargs.items()}
+    count("host_syncs", op=lowering.name)
+    out = lowering.fn(*a, **kw)
+    if kind == FUNCTIONAL:
+        if type(out) is tuple or type(out) is list:
+            return type(out)(_result(o) for o in out)
+        return _wrap(out)
+    if kind == FUNCTIONAL_RAW:
+        return out
+    news = out if isinstance(out, (list, tuple)) else (out,)
+    for slot, new in zip(_write_slots(kind, args, kwargs), news):
+        _check_cast(lowering.name, _buffer.dtypes.to_torch(new.dtype), tensors[slot].dtype)
+        _copy.assign(tensors[slot], new)
+    return args[0] if args else kwargs["self"]
+
+
 def run_out(lowering, args, kwargs, outs):
     """An out= kernel: compute functionally, then write into (and resize) the out tensors."""
+    if _mode_state["mode"] is _FUSED and fused_run is not None:
+        return _run_out_recorded(lowering, args, kwargs, outs)
     out = run(lowering, FUNCTIONAL_RAW, args, kwargs)
     vals = out if isinstance(out, (list, tuple)) else (out,)
     for t, v in zip(outs, vals):
         _copy.assign_out(t, v, lowering.name)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_COPY = []
+
+
+def _run_out_recorded(lowering, args, kwargs, outs):
+    """out= while recording: the functional result, then a recorded copy_ into each out."""
+    if not _COPY:
+        from ..lowering import registry
+
+        _COPY.append(registry.get(torch.ops.aten.copy_.default))
+    res = run(lowering, FUNCTIONAL, args, kwargs)
+    vals = res if isinstance(res, (list, tuple)) else (res,)
+    for t, v in zip(outs, vals):
+        if not torch.can_cast(v.dtype, t.dtype):
+            raise RuntimeError(f"result type {_copy._tname(v.dtype)} can't be cast to the desired "
+                               f"output type {_copy._tname(t.dtype)}")
+        if tuple(t.shape) != tuple(v.shape):
+            _copy.resize(t, list(v.shape))
+        run(_COPY[0], DIRECT_INPLACE, (t, v), {})
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 

@@ -1,0 +1,286 @@
+"""Fused eager mode (``torch.tpu.EagerMode.DEFER_AND_FUSE``): record ops, compile at a cut.
+
+While the mode is on, every op that the Strict executor would run is recorded instead: its
+outputs are ordinary tpu tensors whose storage holds a ``PendingBuffer`` (shape and dtype known
+from a cached abstract evaluation, value not computed yet). A *cut* compiles the recorded
+sequence as one XLA program, cached by its fingerprint (ops, static args, views, which values
+are still alive), runs it, and fills the pending buffers that are still referenced. Values no
+longer referenced are never materialised.
+
+Cuts happen when a value is read (``.item()``, ``.cpu()``, printing, a kernel that needs the
+concrete array), at ``torch.tpu.synchronize()``, on a mode switch, when the pending graph reaches
+its size limit, and before ops with data-dependent output shapes.
+
+A recorded node applies the same per-op pure function that Strict mode jits
+(``executor.make_traced``), so the two modes share the lowering table and its semantics.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import jax
+import numpy as np
+import torch
+
+from ..runtime import buffer as _buffer
+from ..runtime import sync as _sync
+from ..runtime.metrics import COUNTERS, count
+from . import executor, modes
+
+Tensor = torch.Tensor
+MAX_NODES = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
+
+
+class PendingBuffer(_buffer.Buffer):
+    """A storage buffer whose array is an output of the pending graph.
+
+    Reading ``.array`` cuts the graph. Writing it (a non-recorded kernel assigning a concrete
+    value) simply replaces the value.
+    """
+
+    __slots__ = ("_value", "ref", "aval")
+
+    def __init__(self, ref, aval):
+        self._value = None
+        self.ref = ref  # (node index, output index) in the current graph
+        self.aval = aval
+
+    @property
+    def array(self):
+        if self._value is None:
+            flush("read")
+        return self._value
+
+    @array.setter
+    def array(self, value):
+        self._value = value
+        self.ref = None
+
+    @property
+    def pending(self) -> bool:
+        return self._value is None and self.ref is not None
+
+    def __repr__(self):
+        return f"PendingBuffer({self.aval}, ref={self.ref})"
+
+
+class _Node:
+    __slots__ = ("key", "traced", "refs", "n_out")
+
+    def __init__(self, key, traced, refs, n_out):
+        self.key = key
+        self.traced = traced
+        self.refs = refs  # per flat argument: ("i", input index) or ("n", node, output)
+        self.n_out = n_out
+
+
+class _Graph:
+    def __init__(self):
+        self.nodes: list[_Node] = []
+        self.inputs: list = []
+        self.input_ids: dict = {}
+        self.pending: list = []  # weakrefs to PendingBuffers, in creation order
+
+    def input_ref(self, arr):
+        i = self.input_ids.get(id(arr))
+        if i is None:
+            i = self.input_ids[id(arr)] = len(self.inputs)
+            self.inputs.append(arr)
+        return ("i", i)
+
+
+_graph = [_Graph()]
+_AVALS: dict = {}  # per-op abstract evaluation: (strict key, input avals) -> (traced, out avals)
+_PROGRAMS: dict = {}  # fingerprint -> jitted program
+_flushing = [False]
+
+
+def _aval_of_flat(x):
+    if isinstance(x, PendingBuffer):
+        return x.aval
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def record(lowering, kind, args, kwargs):
+    """Record one op (the executor hands it over while the mode is DEFER_AND_FUSE)."""
+    if lowering.dynamic_shape:
+        flush("dynamic_shape")
+        return executor.run_strict(lowering, kind, args, kwargs)
+    g = _graph[0]
+    gen = None
+    if lowering.random and "generator" in kwargs:
+        kwargs = dict(kwargs)
+        gen = kwargs.pop("generator")
+    tensors: list = []
+    key_args = executor._key(args, tensors)
+    key_kwargs = tuple([(k, executor._key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
+    refs = []
+    flat_avals = []
+    specs = []
+    offs = []
+    for t in tensors:
+        try:
+            buf = t.untyped_storage()._tpu_buffer
+        except AttributeError:
+            if t.device.type == "cpu" and t.dim() == 0:
+                arr = executor._array_of(t, lowering, tensors)
+                refs.append(g.input_ref(arr))
+                flat_avals.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
+                specs.append(None)
+                continue
+            raise executor._device_error(lowering, tensors) from None
+        if type(buf) is PendingBuffer and buf.pending:
+            refs.append(("n",) + buf.ref)
+            aval = buf.aval
+        else:
+            arr = buf.array
+            refs.append(g.input_ref(arr))
+            aval = jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+        flat_avals.append(aval)
+        spec, off = executor.spec_for(t, aval)
+        specs.append(spec)
+        if off is not None:
+            offs.append(off)
+    specs = tuple(specs)
+    for off in offs:
+        a = np.asarray(off, dtype=np.int64)
+        refs.append(g.input_ref(a))
+        flat_avals.append(jax.ShapeDtypeStruct((), np.int64))
+    if lowering.random:
+        words = executor._rng.next_state(gen)
+        refs.append(g.input_ref(words))
+        flat_avals.append(jax.ShapeDtypeStruct(words.shape, words.dtype))
+    skey = (lowering, kind, key_args, key_kwargs, specs)
+    akey = (skey, tuple((a.shape, a.dtype) for a in flat_avals))
+    hit = _AVALS.get(akey)
+    if hit is None:
+        ws = executor._write_slots(kind, args, kwargs)
+        traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws)
+        out_avals = jax.eval_shape(traced, *flat_avals)
+        hit = _AVALS[akey] = (traced, out_avals, ws)
+        count("fused_op_traces", op=lowering.name)
+    traced, out_avals, ws = hit
+    node_index = len(g.nodes)
+    is_seq = isinstance(out_avals, (tuple, list))
+    outs = out_avals if is_seq else (out_avals,)
+    g.nodes.append(_Node(akey, traced, tuple(refs), len(outs)))
+    COUNTERS["fused_ops_recorded"] += 1
+
+    def pending(i, aval):
+        pb = PendingBuffer((node_index, i), aval)
+        g.pending.append(weakref.ref(pb))
+        return pb
+
+    if kind == executor.FUNCTIONAL or kind == executor.FUNCTIONAL_RAW:
+        results = [_result(i, aval, pending) for i, aval in enumerate(outs)]
+        if lowering.mutates:
+            n = len(lowering.mutates)
+            _write_mutated(lowering, args, kwargs, results[-n:])
+            results = results[:-n]
+            res = results[0] if len(results) == 1 else tuple(results)
+        else:
+            res = type(out_avals)(results) if is_seq else results[0]
+    else:
+        for i, (slot, aval) in enumerate(zip(ws, outs)):
+            tensors[slot].untyped_storage()._tpu_buffer = pending(i, aval)
+        res = args[0] if args else kwargs["self"]
+    if len(g.nodes) >= MAX_NODES:
+        flush("size_limit")
+    return res
+
+
+def _result(i, aval, pending):
+    if aval is None:
+        return None
+    if type(aval) is executor._Static:
+        return aval.value
+    return _buffer.wrap_pending(aval, pending(i, aval))
+
+
+_COPY = []
+
+
+def _write_mutated(lowering, args, kwargs, news):
+    """Registry flag ``mutates``: record a copy of each new value into its argument."""
+    if not _COPY:
+        from ..lowering import registry
+
+        _COPY.append(registry.get(torch.ops.aten.copy_.default))
+    names = [a.name for a in lowering.op._schema.arguments]
+    for name, new in zip(lowering.mutates, news):
+        i = names.index(name)
+        t = args[i] if i < len(args) else kwargs.get(name)
+        if t is not None and new is not None:
+            record(_COPY[0], executor.DIRECT_INPLACE, (t, new), {})
+
+
+def _fingerprint(g, live):
+    return (tuple(n.key for n in g.nodes), tuple(n.refs for n in g.nodes),
+            tuple(pb.ref for pb in live))
+
+
+def _make_program(nodes, out_refs):
+    nodes = [(n.traced, n.refs) for n in nodes]
+
+    def program(*inputs):
+        env = []
+        for traced, refs in nodes:
+            args = [inputs[r[1]] if r[0] == "i" else env[r[1]][r[2]] for r in refs]
+            out = traced(*args)
+            env.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
+        return tuple(env[n][i] for n, i in out_refs)
+
+    return jax.jit(program)
+
+
+def flush(reason: str = "explicit") -> None:
+    """Cut: compile (or fetch) the pending graph's program, run it, fill live pending buffers."""
+    g = _graph[0]
+    if not g.nodes or _flushing[0]:
+        return
+    _flushing[0] = True
+    try:
+        _graph[0] = _Graph()
+        live = []
+        seen = set()
+        for w in g.pending:
+            pb = w()
+            if pb is not None and pb._value is None and pb.ref is not None and id(pb) not in seen:
+                seen.add(id(pb))
+                live.append(pb)
+        count("fused_graph_cuts", op=reason)
+        COUNTERS["fused_ops_executed"] += len(g.nodes)
+        if not live:
+            return
+        fp = _fingerprint(g, live)
+        prog = _PROGRAMS.get(fp)
+        if prog is None:
+            count("fused_graph_compiles")
+            prog = _PROGRAMS[fp] = _make_program(g.nodes, [pb.ref for pb in live])
+        else:
+            count("fused_graph_cache_hits")
+        try:
+            results = prog(*g.inputs)
+        except Exception as e:  # name the user's ops, as Debug mode would
+            ops = sorted({str(n.key[0][0].op) for n in g.nodes})
+            raise RuntimeError(f"torchtpu fused graph of {len(g.nodes)} ops failed "
+                               f"(ops: {', '.join(ops[:20])}): {e}") from e
+        if modes.get_eager_mode() is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
+            jax.block_until_ready(results)
+        for pb, v in zip(live, results):
+            pb._value = v
+            pb.ref = None
+    finally:
+        _flushing[0] = False
+
+
+def _on_switch(old, new):
+    if old is modes.EagerMode.DEFER_AND_FUSE:
+        flush("mode_switch")
+
+
+def install() -> None:
+    executor.fused_run = record
+    modes.on_switch(_on_switch)
+    _sync.on_synchronize(lambda: flush("synchronize"))
