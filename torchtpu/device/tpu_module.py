@@ -101,11 +101,107 @@ def get_device_capability(device=None):
     return (0, 0)
 
 
+class _DeviceProperties:
+    """What ``get_device_properties`` returns (CUDA-like attribute names where they apply)."""
+
+    def __init__(self, index: int):
+        d = _devices.jax_device(index)
+        from ..runtime import memory
+
+        self.index = index
+        self.name = _devices.device_name(index)
+        self.platform = d.platform
+        self.platform_version = getattr(d.client, "platform_version", "")
+        self.device_kind = getattr(d, "device_kind", d.platform)
+        self.id = d.id
+        self.process_index = d.process_index
+        self.total_memory = memory.total_memory(index)
+        self.type = "tpu"
+        self.major, self.minor = get_device_capability(index)
+        self.multi_processor_count = getattr(d, "core_count", 1) or 1
+
+    def __repr__(self):
+        return (f"_TpuDeviceProperties(name='{self.name}', platform='{self.platform}', "
+                f"total_memory={self.total_memory // (1024 * 1024)}MB, index={self.index})")
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    return _DeviceProperties(_index(device))
+
+
+def get_amp_supported_dtype():
+    return [torch.bfloat16, torch.float16]
+
+
+def _get_device_index(device, optional=False):
+    return _index(device)
+
+
 def synchronize(device=None) -> None:
     """Block until all work queued on the device(s) is done."""
     from ..runtime import sync
 
     sync.synchronize(device)
+
+
+# ---- streams, events, memory (runtime/sync.py, runtime/memory.py) ----
+
+from ..runtime import memory as _memory  # noqa: E402
+from ..runtime import sync as _sync  # noqa: E402
+
+Stream = _sync.Stream
+Event = _sync.Event
+memory_allocated = _memory.memory_allocated
+max_memory_allocated = _memory.max_memory_allocated
+memory_reserved = _memory.memory_reserved
+max_memory_reserved = _memory.max_memory_reserved
+memory_stats = _memory.memory_stats
+reset_peak_memory_stats = _memory.reset_peak_memory_stats
+mem_get_info = _memory.mem_get_info
+empty_cache = _memory.empty_cache
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    pass
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    st = memory_stats(device)
+    return "\n".join(f"{k}: {v}" for k, v in st.items() if k != "pjrt")
+
+
+_streams: dict = {}
+
+
+def default_stream(device=None) -> Stream:
+    i = _index(device)
+    s = _streams.get(i)
+    if s is None:
+        s = _streams[i] = Stream(i)
+    return s
+
+
+current_stream = default_stream
+
+
+def set_stream(stream) -> None:
+    """Accepted: every device has one in-order stream (see torch.tpu.Stream)."""
+
+
+@contextlib.contextmanager
+def stream(s):
+    yield s
+
+
+class StreamContext:
+    def __init__(self, s):
+        self.stream = s
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc):
+        return False
 
 
 def manual_seed(seed: int) -> None:
@@ -150,6 +246,71 @@ def set_rng_state_all(states) -> None:
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
+
+
+def default_generator(index: int = 0):
+    from . import extras
+
+    return extras.default_generator(index)
+
+
+class _DefaultGenerators:
+    def __getitem__(self, i):
+        return default_generator(range(device_count())[i])
+
+    def __len__(self):
+        return device_count()
+
+    def __iter__(self):
+        return (default_generator(i) for i in range(device_count()))
+
+
+default_generators = _DefaultGenerators()
+
+
+# ---- matmul precision, as TorchTPU names it ----
+
+import enum as _enum  # noqa: E402
+
+
+class Precision(_enum.Enum):
+    """Matmul/conv precision on the device (XLA's PrecisionConfig): DEFAULT is the backend's
+    fastest (one bf16 pass on TPU), HIGH three bf16 passes (~tf32), HIGHEST full float32."""
+
+    DEFAULT = "default"
+    HIGH = "high"
+    HIGHEST = "highest"
+
+
+_TORCH_PRECISION = {"medium": Precision.DEFAULT, "high": Precision.HIGH,
+                    "highest": Precision.HIGHEST}
+
+
+class precision:
+    """``torch.tpu.precision()`` returns the current Precision; ``torch.tpu.precision(p)``
+    sets it, and restores the previous one when used as a context manager."""
+
+    def __new__(cls, p=None):
+        if p is None:
+            cur = jax.config.jax_default_matmul_precision
+            if cur is None:
+                return Precision.DEFAULT
+            for m in Precision:
+                if m.value == str(cur).lower():
+                    return m
+            return Precision.DEFAULT
+        self = object.__new__(cls)
+        self.prev = jax.config.jax_default_matmul_precision
+        self.new = Precision(p) if not isinstance(p, Precision) else p
+        jax.config.update("jax_default_matmul_precision", self.new.value)
+        return self
+
+    def __enter__(self):
+        return self.new
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_default_matmul_precision", self.prev)
+        return False
 
 
 def _get_enable_cpu_fallback() -> bool:

@@ -7,23 +7,74 @@ compile-cache key; the storage offset of a strided view is a traced argument, so
 spec None           the tensor is the array exactly
 spec ("r", shape)   contiguous over the whole storage: a reshape
 spec ("s", shape, strides)   anything else: a gather at offset + sum(i_k * stride_k)
+spec ("b", dtype, inner)     the tensor's dtype differs from the array's (``x.view(torch.int32)``,
+                    the uint8 views that storage copies and torch.save make): the storage's
+                    bytes are reinterpreted as a flat array of ``dtype``, then ``inner`` applies
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from ..runtime.dtypes import TORCH_TO_JAX
+
+_NP = {k: np.dtype(v) for k, v in TORCH_TO_JAX.items()}
 
 
 def spec_of(t, arr):
     """(spec, offset-or-None) of tensor ``t`` over storage array ``arr``."""
     shape = t.shape
     off = t.storage_offset()
+    want = _NP.get(t.dtype)
+    have = arr.dtype
+    if want is not have and want != have and want is not None:
+        inner, ioff = _spec_flat(t, arr.size * have.itemsize // want.itemsize)
+        return ("b", want, inner), ioff
     if off == 0 and t.is_contiguous():
         if arr.shape == shape:
             return None, None
         if t.numel() == arr.size:
             return ("r", tuple(shape)), None
     return ("s", tuple(shape), tuple(t.stride())), off
+
+
+def _spec_flat(t, n):
+    """spec_of over a flat array of ``n`` elements of ``t``'s dtype."""
+    if t.storage_offset() == 0 and t.is_contiguous() and t.numel() == n:
+        return ("r", tuple(t.shape)), None
+    return ("s", tuple(t.shape), tuple(t.stride())), t.storage_offset()
+
+
+def _raw(arr):
+    """``arr`` flattened, as a real non-bool dtype that bitcasts (complex -> float pairs)."""
+    flat = arr.reshape(-1)
+    if flat.dtype == np.bool_:
+        return flat.astype(jnp.uint8)
+    if jnp.issubdtype(flat.dtype, jnp.complexfloating):
+        part = jnp.float32 if flat.dtype == np.complex64 else jnp.float64
+        return jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1).astype(part)
+    return flat
+
+
+def bitcast_flat(arr, dtype):
+    """The bytes of ``arr`` reinterpreted as a flat array of ``dtype`` (traceable)."""
+    dtype = np.dtype(dtype)
+    if arr.dtype == dtype:
+        return arr.reshape(-1)
+    flat = _raw(arr)
+    if dtype == np.bool_:
+        return bitcast_flat(flat, np.uint8) != 0
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        part = np.float32 if dtype == np.complex64 else np.float64
+        pairs = bitcast_flat(flat, part).reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    src, dst = flat.dtype.itemsize, dtype.itemsize
+    if src == dst:
+        return lax.bitcast_convert_type(flat, dtype)
+    if src > dst:
+        return lax.bitcast_convert_type(flat, dtype).reshape(-1)
+    return lax.bitcast_convert_type(flat.reshape(-1, dst // src), dtype)
 
 
 def _flat_index(shape, strides, offset):
@@ -42,6 +93,8 @@ def read(arr, spec, offset):
         return arr
     if spec[0] == "r":
         return arr.reshape(spec[1])
+    if spec[0] == "b":
+        return read(bitcast_flat(arr, spec[1]), spec[2], offset)
     _, shape, strides = spec
     flat = arr.reshape(-1)
     if 0 in shape:
@@ -51,6 +104,9 @@ def read(arr, spec, offset):
 
 def write(arr, spec, offset, value):
     """The storage array after assigning ``value`` (already cast/broadcast) into the view."""
+    if spec is not None and spec[0] == "b":
+        new = write(bitcast_flat(arr, spec[1]), spec[2], offset, value)
+        return bitcast_flat(new, arr.dtype).reshape(arr.shape)
     value = value.astype(arr.dtype)
     if spec is None:
         return jnp.broadcast_to(value, arr.shape)

@@ -1,7 +1,21 @@
-"""Synchronisation: wait for all queued device work."""
+"""Synchronisation, streams and events.
+
+JAX has no user-visible streams: PJRT runs each device's programs in order and orders work by
+data dependencies, so every op behaves as if on one in-order stream per device. The honest
+model, then:
+
+- ``Stream`` is that one stream per device (``current_stream`` and ``default_stream`` return
+  it; ``torch.tpu.stream(s)`` is accepted and changes nothing). ``wait_event``/``wait_stream``
+  need no work: later ops already see the results they depend on.
+- ``Event.record()`` snapshots the device arrays still being computed at that moment. The
+  event is complete when all of them are ready. With ``enable_timing=True`` a helper thread
+  waits for them and stamps the time they became ready, so ``elapsed_time`` measures real
+  device completion times (to within a thread wake-up, microseconds), not call times.
+"""
 from __future__ import annotations
 
-import gc
+import threading
+import time
 
 import jax
 
@@ -14,13 +28,182 @@ def on_synchronize(fn) -> None:
     _sync_hooks.append(fn)
 
 
-def synchronize(device=None) -> None:
+def _flush() -> None:
     for fn in _sync_hooks:
         fn()
-    count("synchronize_calls")
-    # every live array: block on each (cheap for ready ones)
+
+
+def _device_filter(index):
+    if index is None:
+        return None
+    from . import devices
+
+    return devices.jax_device(index)
+
+
+def _arrays(index=None, pending_only=True) -> list:
+    dev = _device_filter(index)
+    out = []
     for arr in jax.live_arrays():
+        try:
+            if arr.is_deleted():
+                continue
+            if dev is not None and dev not in arr.devices():
+                continue
+            if pending_only and arr.is_ready():
+                continue
+        except Exception:
+            continue
+        out.append(arr)
+    return out
+
+
+def _block(arrays) -> None:
+    for arr in arrays:
         try:
             arr.block_until_ready()
         except Exception:
-            pass
+            pass  # deleted/donated meanwhile: nothing left to wait for
+
+
+def _index_of(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    from ..device import tpu_module
+
+    return tpu_module._index(device)
+
+
+def synchronize(device=None) -> None:
+    """Block until all queued work on ``device`` (all devices when None) is done."""
+    _flush()
+    count("synchronize_calls")
+    idx = _index_of(device)
+    _block(_arrays(idx))
+    from . import memory
+
+    memory.sample_peak(idx)
+
+
+class Event:
+    """A point in the device's work (see the module docstring for the model)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, device=None):
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.interprocess = interprocess
+        self.device = device
+        self._arrays = None  # None: never recorded
+        self._time = None
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def record(self, stream=None) -> None:
+        _flush()
+        idx = stream.device_index if stream is not None else _index_of(self.device)
+        arrays = _arrays(idx)
+        self._arrays = arrays
+        self._time = None
+        self._thread = None
+        if not self.enable_timing:
+            return
+        if not arrays:
+            self._time = time.perf_counter()
+            return
+
+        def waiter():
+            _block(arrays)
+            t = time.perf_counter()
+            with self._lock:
+                if self._arrays is arrays:
+                    self._time = t
+
+        self._thread = threading.Thread(target=waiter, daemon=True, name="torchtpu-event")
+        self._thread.start()
+
+    def query(self) -> bool:
+        """True when all work captured by the last ``record()`` has completed."""
+        if not self._arrays:
+            return True
+        done = all(a.is_deleted() or a.is_ready() for a in self._arrays)
+        if done and not self.enable_timing:
+            self._arrays = []
+        return done
+
+    def synchronize(self) -> None:
+        if self._arrays:
+            _block(self._arrays)
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self, stream=None) -> None:
+        """Make ``stream``'s later work wait for this event: already true (data order)."""
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds between this event's completion and ``end_event``'s."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._arrays is None or end_event._arrays is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        self.synchronize()
+        end_event.synchronize()
+        return (end_event._time - self._time) * 1000.0
+
+    def ipc_handle(self):
+        raise RuntimeError("tpu events do not support interprocess handles")
+
+    def __repr__(self):
+        return f"<torch.tpu.Event enable_timing={self.enable_timing}>"
+
+
+class Stream:
+    """The device's one in-order stream (see the module docstring)."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        idx = _index_of(device)
+        if idx is None:
+            from ..device import tpu_module
+
+            idx = tpu_module.current_device()
+        from . import devices
+
+        devices.jax_device(idx)  # validates the ordinal
+        self.device_index = idx
+        self.priority = priority
+        self.stream_id = 0
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("tpu", self.device_index)
+
+    def query(self) -> bool:
+        _flush()
+        return not _arrays(self.device_index)
+
+    def synchronize(self) -> None:
+        synchronize(self.device_index)
+
+    def wait_event(self, event: Event) -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        """Nothing to do: one in-order stream per device, ordered by data."""
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.device_index == self.device_index
+
+    def __hash__(self):
+        return hash(("tpu", self.device_index))
+
+    def __repr__(self):
+        return f"<torch.tpu.Stream device=tpu:{self.device_index} priority={self.priority}>"
