@@ -1,9 +1,755 @@
-"""nn lowerings."""
+"""nn lowerings: convolution, pooling, normalization, upsampling (forward and backward).
+
+Backward ops of linear forwards (convolution, average pooling, interpolation) are the exact
+transpose of the forward (``jax.vjp`` / ``jax.linear_transpose``), so they agree with the forward
+by construction. Index arrays that depend only on shapes (pooling windows, interpolation
+weights) are computed with numpy at trace time: they are constants of the compiled program.
+"""
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
 
 from .registry import register
 
 aten = torch.ops.aten
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _precision(dtype):
+    return _HIGHEST if dtype in (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128) else None
+
+
+def _acc(dtype):
+    """Accumulation dtype (PyTorch's opmath type) of a floating dtype."""
+    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def _tup(v, n):
+    if v is None:
+        return None
+    if isinstance(v, int):
+        return (v,) * n
+    v = tuple(v)
+    return v * n if len(v) == 1 else v
+
+
+# ---------------------------------------------------------------- convolution
+
+_SPATIAL = {1: "H", 2: "HW", 3: "DHW"}
+
+
+def _conv_fwd(x, w, stride, padding, dilation, groups):
+    nd = x.ndim - 2
+    sp = _SPATIAL[nd]
+    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + sp, "OI" + sp, "NC" + sp))
+    out_dt = x.dtype
+    pet = jnp.float32 if out_dt in (jnp.bfloat16, jnp.float16) else None
+    y = lax.conv_general_dilated(
+        x, w, window_strides=tuple(stride), padding=[(p, p) for p in padding],
+        rhs_dilation=tuple(dilation), dimension_numbers=dn, feature_group_count=groups,
+        precision=_precision(out_dt), preferred_element_type=pet)
+    return y.astype(out_dt)
+
+
+def _conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
+    """PyTorch's transposed convolution: the transpose of the forward convolution whose weight
+    is ``w`` (Cin, Cout/groups, k...), evaluated at ``x``."""
+    nd = x.ndim - 2
+    k = w.shape[2:]
+    out_sp = tuple((i - 1) * s - 2 * p + d * (kk - 1) + op + 1 for i, s, p, d, kk, op in
+                   zip(x.shape[2:], stride, padding, dilation, k, output_padding))
+    z_shape = (x.shape[0], w.shape[1] * groups) + out_sp
+    fwd = lambda z: _conv_fwd(z, w, stride, padding, dilation, groups)  # noqa: E731
+    (y,) = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(z_shape, x.dtype))(x)
+    del nd
+    return y
+
+
+def _conv(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    nd = x.ndim - 2
+    stride, padding, dilation = _tup(stride, nd), _tup(padding, nd), _tup(dilation, nd)
+    if transposed:
+        y = _conv_transpose(x, w, stride, padding, dilation, _tup(output_padding, nd), groups)
+    else:
+        y = _conv_fwd(x, w, stride, padding, dilation, groups)
+    if bias is not None:
+        y = y + bias.astype(y.dtype).reshape((1, -1) + (1,) * nd)
+    return y
+
+
+@register(aten.convolution.default, aten.convolution_overrideable.default)
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if input.ndim == weight.ndim - 1:  # unbatched
+        return _conv(input[None], weight, bias, stride, padding, dilation, transposed,
+                     output_padding, groups)[0]
+    return _conv(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+def _conv_backward(grad_output, input, weight, stride, padding, dilation, transposed,
+                   output_padding, groups, output_mask):
+    f = lambda x, w: _conv(x, w, None, stride, padding, dilation, transposed,  # noqa: E731
+                           output_padding, groups)
+    gi = gw = gb = None
+    if output_mask[0] or output_mask[1]:
+        _, vjp = jax.vjp(f, input, weight)
+        gi, gw = vjp(grad_output.astype(input.dtype))
+        gi = gi if output_mask[0] else None
+        gw = gw if output_mask[1] else None
+    if output_mask[2]:
+        axes = (0,) + tuple(range(2, grad_output.ndim))
+        gb = jnp.sum(grad_output.astype(_acc(grad_output.dtype)), axis=axes).astype(grad_output.dtype)
+    return gi, gw, gb
+
+
+@register(aten.convolution_backward.default)
+def convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+                         transposed, output_padding, groups, output_mask):
+    if input.ndim == weight.ndim - 1:
+        gi, gw, gb = _conv_backward(grad_output[None], input[None], weight, stride, padding,
+                                    dilation, transposed, output_padding, groups, output_mask)
+        return (gi[0] if gi is not None else None), gw, gb
+    return _conv_backward(grad_output, input, weight, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask)
+
+
+@register(aten.convolution_backward_overrideable.default)
+def convolution_backward_overrideable(grad_output, input, weight, stride, padding, dilation,
+                                      transposed, output_padding, groups, output_mask):
+    return _conv_backward(grad_output, input, weight, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask)
+
+
+# ---------------------------------------------------------------- pooling helpers
+
+def _pool_out_size(n, k, s, p, d, ceil_mode):
+    num = n + 2 * p - d * (k - 1) - 1
+    if ceil_mode:
+        o = -(-num // s) + 1
+        if (o - 1) * s >= n + p:
+            o -= 1
+    else:
+        o = num // s + 1
+    return o
+
+
+def _windows(in_sizes, k, s, p, d, ceil_mode):
+    """Per spatial dim: (out size, index array (out, k) into the unpadded input)."""
+    res = []
+    for n, kk, ss, pp, dd in zip(in_sizes, k, s, p, d):
+        o = _pool_out_size(n, kk, ss, pp, dd, ceil_mode)
+        idx = np.arange(o)[:, None] * ss + np.arange(kk)[None, :] * dd - pp
+        res.append((o, idx))
+    return res
+
+
+def _argmax_pool(g, valid, src, nd):
+    """Max over the window (last axis) with PyTorch's choice of index: the first maximum
+    among valid taps, or the last NaN if the window holds one."""
+    if jnp.issubdtype(g.dtype, jnp.floating):
+        isn = jnp.isnan(g)
+        k = g.shape[-1]
+        last_nan = k - 1 - jnp.argmax(isn[..., ::-1], -1)
+        first_max = jnp.argmax((g == jnp.max(g, -1, keepdims=True)) & valid, -1)
+        am = jnp.where(jnp.any(isn, -1), last_nan, first_max)
+    else:
+        am = jnp.argmax((g == jnp.max(g, -1, keepdims=True)) & valid, -1)
+    out = jnp.take_along_axis(g, am[..., None], -1)[..., 0]
+    idx = jnp.take_along_axis(jnp.broadcast_to(src, g.shape), am[..., None], -1)[..., 0]
+    return out, idx.astype(jnp.int64)
+
+
+def _gather_windows(x, wins, fill):
+    """x (..., *sp) -> (..., o1, k1, o2, k2, ...) with out-of-range taps set to ``fill``;
+    also the boolean validity mask of shape (o1, k1, o2, k2, ...)."""
+    nd = len(wins)
+    lead = x.ndim - nd
+    valid = None
+    for j, (o, idx) in enumerate(wins):
+        n = x.shape[lead + 2 * j]
+        ok = (idx >= 0) & (idx < n)
+        safe = np.clip(idx, 0, n - 1).reshape(-1)
+        x = jnp.take(x, safe, axis=lead + 2 * j)
+        x = x.reshape(x.shape[:lead + 2 * j] + idx.shape + x.shape[lead + 2 * j + 1:])
+        shape = [1] * (2 * nd)
+        shape[2 * j], shape[2 * j + 1] = idx.shape
+        okr = ok.reshape(shape)
+        valid = okr if valid is None else (valid & okr)
+    x = jnp.where(valid, x, jnp.asarray(fill, x.dtype))
+    return x, valid
+
+
+def _flat_src_index(wins, in_sizes):
+    """(o1, k1, o2, k2, ...) flat index into the input plane of each tap."""
+    nd = len(wins)
+    flat = np.zeros([1] * (2 * nd), dtype=np.int64)
+    for j, (o, idx) in enumerate(wins):
+        shape = [1] * (2 * nd)
+        shape[2 * j], shape[2 * j + 1] = idx.shape
+        stride = int(np.prod(in_sizes[j + 1:], dtype=np.int64))
+        flat = flat + np.clip(idx, 0, in_sizes[j] - 1).reshape(shape) * stride
+    return flat
+
+
+def _window_last(x, nd):
+    """(..., o1, k1, o2, k2, ...) -> (..., o1, o2, ..., k1*k2*...)."""
+    lead = x.ndim - 2 * nd
+    perm = list(range(lead)) + [lead + 2 * j for j in range(nd)] + [lead + 2 * j + 1 for j in range(nd)]
+    x = jnp.transpose(x, perm)
+    return x.reshape(x.shape[:lead + nd] + (-1,))
+
+
+def _neg_inf(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
+    k = _tup(kernel_size, nd)
+    s = _tup(stride, nd) if stride else k
+    p, d = _tup(padding, nd), _tup(dilation, nd)
+    in_sizes = x.shape[-nd:]
+    wins = _windows(in_sizes, k, s, p, d, ceil_mode)
+    g, valid = _gather_windows(x, wins, _neg_inf(x.dtype))
+    g = _window_last(g, nd)
+    valid = _window_last(jnp.asarray(np.broadcast_to(valid, [v for o, idx in wins for v in idx.shape])), nd)
+    src = _window_last(jnp.asarray(_flat_src_index(wins, in_sizes)), nd)
+    return _argmax_pool(g, valid, src, nd)
+
+
+def _scatter_plane(grad, indices, self_shape, nd):
+    """Scatter-add ``grad`` into a zero input at the flat per-plane ``indices``."""
+    lead = self_shape[:-nd]
+    plane = int(np.prod(self_shape[-nd:], dtype=np.int64))
+    nplanes = int(np.prod(lead, dtype=np.int64))
+    g = grad.reshape(nplanes, -1)
+    i = indices.reshape(nplanes, -1)
+    rows = jnp.arange(nplanes)[:, None]
+    acc = _acc(grad.dtype)
+    out = jnp.zeros((nplanes, plane), acc).at[rows, i].add(g.astype(acc))
+    return out.reshape(self_shape).astype(grad.dtype)
+
+
+@register(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, 2, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@register(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, 3, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@register(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation,
+                                     ceil_mode, indices):
+    return _scatter_plane(grad_output, indices, self.shape, 2)
+
+
+@register(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation,
+                                     ceil_mode, indices):
+    return _scatter_plane(grad_output, indices, self.shape, 3)
+
+
+def _avg_pool(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    k = _tup(kernel_size, nd)
+    s = _tup(stride, nd) if stride else k
+    p = _tup(padding, nd)
+    in_sizes = x.shape[-nd:]
+    wins = _windows(in_sizes, k, s, p, (1,) * nd, ceil_mode)
+    acc = _acc(x.dtype)
+    g, valid = _gather_windows(x.astype(acc), wins, 0)
+    g = _window_last(g, nd)
+    total = jnp.sum(g, -1)
+    if divisor_override:
+        div = np.asarray(divisor_override, dtype=np.float64)
+    elif count_include_pad:
+        # taps inside the padded input (not the ceil_mode overhang)
+        inpad = None
+        for j, (n, (o, idx)) in enumerate(zip(in_sizes, wins)):
+            ok = (idx >= -p[j]) & (idx < n + p[j])
+            shape = [1] * (2 * nd)
+            shape[2 * j], shape[2 * j + 1] = idx.shape
+            okr = ok.reshape(shape)
+            inpad = okr if inpad is None else (inpad & okr)
+        inpad = np.broadcast_to(inpad, [v for o, idx in wins for v in idx.shape])
+        div = _np_window_sum(inpad, nd)
+    else:
+        vshape = [v for o, idx in wins for v in idx.shape]
+        div = _np_window_sum(np.broadcast_to(np.asarray(valid), vshape), nd)
+    return (total / jnp.asarray(div, acc)).astype(x.dtype)
+
+
+def _np_window_sum(mask, nd):
+    axes = tuple(2 * j + 1 for j in range(nd))
+    return mask.sum(axis=axes).astype(np.float64)
+
+
+def _avg_pool_nd(nd):
+    def fwd(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+            divisor_override=None):
+        return _avg_pool(self, nd, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override)
+
+    def bwd(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad,
+            divisor_override):
+        f = lambda x: fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad,  # noqa: E731
+                          divisor_override)
+        (gi,) = jax.linear_transpose(f, jax.ShapeDtypeStruct(self.shape, self.dtype))(
+            grad_output.astype(self.dtype))
+        return gi
+
+    return fwd, bwd
+
+
+avg_pool2d, avg_pool2d_backward = _avg_pool_nd(2)
+avg_pool3d, avg_pool3d_backward = _avg_pool_nd(3)
+register(aten.avg_pool2d.default)(avg_pool2d)
+register(aten.avg_pool2d_backward.default)(avg_pool2d_backward)
+register(aten.avg_pool3d.default)(avg_pool3d)
+register(aten.avg_pool3d_backward.default)(avg_pool3d_backward)
+
+
+def _adaptive_ranges(n, o):
+    start = (np.arange(o) * n) // o
+    end = -((-(np.arange(o) + 1) * n) // o)
+    return start, end
+
+
+def _adaptive_avg(x, output_size, nd):
+    out_sizes = tuple(output_size)
+    acc = _acc(x.dtype)
+    y = x.astype(acc)
+    for j in range(nd):
+        axis = x.ndim - nd + j
+        n = x.shape[axis]
+        o = out_sizes[j] if out_sizes[j] is not None else n
+        st, en = _adaptive_ranges(n, o)
+        m = np.zeros((o, n), dtype=np.float64)
+        for i in range(o):
+            m[i, st[i]:en[i]] = 1.0 / (en[i] - st[i])
+        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(m, acc), axes=[[axis], [1]],
+                                       precision=_precision(acc)), -1, axis)
+    return y.astype(x.dtype)
+
+
+def _adaptive_avg_nd(nd):
+    def fwd(self, output_size):
+        return _adaptive_avg(self, output_size, nd)
+
+    def bwd(grad_output, self):
+        out_sizes = grad_output.shape[-nd:]
+        f = lambda x: _adaptive_avg(x, out_sizes, nd)  # noqa: E731
+        (gi,) = jax.linear_transpose(f, jax.ShapeDtypeStruct(self.shape, self.dtype))(
+            grad_output.astype(self.dtype))
+        return gi
+
+    return fwd, bwd
+
+
+_aap2, _aap2b = _adaptive_avg_nd(2)
+_aap3, _aap3b = _adaptive_avg_nd(3)
+register(aten._adaptive_avg_pool2d.default)(_aap2)
+register(aten._adaptive_avg_pool2d_backward.default)(_aap2b)
+register(aten._adaptive_avg_pool3d.default)(_aap3)
+register(aten._adaptive_avg_pool3d_backward.default)(_aap3b)
+
+
+def _adaptive_max(x, output_size, nd):
+    in_sizes = x.shape[-nd:]
+    wins = []
+    for n, o in zip(in_sizes, output_size):
+        st, en = _adaptive_ranges(n, o)
+        kmax = int((en - st).max())
+        idx = st[:, None] + np.arange(kmax)[None, :]
+        idx = np.where(idx < en[:, None], idx, -1)  # -1: not part of this window
+        wins.append((o, idx))
+    g, valid = _gather_windows(x, wins, _neg_inf(x.dtype))
+    g = _window_last(g, nd)
+    valid = _window_last(jnp.asarray(np.broadcast_to(valid, [v for o, idx in wins for v in idx.shape])), nd)
+    src = _window_last(jnp.asarray(_flat_src_index(wins, in_sizes)), nd)
+    return _argmax_pool(g, valid, src, nd)
+
+
+@register(aten.adaptive_max_pool2d.default)
+def adaptive_max_pool2d(self, output_size):
+    return _adaptive_max(self, tuple(output_size), 2)
+
+
+@register(aten.adaptive_max_pool3d.default)
+def adaptive_max_pool3d(self, output_size):
+    return _adaptive_max(self, tuple(output_size), 3)
+
+
+@register(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _scatter_plane(grad_output, indices, self.shape, 2)
+
+
+@register(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _scatter_plane(grad_output, indices, self.shape, 3)
+
+
+# ---------------------------------------------------------------- normalization
+
+def _bn_axes(x):
+    return (0,) + tuple(range(2, x.ndim))
+
+
+def _bshape(x):
+    return (1, -1) + (1,) * (x.ndim - 2)
+
+
+def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps):
+    acc = _acc(input.dtype)
+    x = input.astype(acc)
+    axes = _bn_axes(x)
+    n = x.size // x.shape[1]
+    mean = jnp.mean(x, axis=axes)
+    var = jnp.mean(jnp.square(x - mean.reshape(_bshape(x))), axis=axes)
+    invstd = lax.rsqrt(var + eps)
+    y = (x - mean.reshape(_bshape(x))) * invstd.reshape(_bshape(x))
+    if weight is not None:
+        y = y * weight.astype(acc).reshape(_bshape(x))
+    if bias is not None:
+        y = y + bias.astype(acc).reshape(_bshape(x))
+    new_rm = new_rv = None
+    if running_mean is not None:
+        new_rm = ((1 - momentum) * running_mean.astype(acc) + momentum * mean).astype(running_mean.dtype)
+    if running_var is not None:
+        unbiased = var * (n / (n - 1)) if n > 1 else jnp.full_like(var, jnp.inf)
+        new_rv = ((1 - momentum) * running_var.astype(acc) + momentum * unbiased).astype(running_var.dtype)
+    return y.astype(input.dtype), mean.astype(input.dtype), invstd.astype(input.dtype), new_rm, new_rv
+
+
+def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
+    acc = _acc(input.dtype)
+    x = input.astype(acc)
+    invstd = lax.rsqrt(running_var.astype(acc) + eps)
+    y = (x - running_mean.astype(acc).reshape(_bshape(x))) * invstd.reshape(_bshape(x))
+    if weight is not None:
+        y = y * weight.astype(acc).reshape(_bshape(x))
+    if bias is not None:
+        y = y + bias.astype(acc).reshape(_bshape(x))
+    empty = jnp.zeros((0,), input.dtype)
+    return y.astype(input.dtype), empty, empty
+
+
+@register(aten.native_batch_norm.default, mutates=("running_mean", "running_var"))
+def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training:
+        return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps) + (None, None)
+
+
+@register(aten._native_batch_norm_legit_functional.default)
+def _native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training,
+                                        momentum, eps):
+    if training:
+        return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps) + (
+        running_mean, running_var)
+
+
+@register(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
+    return _batch_norm_train(input, weight, bias, None, None, momentum, eps)[:3]
+
+
+@register(aten._native_batch_norm_legit_no_training.default)
+def _native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var,
+                                         momentum, eps):
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+
+
+@register(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
+                               save_invstd, train, eps, output_mask):
+    acc = _acc(input.dtype)
+    x = input.astype(acc)
+    g = grad_out.astype(acc)
+    axes = _bn_axes(x)
+    bs = _bshape(x)
+    if train:
+        mean, invstd = save_mean.astype(acc), save_invstd.astype(acc)
+    else:
+        mean = running_mean.astype(acc)
+        invstd = lax.rsqrt(running_var.astype(acc) + eps)
+    xhat = (x - mean.reshape(bs)) * invstd.reshape(bs)
+    sum_g = jnp.sum(g, axis=axes)
+    sum_gx = jnp.sum(g * xhat, axis=axes)
+    w = weight.astype(acc) if weight is not None else jnp.ones(x.shape[1], acc)
+    gi = gw = gb = None
+    if output_mask[0]:
+        if train:
+            n = x.size // x.shape[1]
+            gi = (w * invstd).reshape(bs) * (g - (sum_g / n).reshape(bs) - xhat * (sum_gx / n).reshape(bs))
+        else:
+            gi = g * (w * invstd).reshape(bs)
+        gi = gi.astype(input.dtype)
+    if output_mask[1]:
+        gw = sum_gx.astype(weight.dtype if weight is not None else input.dtype)
+    if output_mask[2]:
+        gb = sum_g.astype(weight.dtype if weight is not None else input.dtype)
+    return gi, gw, gb
+
+
+def _ln_axes(x, normalized_shape):
+    return tuple(range(x.ndim - len(normalized_shape), x.ndim))
+
+
+@register(aten.native_layer_norm.default)
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    acc = _acc(input.dtype)
+    x = input.astype(acc)
+    axes = _ln_axes(x, normalized_shape)
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight.astype(acc)
+    if bias is not None:
+        y = y + bias.astype(acc)
+    return y.astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
+
+
+@register(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias,
+                               output_mask):
+    acc = _acc(input.dtype)
+    x = input.astype(acc)
+    g = grad_out.astype(acc)
+    axes = _ln_axes(x, normalized_shape)
+    batch_axes = tuple(range(x.ndim - len(normalized_shape)))
+    mean, rstd = mean.astype(acc), rstd.astype(acc)
+    xhat = (x - mean) * rstd
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * weight.astype(acc) if weight is not None else g
+        m = math.prod(normalized_shape)
+        gi = rstd * (gx - jnp.sum(gx, axes, keepdims=True) / m
+                     - xhat * (jnp.sum(gx * xhat, axes, keepdims=True) / m))
+        gi = gi.astype(input.dtype)
+    if output_mask[1] and weight is not None:
+        gw = jnp.sum(g * xhat, batch_axes).astype(weight.dtype)
+    if output_mask[2] and bias is not None:
+        gb = jnp.sum(g, batch_axes).astype(bias.dtype)
+    return gi, gw, gb
+
+
+def _group_norm(input, weight, bias, N, C, HxW, group, eps):
+    acc = _acc(input.dtype)
+    x = input.astype(acc).reshape(N, group, -1)
+    mean = jnp.mean(x, axis=-1)
+    var = jnp.mean(jnp.square(x - mean[..., None]), axis=-1)
+    rstd = lax.rsqrt(var + eps)
+    y = ((x - mean[..., None]) * rstd[..., None]).reshape(N, C, -1)
+    if weight is not None:
+        y = y * weight.astype(acc)[None, :, None]
+    if bias is not None:
+        y = y + bias.astype(acc)[None, :, None]
+    return y.reshape(input.shape).astype(input.dtype), mean.astype(input.dtype), rstd.astype(input.dtype)
+
+
+@register(aten.native_group_norm.default)
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    return _group_norm(input, weight, bias, N, C, HxW, group, eps)
+
+
+@register(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    acc = _acc(input.dtype)
+    x = input.astype(acc).reshape(N, group, -1)
+    g = grad_out.astype(acc).reshape(N, C, -1)
+    mean, rstd = mean.astype(acc), rstd.astype(acc)
+    xhat = ((x - mean[..., None]) * rstd[..., None]).reshape(N, C, -1)
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * weight.astype(acc)[None, :, None] if weight is not None else g
+        gx = gx.reshape(N, group, -1)
+        xh = xhat.reshape(N, group, -1)
+        m = gx.shape[-1]
+        gi = rstd[..., None] * (gx - jnp.sum(gx, -1, keepdims=True) / m
+                                - xh * (jnp.sum(gx * xh, -1, keepdims=True) / m))
+        gi = gi.reshape(input.shape).astype(input.dtype)
+    if output_mask[1] and weight is not None:
+        gw = jnp.sum(g * xhat, (0, 2)).astype(weight.dtype)
+    if output_mask[2]:
+        gb = jnp.sum(g, (0, 2)).astype(weight.dtype if weight is not None else input.dtype)
+    return gi, gw, gb
+
+
+if hasattr(aten, "_fused_rms_norm"):
+    @register(aten._fused_rms_norm.default)
+    def _fused_rms_norm(input, normalized_shape, weight, eps):
+        acc = _acc(input.dtype)
+        x = input.astype(acc)
+        axes = _ln_axes(x, normalized_shape)
+        if eps is None:
+            eps = float(jnp.finfo(input.dtype).eps)
+        rstd = lax.rsqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=True) + eps)
+        y = x * rstd
+        if weight is not None:
+            y = y * weight.astype(acc)
+        return y.astype(input.dtype), rstd.astype(acc)
+
+    @register(aten._fused_rms_norm_backward.default)
+    def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+        acc = _acc(input.dtype)
+        x = input.astype(acc)
+        g = grad_out.astype(acc)
+        rstd = rstd.astype(acc)
+        axes = _ln_axes(x, normalized_shape)
+        batch_axes = tuple(range(x.ndim - len(normalized_shape)))
+        xhat = x * rstd
+        gi = gw = None
+        if output_mask[0]:
+            gx = g * weight.astype(acc) if weight is not None else g
+            m = math.prod(normalized_shape)
+            gi = (rstd * (gx - xhat * jnp.sum(gx * xhat, axes, keepdims=True) / m)).astype(input.dtype)
+        if output_mask[1] and weight is not None:
+            gw = jnp.sum(g * xhat, batch_axes).astype(weight.dtype)
+        return gi, gw
+
+
+# ---------------------------------------------------------------- upsampling
+
+def _np_dtype(dtype):
+    return np.float64 if dtype == jnp.float64 else np.float32
+
+
+def _scale(in_size, out_size, align_corners, scale, ftype):
+    """PyTorch's area_pixel_compute_scale."""
+    if align_corners:
+        return ftype(in_size - 1) / ftype(out_size - 1) if out_size > 1 else ftype(0)
+    if scale is not None and scale > 0:
+        return ftype(1.0 / scale)
+    return ftype(in_size) / ftype(out_size)
+
+
+def _nearest_index(in_size, out_size, scale, exact):
+    # PyTorch: compute_scales_value (in/out or 1/scale) then floor(dst * scale) in float
+    s = np.float32(1.0 / scale) if scale is not None and scale > 0 else np.float32(in_size) / np.float32(out_size)
+    dst = np.arange(out_size, dtype=np.float32)
+    if not exact and out_size == in_size:
+        return np.arange(out_size)
+    if not exact and out_size == 2 * in_size:
+        return np.arange(out_size) >> 1
+    if exact:
+        src = np.floor((dst + np.float32(0.5)) * s).astype(np.int64)
+    else:
+        src = np.floor(dst * s).astype(np.int64)
+    return np.minimum(src, in_size - 1)
+
+
+def _upsample_nearest(x, output_size, scales, exact):
+    nd = len(output_size)
+    for j in range(nd):
+        axis = x.ndim - nd + j
+        sc = scales[j] if scales is not None and j < len(scales) else None
+        x = jnp.take(x, _nearest_index(x.shape[axis], output_size[j], sc, exact), axis=axis)
+    return x
+
+
+def _linear_matrix(in_size, out_size, align_corners, scale, ftype):
+    s = _scale(in_size, out_size, align_corners, scale, ftype)
+    dst = np.arange(out_size, dtype=ftype)
+    if align_corners:
+        src = dst * s
+    else:
+        src = np.maximum((dst + ftype(0.5)) * s - ftype(0.5), ftype(0))
+    i0 = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    i1 = np.minimum(i0 + 1, in_size - 1)
+    lam1 = (src - i0.astype(ftype)).astype(ftype)
+    lam0 = (ftype(1) - lam1).astype(ftype)
+    m = np.zeros((out_size, in_size), dtype=ftype)
+    np.add.at(m, (np.arange(out_size), i0), lam0)
+    np.add.at(m, (np.arange(out_size), i1), lam1)
+    return m
+
+
+def _cubic_matrix(in_size, out_size, align_corners, scale, ftype):
+    A = ftype(-0.75)
+    s = _scale(in_size, out_size, align_corners, scale, ftype)
+    dst = np.arange(out_size, dtype=ftype)
+    if align_corners:
+        src = dst * s
+    else:
+        src = (dst + ftype(0.5)) * s - ftype(0.5)
+    fl = np.floor(src)
+    t = (src - fl).astype(ftype)
+    i = fl.astype(np.int64)
+
+    def c1(x):  # |x| <= 1
+        return ((A + 2) * x - (A + 3)) * x * x + 1
+
+    def c2(x):  # 1 < |x| < 2
+        return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
+
+    ws = [c2(t + 1), c1(t), c1(1 - t), c2(2 - t)]
+    m = np.zeros((out_size, in_size), dtype=ftype)
+    for k, w in enumerate(ws):
+        np.add.at(m, (np.arange(out_size), np.clip(i - 1 + k, 0, in_size - 1)), w.astype(ftype))
+    return m
+
+
+def _separable(x, output_size, make, align_corners, scales):
+    nd = len(output_size)
+    acc = _acc(x.dtype)
+    ftype = _np_dtype(acc)
+    y = x.astype(acc)
+    for j in range(nd):
+        axis = x.ndim - nd + j
+        sc = scales[j] if scales is not None and j < len(scales) else None
+        m = make(x.shape[axis], output_size[j], align_corners, sc, ftype)
+        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(m, acc), axes=[[axis], [1]],
+                                       precision=_precision(acc)), -1, axis)
+    return y.astype(x.dtype)
+
+
+def _transpose_of(f, input_size, dtype, grad_output):
+    (gi,) = jax.linear_transpose(f, jax.ShapeDtypeStruct(tuple(input_size), dtype))(grad_output)
+    return gi
+
+
+def _nearest_ops(nd, exact):
+    def fwd(self, output_size, *scales):
+        return _upsample_nearest(self, tuple(output_size), scales, exact)
+
+    def bwd(grad_output, output_size, input_size, *scales):
+        f = lambda x: _upsample_nearest(x, tuple(output_size), scales, exact)  # noqa: E731
+        return _transpose_of(f, input_size, grad_output.dtype, grad_output)
+
+    return fwd, bwd
+
+
+for _nd, _name in ((1, "1d"), (2, "2d"), (3, "3d")):
+    for _exact, _prefix in ((False, "upsample_nearest"), (True, "_upsample_nearest_exact")):
+        _f, _b = _nearest_ops(_nd, _exact)
+        register(getattr(aten, _prefix + _name).default)(_f)
+        register(getattr(aten, _prefix + _name + "_backward").default)(_b)
+
+
+def _interp_ops(make):
+    def fwd(self, output_size, align_corners, *scales):
+        return _separable(self, tuple(output_size), make, align_corners, scales)
+
+    def bwd(grad_output, output_size, input_size, align_corners, *scales):
+        f = lambda x: _separable(x, tuple(output_size), make, align_corners, scales)  # noqa: E731
+        return _transpose_of(f, input_size, grad_output.dtype, grad_output)
+
+    return fwd, bwd
+
+
+for _name, _make in (("upsample_linear1d", _linear_matrix), ("upsample_bilinear2d", _linear_matrix),
+                     ("upsample_trilinear3d", _linear_matrix), ("upsample_bicubic2d", _cubic_matrix)):
+    _f, _b = _interp_ops(_make)
+    register(getattr(aten, _name).default)(_f)
+    register(getattr(aten, _name + "_backward").default)(_b)

@@ -28,6 +28,13 @@ Flags (the executors read them; no op is special-cased inside an executor):
   never binds them, because an eager view must alias its base (PyTorch's metadata kernels).
 - ``scalar_args``: names of float/int arguments passed as traced 0-d values instead of static
   ones, so changing them (a learning rate) does not recompile.
+- ``mutates``: names of arguments the op writes although its schema does not say so
+  (``native_batch_norm`` updates ``running_mean``/``running_var``). The lowering returns the op's
+  results followed by the new value of each named argument (``None``: leave it as is); the
+  executors write those values back and return only the op's results.
+
+Non-array results (a ``SymInt`` return such as ``max_q`` of the fused attention ops) are Python
+values computed from static information (shapes): the lowering returns them as Python ints.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class Lowering:
     random: bool = False
     dynamic_shape: object = False  # bool, or a predicate (args, kwargs) -> bool
     scalar_args: tuple = ()
+    mutates: tuple = ()
     meta: dict = field(default_factory=dict)
 
     @property
@@ -70,7 +78,7 @@ def _overloads(op) -> list[OpOverload]:
     raise TypeError(f"cannot register a lowering for {op!r}")
 
 
-def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=()):
+def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=()):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
@@ -80,7 +88,8 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=()):
     def deco(fn):
         for op in ops:
             for ov in _overloads(op):
-                LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args))
+                LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
+                                         tuple(mutates))
         return fn
 
     return deco
