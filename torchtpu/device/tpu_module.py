@@ -337,6 +337,8 @@ class _Module(type(torch)):
         _modes._set(mode)
 
 
+from .. import pallas  # noqa: E402  (torch.tpu.pallas.jax_op)
+
 import sys as _sys
 
 _sys.modules[__name__].__class__ = _Module
