@@ -114,7 +114,10 @@ def host_to_device(src: torch.Tensor, device_index: int = 0):
         host = src.contiguous().numpy()
     count("bytes_host_to_device", host.nbytes)
     count("transfers_host_to_device")
-    return jax.device_put(host, _devices.jax_device(device_index))
+    # A private copy: jax's CPU client aliases suitably aligned host memory on device_put (even
+    # with may_alias=False, jax 0.10.2), so a later in-place change of ``src`` on CPU would
+    # change the device value.
+    return jax.device_put(np.array(host, copy=True), _devices.jax_device(device_index))
 
 
 def device_to_host(value) -> torch.Tensor:
