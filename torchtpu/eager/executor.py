@@ -33,8 +33,49 @@ class _Slot:
         self.i = i
 
 
+class Traced:
+    """A Python scalar (or list of scalars) passed to the program as a traced value, not baked
+    into it (registry flag ``scalar_args``): changing it does not recompile."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def flat(self):
+        v = self.value
+        if type(v) is list or type(v) is tuple:
+            return np.asarray(v)  # one argument for a whole Scalar[] (a foreach step size)
+        return v  # a Python scalar: jax makes it a weakly typed 0-d value
+
+    def key(self):
+        v = self.value
+        if type(v) is list or type(v) is tuple:
+            return (Traced, len(v), type(v[0]) if v else None)
+        return (Traced, type(v))
+
+
+def _trace_scalars(lowering, args, kwargs):
+    """Wrap the lowering's ``scalar_args`` in Traced."""
+    pos = lowering.meta.get("scalar_pos")
+    if pos is None:
+        names = [a.name for a in lowering.op._schema.arguments]
+        pos = lowering.meta["scalar_pos"] = tuple(
+            (names.index(n), n) for n in lowering.scalar_args if n in names)
+    args = list(args)
+    kwargs = dict(kwargs)
+    for i, name in pos:
+        if i < len(args):
+            if args[i] is not None and not isinstance(args[i], Tensor):
+                args[i] = Traced(args[i])
+        elif kwargs.get(name) is not None and not isinstance(kwargs[name], Tensor):
+            kwargs[name] = Traced(kwargs[name])
+    return tuple(args), kwargs
+
+
 def _key(x, tensors):
-    """Hashable static key of one argument; appends its tensors to ``tensors``."""
+    """Hashable static key of one argument; appends its tensors (and Traced scalars) to
+    ``tensors``."""
     tx = type(x)
     if tx is int or x is None or tx is str:
         return x
@@ -45,6 +86,9 @@ def _key(x, tensors):
     if isinstance(x, Tensor):
         tensors.append(x)
         return Tensor
+    if tx is Traced:
+        tensors.append(x)
+        return x.key()
     if tx is list or tx is tuple:
         return tuple([_key(e, tensors) for e in x])
     return x
@@ -52,7 +96,7 @@ def _key(x, tensors):
 
 def _skeleton(x, counter):
     """The argument with each tensor replaced by a _Slot (built at a cache miss only)."""
-    if isinstance(x, Tensor):
+    if isinstance(x, Tensor) or type(x) is Traced:
         s = _Slot(counter[0])
         counter[0] += 1
         return s
@@ -217,15 +261,22 @@ _DEBUG = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
 _mode_state = modes._state
 
 
-def _array_of(t, lowering, tensors):
-    """The storage array of a tensor argument (a 0-dim CPU tensor is accepted as a scalar,
-    as CUDA does); PyTorch's device-mismatch error otherwise."""
-    try:
-        return t.untyped_storage()._tpu_buffer.array
-    except AttributeError:
-        if t.device.type == "cpu" and t.dim() == 0:
-            return _copy.host_to_device(t)
-        raise _device_error(lowering, tensors) from None
+# PyTorch wraps a Python number operand (``x * 0.5``) in a 0-dim CPU tensor of one of these
+# dtypes; Python gives no way to ask whether a tensor is such a "wrapped number", so any 0-dim
+# CPU tensor of these dtypes is passed as a weakly typed scalar (promotes like the number).
+_WRAPPED_DTYPES = {torch.float64: float, torch.int64: int, torch.bool: bool,
+                   torch.complex128: complex}
+
+
+def cpu_scalar(t, lowering, tensors):
+    """A 0-dim CPU tensor operand of a tpu op (CUDA accepts these too), as a jit argument;
+    PyTorch's device-mismatch error for any other non-tpu tensor."""
+    if t.device.type == "cpu" and t.dim() == 0:
+        conv = _WRAPPED_DTYPES.get(t.dtype)
+        if conv is not None and not t.requires_grad:
+            return conv(t.item())
+        return _copy.host_to_device(t)
+    raise _device_error(lowering, tensors)
 
 
 def spec_for(t, arr):
@@ -254,6 +305,8 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
+    if lowering.scalar_args:
+        args, kwargs = _trace_scalars(lowering, args, kwargs)
     tensors: list = []
     key_args = _key(args, tensors)
     key_kwargs = tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
@@ -261,7 +314,16 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     specs = []
     offs = None
     for t in tensors:
-        arr = _array_of(t, lowering, tensors)
+        if type(t) is Traced:
+            flat.append(t.flat())
+            specs.append(None)
+            continue
+        try:
+            arr = t.untyped_storage()._tpu_buffer.array
+        except AttributeError:
+            flat.append(cpu_scalar(t, lowering, tensors))
+            specs.append(None)
+            continue
         flat.append(arr)
         # spec_for's fast path, inlined: this loop runs for every tensor of every op
         if t.storage_offset() == 0 and arr.shape == t.shape and _NP[t.dtype] == arr.dtype \
@@ -296,7 +358,7 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     if kind == FUNCTIONAL:
         if type(out) is tuple or type(out) is list:
             return type(out)(_result(o) for o in out)
-        return _wrap(out)
+        return _result(out)
     if kind == FUNCTIONAL_RAW:
         if type(out) is tuple or type(out) is list:
             return type(out)(o.value if type(o) is _Static else o for o in out)
@@ -321,7 +383,7 @@ def run_dynamic(lowering, kind, args, kwargs):
     if kind == FUNCTIONAL:
         if type(out) is tuple or type(out) is list:
             return type(out)(_result(o) for o in out)
-        return _wrap(out)
+        return _result(out)
     if kind == FUNCTIONAL_RAW:
         return out
     news = out if isinstance(out, (list, tuple)) else (out,)

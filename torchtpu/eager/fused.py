@@ -96,10 +96,22 @@ _PROGRAMS: dict = {}  # fingerprint -> jitted program
 _flushing = [False]
 
 
-def _aval_of_flat(x):
-    if isinstance(x, PendingBuffer):
-        return x.aval
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+_AVAL_CACHE: dict = {}
+
+
+def _aval(shape, dtype):
+    """A cached ShapeDtypeStruct (hashable; constructing one costs microseconds)."""
+    a = _AVAL_CACHE.get((shape, dtype))
+    if a is None:
+        a = _AVAL_CACHE[(shape, dtype)] = jax.ShapeDtypeStruct(shape, dtype)
+    return a
+
+
+def _scalar_aval(v):
+    """The abstract value jit gives a scalar argument: Python numbers are weakly typed."""
+    if isinstance(v, (bool, int, float, complex)):
+        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(v)), weak_type=True)
+    return jax.ShapeDtypeStruct(np.shape(v), v.dtype)
 
 
 def record(lowering, kind, args, kwargs):
@@ -112,6 +124,8 @@ def record(lowering, kind, args, kwargs):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
+    if lowering.scalar_args:
+        args, kwargs = executor._trace_scalars(lowering, args, kwargs)
     tensors: list = []
     key_args = executor._key(args, tensors)
     key_kwargs = tuple([(k, executor._key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
@@ -120,23 +134,27 @@ def record(lowering, kind, args, kwargs):
     specs = []
     offs = []
     for t in tensors:
+        if type(t) is executor.Traced:
+            v = t.flat()
+            refs.append(g.input_ref(v))
+            flat_avals.append(_scalar_aval(v))
+            specs.append(None)
+            continue
         try:
             buf = t.untyped_storage()._tpu_buffer
         except AttributeError:
-            if t.device.type == "cpu" and t.dim() == 0:
-                arr = executor._array_of(t, lowering, tensors)
-                refs.append(g.input_ref(arr))
-                flat_avals.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
-                specs.append(None)
-                continue
-            raise executor._device_error(lowering, tensors) from None
+            v = executor.cpu_scalar(t, lowering, tensors)
+            refs.append(g.input_ref(v))
+            flat_avals.append(_scalar_aval(v))
+            specs.append(None)
+            continue
         if type(buf) is PendingBuffer and buf.pending:
             refs.append(("n",) + buf.ref)
             aval = buf.aval
         else:
             arr = buf.array
             refs.append(g.input_ref(arr))
-            aval = jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+            aval = _aval(arr.shape, arr.dtype)
         flat_avals.append(aval)
         spec, off = executor.spec_for(t, aval)
         specs.append(spec)
@@ -146,13 +164,13 @@ def record(lowering, kind, args, kwargs):
     for off in offs:
         a = np.asarray(off, dtype=np.int64)
         refs.append(g.input_ref(a))
-        flat_avals.append(jax.ShapeDtypeStruct((), np.int64))
+        flat_avals.append(_aval((), np.dtype(np.int64)))
     if lowering.random:
         words = executor._rng.next_state(gen)
         refs.append(g.input_ref(words))
         flat_avals.append(jax.ShapeDtypeStruct(words.shape, words.dtype))
     skey = (lowering, kind, key_args, key_kwargs, specs)
-    akey = (skey, tuple((a.shape, a.dtype) for a in flat_avals))
+    akey = (skey, tuple(flat_avals))
     hit = _AVALS.get(akey)
     if hit is None:
         ws = executor._write_slots(kind, args, kwargs)

@@ -33,6 +33,14 @@ def _result_type_key(key):
         *operands, type_promotion_kind=pc.ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
 
 
+_WEAK_PROXY = {"b": True, "i": 1, "u": 1, "f": 1.0, "c": 1j}
+
+
+def _weak(a) -> bool:
+    aval = getattr(a, "aval", None)
+    return bool(getattr(aval if aval is not None else a, "weak_type", False))
+
+
 def result_type(*args) -> torch.dtype:
     """PyTorch's type promotion over arrays and Python scalars (torch.result_type rules)."""
     key = []
@@ -40,6 +48,10 @@ def result_type(*args) -> torch.dtype:
         if a is None:
             continue
         if is_array(a):
+            if a.ndim == 0 and _weak(a):
+                # a traced Python number (a wrapped-number operand or a scalar_args value)
+                key.append(("s", _WEAK_PROXY[jnp.dtype(a.dtype).kind]))
+                continue
             key.append(("t", (to_torch(a.dtype), a.ndim == 0)))
         else:
             key.append(("s", a))
