@@ -166,6 +166,52 @@ def _equal(a, b):
     return bool(aten.eq.Tensor(a, b).all().item())
 
 
+# ---- F.scaled_dot_product_attention routing (added by the nn developer) ----
+# PyTorch picks the SDPA backend through _fused_sdp_choice_stub, a C++ DispatchStub that only C++
+# code can register for PrivateUse1 (binding the aten::_fused_sdp_choice op is not consulted), so
+# every tpu SDPA would take the unfused math path (a dozen ops, the L x S weights materialised
+# between them). This kernel, bound to PrivateUse1 and AutogradPrivateUse1 of the
+# CompositeImplicitAutograd op aten::scaled_dot_product_attention, does what PyTorch's composite
+# does when the choice is OVERRIDEABLE: call _scaled_dot_product_fused_attention_overrideable
+# (lowered in lowering/attention.py; autograd uses its derivative formula, i.e. the lowered
+# backward op). Inputs the fused op does not cover, or the overrideable backend disabled through
+# torch.nn.attention.sdpa_kernel, take PyTorch's own math path (same results and errors).
+
+def _sdpa_fused_ok(q, k, v, attn_mask, is_causal, enable_gqa):
+    if not torch._C._get_overrideable_sdp_enabled():
+        return False
+    if q.is_nested or k.is_nested or v.is_nested or q.dim() < 3:
+        return False
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        return False
+    if not (q.dim() == k.dim() == v.dim()) or q.shape[:-3] != k.shape[:-3] or k.shape[:-1] != v.shape[:-1]:
+        return False
+    if q.shape[-1] != k.shape[-1]:
+        return False
+    hq, hk = q.shape[-3], k.shape[-3]
+    if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
+        return False
+    if attn_mask is not None:
+        if is_causal or attn_mask.device != q.device:
+            return False
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            return False
+    return True
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    if _sdpa_fused_ok(query, key, value, attn_mask, is_causal, enable_gqa):
+        return aten._scaled_dot_product_fused_attention_overrideable(
+            query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device
+                                ).masked_fill_(attn_mask.logical_not(), float("-inf"))
+    return aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+        enable_gqa=enable_gqa)[0]
+
+
 def bind_runtime() -> None:
     for op in VIEW_OPS:
         _bind(op, _redispatch_cpu(op))
@@ -177,3 +223,6 @@ def bind_runtime() -> None:
     _bind(aten._copy_from_and_resize.default, _copy_from_and_resize)
     _bind(aten.resize_.default, _resize_)
     _bind(aten.equal.default, _equal)
+    # SDPA routing (see _sdpa above): the autograd key too, so autograd sees the fused op
+    _bind(aten.scaled_dot_product_attention.default, _sdpa)
+    _lib.impl("scaled_dot_product_attention", skip(_sdpa), "AutogradPrivateUse1")
