@@ -7,9 +7,10 @@ compile-cache key; the storage offset of a strided view is a traced argument, so
 spec None           the tensor is the array exactly
 spec ("r", shape)   contiguous over the whole storage: a reshape
 spec ("s", shape, strides)   anything else: a gather at offset + sum(i_k * stride_k)
-spec ("b", dtype, inner)     the tensor's dtype differs from the array's (``x.view(torch.int32)``,
-                    the uint8 views that storage copies and torch.save make): the storage's
-                    bytes are reinterpreted as a flat array of ``dtype``, then ``inner`` applies
+spec ("b", dtype, inner, off)  the tensor's dtype differs from the array's (``x.view(torch.int32)``,
+                    a raw uint8 view of a storage): the storage's bytes are reinterpreted as a
+                    flat array of ``dtype``, then ``inner`` applies at static offset ``off``
+                    (these views are rare: the offset is part of the key, no traced offset)
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def spec_of(t, arr):
     have = arr.dtype
     if want is not have and want != have and want is not None:
         inner, ioff = _spec_flat(t, arr.size * have.itemsize // want.itemsize)
-        return ("b", want, inner), ioff
+        return ("b", want, inner, ioff), None
     if off == 0 and t.is_contiguous():
         if arr.shape == shape:
             return None, None
@@ -94,7 +95,7 @@ def read(arr, spec, offset):
     if spec[0] == "r":
         return arr.reshape(spec[1])
     if spec[0] == "b":
-        return read(bitcast_flat(arr, spec[1]), spec[2], offset)
+        return read(bitcast_flat(arr, spec[1]), spec[2], spec[3])
     _, shape, strides = spec
     flat = arr.reshape(-1)
     if 0 in shape:
@@ -105,7 +106,7 @@ def read(arr, spec, offset):
 def write(arr, spec, offset, value):
     """The storage array after assigning ``value`` (already cast/broadcast) into the view."""
     if spec is not None and spec[0] == "b":
-        new = write(bitcast_flat(arr, spec[1]), spec[2], offset, value)
+        new = write(bitcast_flat(arr, spec[1]), spec[2], spec[3], value)
         return bitcast_flat(new, arr.dtype).reshape(arr.shape)
     value = value.astype(arr.dtype)
     if spec is None:
