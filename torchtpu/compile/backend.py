@@ -99,6 +99,8 @@ class CompiledGraph:
                 sig.append(("s", type(a), a))
         arr = None
         donate = self._donatable(args, arrays, slots) if self.mutated else ()
+        if donate:
+            COUNTERS["compile_donated_buffers"] += len(donate)
         key = (tuple(sig), tuple(donate))
         entry = self.entries.get(key)
         if entry is None:

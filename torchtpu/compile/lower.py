@@ -84,6 +84,9 @@ class GraphLowering:
             if n.op != "call_function" or not isinstance(n.target, OpOverload):
                 continue
             low = registry.get(n.target)
+            if low is None and _is_inplace(n.target):
+                f = _functional_of(n.target)
+                low = registry.get(f) if f is not None else None
             if low is not None and low.random:
                 self.random_nodes.append(n)
             if _is_inplace(n.target) or n.target is aten.copy_.default:
@@ -140,8 +143,8 @@ class GraphLowering:
                     continue
                 if n.op != "call_function":
                     raise Unsupported(f"{self.name}: FX node kind {n.op} ({n.target})")
-                args = torch.fx.node.map_arg(n.args, env.__getitem__)
-                kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+                args = _plain(torch.fx.node.map_arg(n.args, env.__getitem__))
+                kwargs = _plain(torch.fx.node.map_arg(n.kwargs, env.__getitem__))
                 env[n] = lowering._eval(n, args, kwargs, rng, mutated_vals)
             flat_outs = []
             const_outs = []
@@ -190,8 +193,9 @@ class GraphLowering:
             new = jnp.broadcast_to(src.astype(dst.dtype), dst.shape)
             mutated_vals[self.ph_index[n.args[0]]] = new
             return new
-        if _is_inplace(target) and registry.get(target) is None:
-            func = _functional_of(target)
+        if _is_inplace(target):
+            # a direct in-place lowering returns the new value of self; else use the functional op
+            func = target if registry.get(target) is not None else _functional_of(target)
             if func is None:
                 raise Unsupported(f"{self.name}: in-place op {op_name(target)} has no functional form")
             new = self._call(n, func, args, kwargs, rng)
@@ -258,6 +262,18 @@ class GraphLowering:
 
         res = jax.pure_callback(host, tuple(shapes), *arrays, vmap_method="sequential")
         return jax.tree_util.tree_unflatten(out_tree, list(res))
+
+
+def _plain(x):
+    """FX's immutable containers -> plain list/tuple/dict (what kernels receive)."""
+    t = type(x)
+    if t is tuple:
+        return tuple(_plain(e) for e in x)
+    if isinstance(x, list):
+        return [_plain(e) for e in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
 
 
 def _is_array(x) -> bool:

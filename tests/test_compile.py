@@ -1,0 +1,271 @@
+"""torch.compile(backend="tpu"): results match PyTorch on CPU; caches, mutation, RNG, options.
+
+Small models only: every test compiles a few XLA programs on a 2-core machine.
+"""
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+
+from torchtpu.runtime.metrics import COUNTERS
+
+TPU = torch.device("tpu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "xla-cache"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _pair(make, seed=0):
+    torch.manual_seed(seed)
+    cpu = make()
+    tpu = make().to(TPU)
+    tpu.load_state_dict(cpu.state_dict())
+    return cpu, tpu
+
+
+def _close(a, b, atol=1e-5, rtol=1e-5):
+    torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=atol, rtol=rtol)
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                               torch.nn.Linear(16, 4))
+
+
+def _bn_net():
+    # no bias before BatchNorm: its gradient is ~0 and Adam would amplify rounding noise
+    return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("ctx", ["no_grad", "inference_mode"])
+def test_inference_matches_cpu(ctx):
+    cpu, tpu = _pair(_bn_net)
+    cpu.eval()
+    tpu.eval()
+    x = torch.randn(5, 8)
+    cm = torch.compile(tpu, backend="tpu")
+    manager = torch.no_grad if ctx == "no_grad" else torch.inference_mode
+    with manager():
+        _close(cpu(x), cm(x.to(TPU)))
+        _close(cpu(2 * x), cm((2 * x).to(TPU)))
+
+
+def test_training_forward_backward_matches_cpu():
+    cpu, tpu = _pair(_mlp)
+    x = torch.randn(6, 8)
+    cm = torch.compile(tpu, backend="tpu")
+    out_c = cpu(x)
+    out_t = cm(x.to(TPU))
+    _close(out_c, out_t)
+    out_c.square().sum().backward()
+    out_t.square().sum().backward()
+    for pc, pt in zip(cpu.parameters(), tpu.parameters()):
+        _close(pc.grad, pt.grad, atol=1e-5, rtol=1e-4)
+    assert COUNTERS["compile_graphs"] >= 2  # forward and backward graphs
+
+
+def _train_step(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_full_step_with_foreach_adamw_matches_cpu_and_donates():
+    cpu, tpu = _pair(_bn_net)
+    opt_c = torch.optim.AdamW(cpu.parameters(), lr=1e-2, foreach=True)
+    opt_t = torch.optim.AdamW(tpu.parameters(), lr=1e-2, foreach=True)
+    step = torch.compile(_train_step, backend="tpu")
+    donated0 = COUNTERS["compile_donated_buffers"]
+    for i in range(3):
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        lc = _train_step(cpu, opt_c, x, y)
+        lt = step(tpu, opt_t, x.to(TPU), y.to(TPU))
+        _close(lc, lt, atol=1e-5, rtol=1e-4)
+    for (k, a), (_, b) in zip(cpu.state_dict().items(), tpu.state_dict().items()):
+        torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+    # optimizer state and BatchNorm statistics are overwritten in place: their buffers are donated
+    assert COUNTERS["compile_donated_buffers"] > donated0
+
+
+def test_donated_input_buffer_is_reused_and_other_holders_are_safe():
+    from torchtpu.runtime.buffer import buffer_of
+
+    @torch.compile(backend="tpu")
+    def bump(state, x):
+        state.add_(x)
+        return state * 2
+
+    s = torch.zeros(4, device=TPU)
+    x = torch.ones(4, device=TPU)
+    old = buffer_of(s).array
+    del old  # only the tensor holds the buffer: it may be donated
+    bump(s, x)
+    bump(s, x)
+    _close(torch.full((4,), 2.0), s)
+    # a second tensor sharing the same jax array (copy_ shares immutable arrays) stays valid
+    t = torch.empty(4, device=TPU)
+    t.copy_(s)
+    out = bump(s, x)
+    _close(torch.full((4,), 2.0), t)
+    _close(torch.full((4,), 3.0), s)
+    _close(torch.full((4,), 6.0), out)
+
+
+def test_graph_break_and_fullgraph_error():
+    def f(x):
+        y = x.sin() * 2
+        torch._dynamo.graph_break()
+        return y + x.cos()
+
+    x = torch.randn(7)
+    before = COUNTERS["compile_graphs"]
+    _close(f(x), torch.compile(f, backend="tpu")(x.to(TPU)))
+    assert COUNTERS["compile_graphs"] - before == 2
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
+        torch.compile(f, backend="tpu", fullgraph=True)(x.to(TPU))
+
+
+def test_dropout_reproducible_and_same_as_eager():
+    def f(x):
+        return torch.nn.functional.dropout(x, p=0.5, training=True) * 3
+
+    cf = torch.compile(f, backend="tpu")
+    x = torch.randn(64, device=TPU)
+    torch.manual_seed(123)
+    a = cf(x).cpu()
+    b = cf(x).cpu()
+    torch.manual_seed(123)
+    a2 = cf(x).cpu()
+    torch.manual_seed(123)
+    e = f(x).cpu()
+    assert torch.equal(a, a2)
+    assert not torch.equal(a, b)  # the generator advances between steps
+    assert torch.equal(a, e)  # compiled or not, the same seed gives the same mask
+    kept = a != 0
+    torch.testing.assert_close(a[kept], (x.cpu() * 6)[kept])
+
+
+def test_recompiles_only_on_new_shapes_or_dtypes():
+    @torch.compile(backend="tpu")
+    def f(x):
+        return (x * 2).sum(0)
+
+    c0 = COUNTERS["xla_compiles"]
+    f(torch.randn(3, 4, device=TPU))
+    f(torch.randn(3, 4, device=TPU))
+    assert COUNTERS["xla_compiles"] - c0 == 1
+    f(torch.randn(5, 4, device=TPU))
+    assert COUNTERS["xla_compiles"] - c0 == 2
+    out = f(torch.randn(5, 4, device=TPU, dtype=torch.float64))
+    assert out.dtype == torch.float64
+    assert COUNTERS["xla_compiles"] - c0 == 3
+
+
+def test_mark_dynamic_is_specialised_with_a_message():
+    @torch.compile(backend="tpu", dynamic=True)
+    def f(x):
+        return x.relu() + x.shape[0]
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n in (3, 5):
+            x = torch.randn(n, 2)
+            _close(x.relu() + n, f(x.to(TPU)))
+    assert any("specialised" in str(m.message) for m in w)
+
+
+def test_mode_and_unknown_options_are_ignored_with_warning():
+    cpu, tpu = _pair(_mlp)
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match="does not apply"):
+        cm = torch.compile(tpu, backend="tpu", options={"triton.cudagraphs": True})
+        _close(cpu(x), cm(x.to(TPU)))
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="max-autotune"):
+        cm = torch.compile(tpu, backend="tpu", mode="max-autotune")
+        _close(cpu(x), cm(x.to(TPU)))
+
+
+def test_default_backend_is_tpu_for_tpu_inputs():
+    cpu, tpu = _pair(_mlp)
+    x = torch.randn(3, 8)
+    before = COUNTERS["compile_graphs"]
+    _close(cpu(x), torch.compile(tpu)(x.to(TPU)))  # a module on tpu
+
+    def f(a):
+        return a.exp() + 1
+
+    _close(f(x), torch.compile(f)(x.to(TPU)))  # a function with tpu inputs
+    assert COUNTERS["compile_graphs"] - before == 2
+
+
+def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "c"))
+
+    def f(x):
+        return (x @ x.T).tanh()
+
+    x = torch.randn(4, 4)
+    ref = f(x)
+    _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
+    files = [os.path.join(d, n) for d, _, ns in os.walk(tmp_path / "c") for n in ns]
+    assert len(files) == 1
+    torch._dynamo.reset()
+    hits, compiles = COUNTERS["compile_disk_cache_hits"], COUNTERS["xla_compiles"]
+    _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
+    assert COUNTERS["compile_disk_cache_hits"] == hits + 1
+    assert COUNTERS["xla_compiles"] == compiles
+    with open(files[0], "r+b") as fh:  # corrupt the payload
+        fh.seek(60)
+        fh.write(b"garbage" * 20)
+    torch._dynamo.reset()
+    errors = COUNTERS["compile_disk_cache_errors"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
+    assert COUNTERS["compile_disk_cache_errors"] == errors + 1
+    assert COUNTERS["xla_compiles"] == compiles + 1
+
+
+def test_persistent_cache_across_processes(tmp_path):
+    code = (
+        "import torch\n"
+        "f = torch.compile(lambda x: (x * 3).sin(), backend='tpu')\n"
+        "print(float(f(torch.ones(3, device='tpu')).sum().cpu()))\n"
+        "c = torch.tpu.metrics()['counters']\n"
+        "print(c.get('xla_compiles', 0), c.get('compile_disk_cache_hits', 0))\n")
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "p"))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split("\n") for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == "1 0"
+    assert runs[1][1] == "0 1"
+
+
+def test_custom_compiler_options():
+    def f(x):
+        return x.exp() * 2
+
+    x = torch.randn(5)
+    c0 = COUNTERS["xla_compiles"]
+    with torch.tpu.compiler.custom_compiler_options({"xla_cpu_enable_fast_math": False}):
+        assert torch.tpu.compiler.get_custom_compiler_options() == {
+            "xla_cpu_enable_fast_math": False}
+        _close(f(x), torch.compile(f, backend="tpu")(x.to(TPU)))
+    assert torch.tpu.compiler.get_custom_compiler_options() == {}
+    torch._dynamo.reset()
+    _close(f(x), torch.compile(f, backend="tpu")(x.to(TPU)))
+    assert COUNTERS["xla_compiles"] - c0 == 2  # the options are part of the cache key
