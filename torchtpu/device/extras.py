@@ -385,6 +385,41 @@ def _install_pin_memory() -> None:
     torch.Tensor.is_pinned = _is_pinned
 
 
+# ---------------------------------------------------------------- non_blocking copies
+
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    """aten::_to_copy for a tpu ``self``. PyTorch's composite allocates a pinned CPU output
+    for ``non_blocking`` device-to-host copies, which needs a C++ pinned allocator we cannot
+    provide. A device-to-host copy of a jax array completes before it returns anyway, so the
+    result is ready (and correct) whatever ``non_blocking`` says; host-to-device copies
+    (jax.device_put) stay asynchronous."""
+    if layout not in (None, torch.strided):
+        raise RuntimeError(f"_to_copy: layout {layout} is not supported on tpu")
+    dt = self.dtype if dtype is None else dtype
+    dev = self.device if device is None else torch.device(device)
+    mf = torch.preserve_format if memory_format is None else memory_format
+    out = torch.empty_like(self, dtype=dt, device=dev, memory_format=mf)
+    out.copy_(self)
+    if pin_memory and dev.type == "cpu":
+        out.untyped_storage()._tpu_pinned = True
+    return out
+
+
+_kernel_libs: list = []
+
+
+def _install_kernels() -> None:
+    from ..eager.dynamo_skip import skip
+
+    lib = torch.library.Library("aten", "IMPL")
+    _kernel_libs.append(lib)
+    try:
+        lib.impl("_to_copy", skip(_to_copy), "PrivateUse1")
+    except RuntimeError:
+        pass  # a kernel of the eager layer already handles it
+
+
 # ---------------------------------------------------------------- install
 
 def install() -> None:
@@ -393,6 +428,7 @@ def install() -> None:
     _install_serialization()
     _wrap_accelerator()
     _install_pin_memory()
+    _install_kernels()
     from . import autocast
 
     autocast.install()

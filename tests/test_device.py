@@ -1,0 +1,486 @@
+"""The PyTorch-facing device layer: torch.tpu, torch.accelerator, Generator, streams/events,
+memory statistics, pinned memory, autocast, errors, jax_op, the environment report.
+
+Every check compares with what PyTorch does on CPU (or what CUDA documents)."""
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+import torch
+import torch.nn.functional as F
+
+tpu = torch.tpu
+DEV = torch.device("tpu", 0)
+
+
+# ---------------------------------------------------------------- devices
+
+def test_module_and_availability():
+    assert torch.tpu is sys.modules["torchtpu.device.tpu_module"]
+    assert tpu.is_available()
+    assert tpu.device_count() == len(jax.local_devices(backend=jax.default_backend()))
+    assert torch.accelerator.current_accelerator() == torch.device("tpu")
+    assert torch.accelerator.device_count() == tpu.device_count()
+
+
+def test_current_device_and_context():
+    assert tpu.current_device() == 0
+    with tpu.device(0):
+        assert tpu.current_device() == 0
+    with tpu.device_of(torch.ones(1, device="tpu")):
+        assert tpu.current_device() == 0
+    tpu.set_device("tpu:0")
+    assert tpu.current_device() == 0
+
+
+def test_invalid_device_index():
+    n = tpu.device_count()
+    with pytest.raises(RuntimeError, match=f"tpu:{n}"):
+        tpu.set_device(n)
+    with pytest.raises(RuntimeError, match="Invalid device ordinal"):
+        torch.ones(2, device=f"tpu:{n + 3}")
+    with pytest.raises(ValueError):
+        tpu.get_device_name("cpu")
+
+
+def test_device_name_and_properties():
+    jd = jax.local_devices(backend=jax.default_backend())[0]
+    assert tpu.get_device_name() == jd.device_kind
+    assert tpu.get_device_name(0) == tpu.get_device_name("tpu:0")
+    p = tpu.get_device_properties(0)
+    assert p.name == jd.device_kind
+    assert p.platform == jd.platform
+    assert p.total_memory > 0
+    assert "total_memory" in repr(p)
+    assert tpu.is_bf16_supported()
+    assert torch.bfloat16 in tpu.get_amp_supported_dtype()
+
+
+# ---------------------------------------------------------------- errors and printing
+
+def test_repr_shows_device():
+    x = torch.tensor([1.0, 2.0], device="tpu")
+    assert repr(x) == "tensor([1., 2.], device='tpu:0')"
+
+
+def test_numpy_error_like_cuda():
+    x = torch.ones(2, device="tpu")
+    with pytest.raises(TypeError) as e:
+        x.numpy()
+    assert str(e.value) == ("can't convert tpu:0 device type tensor to numpy. Use Tensor.cpu() "
+                            "to copy the tensor to host memory first.")
+
+
+def test_mixing_devices():
+    a = torch.arange(6.0).reshape(2, 3)
+    x = a.to("tpu")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x + torch.ones(2, 3)
+    # a 0-dim CPU tensor is a scalar, as on CUDA
+    s = torch.tensor(2.5)
+    torch.testing.assert_close((x * s).cpu(), a * s)
+    assert (x * s).device == DEV
+
+
+def test_unsupported_dtype():
+    with pytest.raises(TypeError, match="complex32.*tpu"):
+        torch.zeros(2, dtype=torch.complex32, device="tpu")
+
+
+# ---------------------------------------------------------------- views of other dtypes
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.int32), (torch.float32, torch.uint8),
+                                     (torch.int64, torch.float32), (torch.bfloat16, torch.int16),
+                                     (torch.complex64, torch.float32), (torch.bool, torch.uint8),
+                                     (torch.uint8, torch.float32)])
+def test_view_dtype_reinterprets_bytes(src, dst):
+    base = torch.arange(16).to(src) if src != torch.bool else torch.arange(16) % 3 == 0
+    if src.is_complex:
+        base = torch.complex(torch.arange(8.0), -torch.arange(8.0))
+    x = base.to("tpu")
+    v = x.view(dst)
+    torch.testing.assert_close(v.cpu(), base.view(dst), equal_nan=True)
+    torch.testing.assert_close((v[1:3] * 1).cpu(), base.view(dst)[1:3] * 1, equal_nan=True)
+
+
+def test_write_through_dtype_view():
+    base = torch.arange(6.0)
+    x = base.to("tpu")
+    u = x.view(torch.uint8)
+    patch = torch.tensor([0, 0, 128, 63], dtype=torch.uint8)  # 1.0f little-endian
+    u[0:4] = patch.to("tpu")
+    base.view(torch.uint8)[0:4] = patch
+    torch.testing.assert_close(x.cpu(), base)
+    x.view(torch.int32).add_(1)
+    base.view(torch.int32).add_(1)
+    torch.testing.assert_close(x.cpu(), base)
+
+
+# ---------------------------------------------------------------- RNG
+
+def _has_random_lowerings():
+    from torchtpu.lowering import registry
+
+    aten = torch.ops.aten
+    return any(registry.get(o) is not None
+               for o in (aten.uniform_.default, aten.uniform.default, aten.normal_.default))
+
+
+needs_rng_lowerings = pytest.mark.skipif(
+    not _has_random_lowerings(),
+    reason="tpu random ops have no lowering yet (torchtpu/lowering/random.py); the CPU "
+           "fallback draws from the CPU generator, so tpu RNG state cannot steer it")
+
+
+def test_seed_state_api():
+    tpu.manual_seed(1234)
+    assert tpu.initial_seed() == 1234
+    st = tpu.get_rng_state()
+    assert st.dtype == torch.uint8 and st.device.type == "cpu" and st.numel() == 16
+    assert st.view(torch.int64)[0].item() == 1234  # CUDA's layout: seed, then offset
+    tpu.manual_seed(5)
+    tpu.set_rng_state(st)
+    assert tpu.initial_seed() == 1234
+    torch.manual_seed(77)
+    assert tpu.initial_seed() == 77
+    with pytest.raises(RuntimeError, match="wrong size"):
+        tpu.set_rng_state(torch.zeros(3, dtype=torch.uint8))
+    g = torch.Generator(device="tpu")
+    assert g.device == torch.device("tpu", 0) and isinstance(g, torch.Generator)
+    assert g.manual_seed(11) is g and g.initial_seed() == 11
+    gs = g.get_state()
+    g.manual_seed(12)
+    g.set_state(gs)
+    assert g.initial_seed() == 11 and g.get_offset() == 0
+    assert tpu.initial_seed() == 77  # the default generator is a different one
+    for h in (copy.deepcopy(g), pickle.loads(pickle.dumps(g)), g.clone_state()):
+        assert h.device == g.device and torch.equal(h.get_state(), g.get_state())
+    with pytest.raises(RuntimeError, match="Invalid device ordinal"):
+        torch.Generator(device=f"tpu:{tpu.device_count()}")
+
+
+@needs_rng_lowerings
+def test_seed_state_roundtrip():
+    tpu.manual_seed(1234)
+    assert tpu.initial_seed() == 1234
+    st = tpu.get_rng_state()
+    assert st.dtype == torch.uint8 and st.device.type == "cpu" and st.numel() == 16
+    a = torch.rand(5, device="tpu").cpu()
+    tpu.set_rng_state(st)
+    b = torch.rand(5, device="tpu").cpu()
+    torch.testing.assert_close(a, b)
+    c = torch.rand(5, device="tpu").cpu()
+    assert not torch.equal(a, c)
+    states = tpu.get_rng_state_all()
+    assert len(states) == tpu.device_count()
+    tpu.set_rng_state_all(states)
+    with pytest.raises(RuntimeError, match="wrong size"):
+        tpu.set_rng_state(torch.zeros(3, dtype=torch.uint8))
+
+
+@needs_rng_lowerings
+def test_torch_manual_seed_seeds_tpu():
+    torch.manual_seed(7)
+    assert tpu.initial_seed() == 7
+    a = torch.randn(4, device="tpu").cpu()
+    torch.manual_seed(7)
+    torch.testing.assert_close(torch.randn(4, device="tpu").cpu(), a)
+    tpu.manual_seed_all(99)
+    assert tpu.initial_seed() == 99
+    tpu.seed()
+    assert tpu.initial_seed() != 99
+
+
+def test_fork_rng_tpu():
+    tpu.manual_seed(3)
+    before = tpu.get_rng_state()
+    with torch.random.fork_rng(device_type="tpu"):
+        torch.rand(3, device="tpu")
+    assert torch.equal(tpu.get_rng_state(), before)
+
+
+@needs_rng_lowerings
+def test_generator_tpu():
+    g = torch.Generator(device="tpu")
+    assert g.device == torch.device("tpu", 0)
+    assert isinstance(g, torch.Generator)
+    assert g.manual_seed(11) is g
+    assert g.initial_seed() == 11
+    st = g.get_state()
+    assert st.dtype == torch.uint8 and st.numel() == 16
+    a = torch.rand(6, device="tpu", generator=g).cpu()
+    g.set_state(st)
+    b = torch.rand(6, device="tpu", generator=g).cpu()
+    torch.testing.assert_close(a, b)
+    # another generator with the same seed gives the same stream; the default one is untouched
+    tpu.manual_seed(5)
+    d0 = tpu.get_rng_state()
+    g2 = torch.Generator("tpu").manual_seed(11)
+    torch.testing.assert_close(torch.rand(6, device="tpu", generator=g2).cpu(), a)
+    assert torch.equal(tpu.get_rng_state(), d0)
+    # copies carry the state
+    for h in (copy.deepcopy(g), pickle.loads(pickle.dumps(g)), g.clone_state()):
+        assert h.device == g.device and torch.equal(h.get_state(), g.get_state())
+    with pytest.raises(RuntimeError, match="Invalid device ordinal"):
+        torch.Generator(device=f"tpu:{tpu.device_count()}")
+
+
+def test_cpu_generator_unchanged():
+    g = torch.Generator()
+    assert type(g) is torch._C.Generator and g.device == torch.device("cpu")
+    g.manual_seed(3)
+    a = torch.rand(4, generator=g)
+    ref = torch._C.Generator().manual_seed(3)
+    torch.testing.assert_close(a, torch.rand(4, generator=ref))
+    assert isinstance(torch.default_generator, torch.Generator)
+    assert issubclass(torch._C.Generator, torch.Generator)
+
+
+def test_default_generators():
+    g = tpu.default_generators[0]
+    tpu.manual_seed(21)
+    assert g.initial_seed() == 21
+    g.manual_seed(22)
+    assert tpu.initial_seed() == 22
+
+
+# ---------------------------------------------------------------- sync, streams, events
+
+def _work(n=256, reps=8):
+    x = torch.randn(n, n, device="tpu")
+    for _ in range(reps):
+        x = torch.tanh(x @ x)
+    return x
+
+
+def test_synchronize():
+    x = _work()
+    tpu.synchronize()
+    torch.accelerator.synchronize()
+    tpu.synchronize(0)
+    tpu.synchronize("tpu:0")
+    assert torch.isfinite(x).all().item()
+
+
+def test_events_measure_device_time():
+    tpu.synchronize()
+    start = tpu.Event(enable_timing=True)
+    end = tpu.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    x = _work(512, 6)
+    end.record()
+    end.synchronize()
+    wall = (time.perf_counter() - t0) * 1000
+    assert end.query() and start.query()
+    ms = start.elapsed_time(end)
+    assert 0 < ms <= wall + 1.0
+    del x
+
+
+def test_event_errors_and_stream():
+    e1, e2 = tpu.Event(), tpu.Event()
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        e1.elapsed_time(e2)
+    t1, t2 = tpu.Event(enable_timing=True), tpu.Event(enable_timing=True)
+    with pytest.raises(RuntimeError, match="recorded"):
+        t1.elapsed_time(t2)
+    s = tpu.current_stream()
+    assert s == tpu.default_stream(0) and s.device == torch.device("tpu", 0)
+    ev = s.record_event()
+    s.wait_event(ev)
+    s.wait_stream(tpu.Stream())
+    with tpu.stream(s):
+        y = torch.ones(3, device="tpu") * 2
+    s.synchronize()
+    assert s.query() and ev.query()
+    assert y.sum().item() == 6.0
+
+
+# ---------------------------------------------------------------- memory
+
+def test_memory_accounting():
+    tpu.synchronize()
+    tpu.empty_cache()
+    before = tpu.memory_allocated()
+    x = torch.ones(1 << 18, device="tpu")  # 1 MiB
+    tpu.synchronize()
+    during = tpu.memory_allocated()
+    assert during - before >= x.nbytes
+    assert tpu.max_memory_allocated() >= during
+    assert torch.accelerator.memory_allocated() == tpu.memory_allocated()
+    assert torch.accelerator.memory_allocated("tpu:0") == tpu.memory_allocated(0)
+    assert tpu.memory_reserved() >= 0 and torch.accelerator.memory_reserved() >= 0
+    stats = tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] >= x.nbytes
+    assert stats["source"] in ("pjrt", "live_arrays")
+    assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] >= x.nbytes
+    del x
+    tpu.empty_cache()
+    after = tpu.memory_allocated()
+    assert during - after >= (1 << 20)
+    tpu.reset_peak_memory_stats()
+    assert tpu.max_memory_allocated() <= during
+    torch.accelerator.reset_peak_memory_stats()
+    torch.accelerator.empty_cache()
+    free, total = tpu.mem_get_info()
+    assert 0 <= free <= total
+
+
+# ---------------------------------------------------------------- pinned memory, transfers
+
+def test_pin_memory_and_non_blocking():
+    a = torch.randn(4, 5)
+    p = a.pin_memory()
+    assert p.is_pinned() and not a.is_pinned()
+    assert p.pin_memory() is p
+    torch.testing.assert_close(p, a)
+    x = p.to("tpu", non_blocking=True)
+    back = x.to("cpu", non_blocking=True)
+    tpu.synchronize()
+    torch.testing.assert_close(back, a)
+    assert not x.is_pinned()
+    for dt in (torch.float64, torch.bfloat16, torch.int32):
+        y = x.to("cpu", dtype=dt, non_blocking=True)
+        torch.testing.assert_close(y, a.to(dt))
+        torch.testing.assert_close(x.to(dt).cpu(), a.to(dt))
+    t = a.t().to("tpu")
+    assert t.cpu(memory_format=torch.preserve_format).stride() == a.t().stride()
+
+
+def test_dataloader_pin_memory():
+    ds = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(6, 2), torch.arange(6))
+    dl = torch.utils.data.DataLoader(ds, batch_size=3, pin_memory=True)
+    got = []
+    for xb, yb in dl:
+        assert xb.is_pinned() and yb.is_pinned()
+        got.append((xb.to("tpu", non_blocking=True) * 2).cpu())
+    torch.testing.assert_close(torch.cat(got), torch.arange(12.0).reshape(6, 2) * 2)
+
+
+# ---------------------------------------------------------------- autocast
+
+def test_autocast_lower_precision_ops():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    w, bias = torch.randn(4, 16), torch.randn(4)
+    ta, tb, tw, tbias = (t.to("tpu") for t in (a, b, w, bias))
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled("tpu")
+        mm = ta @ tb
+        lin = F.linear(ta, tw, tbias)
+    assert mm.dtype == torch.bfloat16 and lin.dtype == torch.bfloat16
+    ref_mm = a.bfloat16() @ b.bfloat16()
+    torch.testing.assert_close(mm.cpu(), ref_mm)
+    torch.testing.assert_close(lin.float().cpu(), F.linear(a, w, bias), atol=0.1, rtol=0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.linear(a, w, bias).dtype == lin.dtype
+    # outside autocast: float32 again
+    assert (ta @ tb).dtype == torch.float32
+
+
+def test_autocast_float32_ops():
+    x = torch.randn(6, 5)
+    target = torch.tensor([0, 1, 2, 3, 4, 0])
+    tx = x.to("tpu")
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        h = tx @ torch.eye(5, device="tpu")
+        assert h.dtype == torch.bfloat16
+        loss = F.cross_entropy(h, target.to("tpu"))
+        s = h.sum()
+        sm = torch.softmax(h, dim=-1)
+        e = torch.exp(h)
+    assert loss.dtype == torch.float32 and s.dtype == torch.float32
+    assert sm.dtype == torch.float32 and e.dtype == torch.float32
+    hb = x.bfloat16()
+    torch.testing.assert_close(loss.cpu(), F.cross_entropy(hb.float(), target))
+    torch.testing.assert_close(s.cpu(), hb.float().sum())
+
+
+def test_autocast_promote_and_backward():
+    w = torch.randn(4, 3, requires_grad=True)
+    tw = w.detach().to("tpu").requires_grad_()
+    x = torch.randn(2, 4)
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        y = x.to("tpu") @ tw
+        z = torch.cat([y, tw[:2].float()])
+    assert z.dtype == torch.float32
+    z.float().sum().backward()
+    assert tw.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (torch.cat([x @ w, w[:2].float()])).float().sum().backward()
+    torch.testing.assert_close(tw.grad.cpu(), w.grad)
+
+
+# ---------------------------------------------------------------- precision
+
+def test_precision():
+    assert tpu.precision() in tuple(tpu.Precision)
+    before = tpu.precision()
+    with tpu.precision(tpu.Precision.HIGHEST):
+        assert tpu.precision() is tpu.Precision.HIGHEST
+        a = torch.randn(8, 8)
+        torch.testing.assert_close((a.to("tpu") @ a.to("tpu")).cpu(), a @ a)
+    assert tpu.precision() is before
+
+
+# ---------------------------------------------------------------- jax_op
+
+def test_jax_op_forward_backward():
+    import jax.numpy as jnp
+
+    op = tpu.pallas.jax_op("test_sin_mul", lambda x, y: jnp.sin(x) * y)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    ta = a.to("tpu").requires_grad_()
+    tb = b.to("tpu").requires_grad_()
+    out = op(ta, tb)
+    assert out.device == DEV
+    torch.testing.assert_close(out.detach().cpu(), torch.sin(a) * b)
+    (out * 2).sum().backward()
+    torch.testing.assert_close(ta.grad.cpu(), 2 * torch.cos(a) * b)
+    torch.testing.assert_close(tb.grad.cpu(), 2 * torch.sin(a))
+    torch.testing.assert_close(op(a, b), torch.sin(a) * b)  # CPU tensors run on JAX's CPU
+    with pytest.raises(RuntimeError, match="already registered"):
+        tpu.pallas.jax_op("test_sin_mul", lambda x: x)
+
+
+def test_jax_op_multi_output_and_fake():
+    import jax.numpy as jnp
+
+    @tpu.pallas.jax_op("test_split_stats")
+    def stats(x):
+        return x * 2, jnp.sum(x, axis=0).astype(jnp.float64)
+
+    x = torch.randn(5, 3)
+    d, s = stats(x.to("tpu"))
+    torch.testing.assert_close(d.cpu(), x * 2)
+    assert s.dtype == torch.float64
+    torch.testing.assert_close(s.cpu(), x.sum(0).double())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tx = x.to("tpu")
+    with FakeTensorMode() as m:
+        fx = m.from_tensor(tx)
+        fd, fs = stats(fx)
+    assert fd.shape == (5, 3) and fs.shape == (3,) and fs.dtype == torch.float64
+
+
+# ---------------------------------------------------------------- environment report
+
+def test_main_report():
+    env = dict(os.environ, TORCHTPU_CACHE_DIR="/tmp/torchtpu-test-cache")
+    out = subprocess.run([sys.executable, "-m", "torchtpu"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert f"torch {torch.__version__}" in text
+    assert f"jax {jax.__version__}" in text and "jaxlib " in text
+    assert f"PJRT platform: {jax.default_backend()}" in text
+    assert "tpu:0: " in text and "MiB total" in text
+    assert "eager mode: DEFER_NEVER" in text
+    assert "cache folder: /tmp/torchtpu-test-cache" in text
+    assert "CPU fallback: enabled" in text
