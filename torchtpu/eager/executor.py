@@ -209,7 +209,6 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
     fn = lowering.fn
     is_random = lowering.random
-    self_dtypes = [tensors[i].dtype for i in write_slots]
     op_name = lowering.name
     n = len(tensors)
     strided = [i for i, sp in enumerate(specs) if sp is not None and sp[0] == "s"]
@@ -235,7 +234,10 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
             raise RuntimeError(f"{op_name}: lowering returned {len(news)} values for "
                                f"{len(write_slots)} mutated tensors")
         new_storages = []
-        for v, slot, dt in zip(news, write_slots, self_dtypes):
+        for v, slot in zip(news, write_slots):
+            # the written tensor's dtype from its traced value: the cache key has no dtypes
+            # (jit retraces per dtype), so a dtype captured at the first build can be stale
+            dt = _buffer.dtypes.to_torch(vals[slot].dtype)
             _check_cast(op_name, _buffer.dtypes.to_torch(v.dtype), dt)
             new_storages.append(views.write(arrays[slot], specs[slot], offsets[slot], v))
         return tuple(new_storages)
