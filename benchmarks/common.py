@@ -1,0 +1,149 @@
+"""Shared timing helpers for the benchmarks: medians of repeated, warmed-up runs, and a table
+printer that shows every contender side by side with ratios, measured in one process/run.
+
+    from common import Timer, Table
+
+    t = Timer(min_repeat_s=0.05, repeats=7)
+    us_cpu = t.per_call_us(lambda: a_cpu + b_cpu)
+    us_tpu = t.per_call_us(lambda: a_tpu + b_tpu, sync=torch.tpu.synchronize)
+
+Asynchronous backends (torchtpu, JAX) return before the device finishes; ``sync`` is called
+once at the end of each timed repeat so queued work is paid for, amortised over the calls.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Measurement:
+    """Seconds per call: the median over repeats, plus the spread for judging noise."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    calls_per_repeat: int
+    repeats: int
+
+    @property
+    def us(self) -> float:
+        return self.median_s * 1e6
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median over repeats: large values mean a noisy machine."""
+        return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else math.nan
+
+
+class Timer:
+    """Times ``fn`` as the median of ``repeats`` repeats of ``number`` back-to-back calls.
+
+    ``number`` is chosen (autorange) so that one repeat lasts at least ``min_repeat_s``; the
+    first ``warmup`` calls (compilation, caches) are not timed. The garbage collector is off
+    while timing, as in ``timeit``.
+    """
+
+    def __init__(self, warmup: int = 10, repeats: int = 7, min_repeat_s: float = 0.05,
+                 max_number: int = 100_000):
+        self.warmup, self.repeats = warmup, repeats
+        self.min_repeat_s, self.max_number = min_repeat_s, max_number
+
+    def _run(self, fn, number, sync):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        if sync is not None:
+            sync()
+        return time.perf_counter() - t0
+
+    def measure(self, fn: Callable[[], object], sync: Callable[[], object] | None = None,
+                number: int | None = None) -> Measurement:
+        for _ in range(self.warmup):
+            fn()
+        if sync is not None:
+            sync()
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            if number is None:
+                number = 1
+                while True:
+                    dt = self._run(fn, number, sync)
+                    if dt >= self.min_repeat_s or number >= self.max_number:
+                        break
+                    number = min(self.max_number,
+                                 max(number * 2, int(number * self.min_repeat_s / max(dt, 1e-9))))
+            times = [self._run(fn, number, sync) / number for _ in range(self.repeats)]
+        finally:
+            if gc_was:
+                gc.enable()
+        return Measurement(statistics.median(times), min(times), max(times), number,
+                           self.repeats)
+
+    def per_call_us(self, fn, sync=None, number=None) -> float:
+        return self.measure(fn, sync, number).us
+
+
+@dataclass
+class Table:
+    """Rows of named measurements; prints absolute times and ratios to a baseline column."""
+
+    title: str
+    columns: list[str]
+    unit: str = "us"
+    rows: list[tuple[str, dict]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, name: str, values: dict) -> None:
+        self.rows.append((name, values))
+
+    def render(self, ratios: list[tuple[str, str]] = ()) -> str:
+        """``ratios``: (numerator column, denominator column) pairs shown as ``a/b``."""
+        heads = ["case"] + [f"{c} ({self.unit})" for c in self.columns] + [f"{a}/{b}"
+                                                                           for a, b in ratios]
+        body = []
+        for name, vals in self.rows:
+            cells = [name]
+            for c in self.columns:
+                v = vals.get(c)
+                cells.append("-" if v is None else _fmt(v))
+            for a, b in ratios:
+                va, vb = vals.get(a), vals.get(b)
+                cells.append("-" if not va or not vb else f"{va / vb:.2f}x")
+            body.append(cells)
+        widths = [max(len(r[i]) for r in [heads] + body) for i in range(len(heads))]
+        line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                       for i, (c, w) in enumerate(zip(cells, widths)))
+        out = [self.title, "=" * len(self.title), line(heads), line(["-" * w for w in widths])]
+        out += [line(r) for r in body]
+        out += self.notes
+        return "\n".join(out)
+
+    def print(self, ratios=()) -> None:
+        print(self.render(ratios), flush=True)
+
+
+def _fmt(v: float) -> str:
+    if v >= 1000:
+        return f"{v:,.0f}"
+    if v >= 100:
+        return f"{v:.0f}"
+    return f"{v:.1f}"
+
+
+def environment() -> str:
+    """One line describing where the numbers were measured (they only compare within a run)."""
+    import jax
+    import torch
+
+    return (f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}"
+            f" ({jax.default_backend()}), {os.cpu_count()} CPUs, torch threads "
+            f"{torch.get_num_threads()}, {platform.machine()}, load average "
+            f"{os.getloadavg()[0]:.1f}")
