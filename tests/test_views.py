@@ -1,0 +1,262 @@
+"""End-to-end view and indexing semantics through the tpu device, against PyTorch on CPU:
+getitem/setitem, views and in-place ops that must update their base and sibling views,
+out= variants, and index_put with accumulate under autograd (embedding backward)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEV = "tpu"
+
+
+def _to(x, dev):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().to(dev).requires_grad_(x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(e, dev) for e in x)
+    return x
+
+
+def _flat(x):
+    if isinstance(x, (list, tuple)):
+        return [e for y in x for e in _flat(y)]
+    return [x]
+
+
+def same(fn, *args):
+    """Run ``fn`` on CPU copies and on tpu copies of ``args``; compare every returned tensor
+    and every argument afterwards (in-place writes through views must reach the base)."""
+    cargs = _to(args, "cpu")
+    targs = _to(args, DEV)
+    expected = fn(*cargs)
+    got = fn(*targs)
+    for e, g in zip(_flat(expected) + _flat(cargs), _flat(got) + _flat(targs), strict=True):
+        if not isinstance(e, torch.Tensor):
+            assert e == g
+            continue
+        assert g.device.type == DEV, g.device
+        assert g.shape == e.shape and g.dtype == e.dtype, (g.shape, e.shape, g.dtype, e.dtype)
+        torch.testing.assert_close(g.detach().cpu(), e.detach(), equal_nan=True)
+
+
+torch.manual_seed(0)
+A = torch.randn(4, 5, 6)
+
+
+# ---- getitem ----
+
+GETITEM = {
+    "int": lambda x: x[1],
+    "neg_int": lambda x: x[-1, -2],
+    "slice": lambda x: x[1:3],
+    "step": lambda x: x[::2, 1::3],
+    "neg_slice": lambda x: x[-3:-1, :, -4:],
+    "none_ellipsis": lambda x: x[None, ..., None, 2],
+    "ellipsis_int": lambda x: x[..., 0],
+    "tensor_index": lambda x: x[torch.tensor([0, 2, 2, -1], device=x.device)],
+    "list_index": lambda x: x[[0, 3], :, [1, 5]],
+    "nonadjacent_adv": lambda x: x[torch.tensor([0, 1], device=x.device), 1:3, torch.tensor([2, 4], device=x.device)],
+    "adv_broadcast": lambda x: x[torch.tensor([[0], [3]], device=x.device), torch.tensor([1, 2, 4], device=x.device)],
+    "bool_mask": lambda x: x[x > 0.5],
+    "bool_mask_rows": lambda x: x[torch.tensor([True, False, True, True], device=x.device)],
+    "bool_mask_mid": lambda x: x[:, torch.tensor([True, False, True, False, False], device=x.device)],
+    "scalar_bool": lambda x: x[True],
+    "int_and_slice_view_chain": lambda x: x[1:][::2][:, 1].t()[2:],
+}
+
+
+@pytest.mark.parametrize("name", list(GETITEM))
+def test_getitem(name):
+    same(GETITEM[name], A)
+
+
+# ---- setitem ----
+
+def _set(index_fn, value_fn):
+    def f(x):
+        x[index_fn(x)] = value_fn(x)
+        return x
+    return f
+
+
+def _d(x, v):
+    return torch.tensor(v, device=x.device)
+
+
+SETITEM = {
+    "int": _set(lambda x: 1, lambda x: 3.0),
+    "neg_slice_step": _set(lambda x: (slice(-3, None, 2), 1), lambda x: -1.0),
+    "tensor_value_bcast": _set(lambda x: (slice(None), 2), lambda x: torch.arange(6.0, device=x.device)),
+    "ellipsis": _set(lambda x: (Ellipsis, 0), lambda x: 7.0),
+    "none": _set(lambda x: (None, 1), lambda x: 2.0),
+    "tensor_index": _set(lambda x: _d(x, [0, 2]), lambda x: 5.0),
+    "tensor_index_values": _set(lambda x: (_d(x, [3, 1]), slice(None), _d(x, [0, 5])),
+                                lambda x: torch.ones(2, 5, device=x.device)),
+    "bool_mask_scalar": _set(lambda x: x > 0, lambda x: 0.0),
+    "bool_mask_values": _set(lambda x: x > 0.5, lambda x: torch.arange(int((x > 0.5).sum()), device=x.device, dtype=x.dtype)),
+    "bool_mask_rows_values": _set(lambda x: _d(x, [False, True, False, True]),
+                                  lambda x: torch.full((2, 5, 6), 4.0, device=x.device)),
+    "int_dtype_value": _set(lambda x: 0, lambda x: _d(x, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(SETITEM))
+def test_setitem(name):
+    same(SETITEM[name], A)
+
+
+# ---- views and in-place ops reaching bases and siblings ----
+
+def _column_mul(x):
+    x[:, 1].mul_(2)
+    return x
+
+
+def _t_add(x):
+    m = x[0]
+    m.t().add_(1)
+    return x, m
+
+
+def _chained(x):
+    v = x[1:].transpose(0, 2)[::2]
+    sib = x[2]
+    v.sub_(3)
+    return x, sib, v
+
+
+def _expand_clone(x):
+    e = x[:, :1].expand(4, 3, 6).clone()
+    e.add_(1)
+    return x, e
+
+
+def _narrow_select_unbind(x):
+    x.narrow(2, 1, 3).fill_(5)
+    x.select(0, -1).zero_()
+    a, b, c, d = x.unbind(0)
+    b.mul_(-1)
+    return x, a, c
+
+
+def _view_reshape(x):
+    v = x.view(4, 30)
+    v[:, ::7] = 1.5
+    r = x.reshape(-1)
+    r[3] = -8.0
+    return x, v
+
+
+def _diag_write(x):
+    torch.diagonal(x[0], 1).copy_(torch.arange(5.0, device=x.device))
+    return x
+
+
+def _unfold_read(x):
+    return x.unfold(2, 3, 2).sum(-1)
+
+
+def _split_write(x):
+    parts = x.split(2, dim=1)
+    parts[1].add_(10)
+    return x, parts[2]
+
+
+def _index_add_inplace(x):
+    x[1:].index_add_(1, torch.tensor([0, 0, 4], device=x.device), torch.ones(3, 3, 6, device=x.device))
+    return x
+
+
+def _masked_fill_view(x):
+    x[:, 2:].masked_fill_(x[:, 2:] > 0, 9.0)
+    return x
+
+
+def _scatter_view(x):
+    x[0].scatter_(1, torch.tensor([[1], [2], [3], [0], [5]], device=x.device), -2.0)
+    return x
+
+
+def _dtype_view(x):
+    x.view(torch.int32)[0, 0, 0] = 0
+    return x
+
+
+def _squeeze_unsqueeze(x):
+    u = x[:1].squeeze(0).unsqueeze(-1)
+    u.mul_(0.5)
+    return x, u
+
+
+VIEWS = {f.__name__[1:]: f for f in (
+    _column_mul, _t_add, _chained, _expand_clone, _narrow_select_unbind, _view_reshape,
+    _diag_write, _unfold_read, _split_write, _index_add_inplace, _masked_fill_view,
+    _scatter_view, _dtype_view, _squeeze_unsqueeze)}
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_view_writes(name):
+    same(VIEWS[name], A)
+
+
+# ---- out= variants ----
+
+def test_out_variants():
+    def f(x):
+        o1 = torch.empty(0, device=x.device)
+        torch.cat([x, x[:1]], 0, out=o1)
+        o2 = torch.empty(3, device=x.device)
+        torch.index_select(x, 1, torch.tensor([4, 0], device=x.device), out=o2)
+        o3 = torch.empty(2, 3, device=x.device)
+        torch.gather(x, 2, torch.zeros(4, 5, 2, dtype=torch.long, device=x.device), out=o3)
+        o4 = torch.empty(0, dtype=torch.long, device=x.device)
+        torch.nonzero(x > 1, out=o4)
+        o5 = torch.empty(0, device=x.device)
+        torch.masked_select(x, x < -1, out=o5)
+        o6 = torch.empty(4, 5, 6, device=x.device)
+        torch.where(x > 0, x, torch.zeros((), device=x.device), out=o6)
+        return o1, o2, o3, o4, o5, o6
+    same(f, A)
+
+
+def test_out_view_destination():
+    def f(x):
+        # out= into a (non-contiguous) view of the same base
+        torch.index_select(x[0], 0, torch.tensor([4, 0, 1, 1, 2], device=x.device), out=x[1:3, 0])
+        return x
+    same(f, A)
+
+
+# ---- autograd through indexing ----
+
+def test_embedding_backward_accumulates_duplicates():
+    w = torch.randn(6, 3, requires_grad=True)
+    idx = torch.tensor([[1, 2, 1], [5, 1, 0]])
+
+    def f(w, idx, pad, scale):
+        out = F.embedding(idx, w, padding_idx=pad, scale_grad_by_freq=scale)
+        (out * torch.arange(1.0, 4.0, device=w.device)).sum().backward()
+        return out, w.grad
+
+    for pad, scale in ((None, False), (1, False), (None, True)):
+        same(lambda w, i: f(w, i, pad, scale), w, idx)
+
+
+def test_index_put_accumulate_backward():
+    def f(x):
+        i = torch.tensor([0, 1, 0, 3], device=x.device)
+        y = x[i] * torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)[:, None, None]
+        y.sum().backward()
+        return y, x.grad
+    same(f, A.clone().requires_grad_())
+
+
+def test_getitem_setitem_backward():
+    def f(x):
+        y = x * 1.0
+        y[:, 1] = 0.0
+        z = y[y > 0.2]
+        (z * z).sum().backward()
+        return z, x.grad
+    same(f, A.clone().requires_grad_())
