@@ -1,0 +1,356 @@
+"""nn lowerings (convolution, pooling, norms, upsampling, losses, attention) against PyTorch CPU.
+
+Every case runs the same function on CPU and on "tpu" and compares the outputs and the float32
+gradients (torch.autograd.grad) of every floating input that requires grad.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEV = "tpu"
+ATOL = RTOL = 1e-5
+
+
+def _compare(fn, *inputs, no_grad=(), atol=ATOL, rtol=RTOL):
+    req = [i.is_floating_point() and k not in no_grad for k, i in enumerate(inputs)]
+    cpu = [i.clone().requires_grad_(r) for i, r in zip(inputs, req)]
+    dev = [i.to(DEV).requires_grad_(r) for i, r in zip(inputs, req)]
+    oc, od = fn(*cpu), fn(*dev)
+    oc = oc if isinstance(oc, tuple) else (oc,)
+    od = od if isinstance(od, tuple) else (od,)
+    for a, b in zip(oc, od):
+        assert b.device.type == DEV
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=atol, rtol=rtol, equal_nan=True)
+    wrt_c = [c for c in cpu if c.requires_grad]
+    wrt_d = [d for d in dev if d.requires_grad]
+    if wrt_c and oc[0].requires_grad:
+        go = torch.randn_like(oc[0])
+        gc = torch.autograd.grad(oc[0], wrt_c, go)
+        gd = torch.autograd.grad(od[0], wrt_d, go.to(DEV))
+        for a, b in zip(gc, gd):
+            torch.testing.assert_close(b.cpu(), a, atol=atol, rtol=rtol)
+
+
+def _fallbacks():
+    return dict(torch.tpu.metrics()["per_op"].get("cpu_fallbacks", {}))
+
+
+def _r(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+# ------------------------------------------------------------------ convolution
+
+CONV = {
+    "2d_stride_groups_bias": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1, groups=2),
+                              (_r(2, 4, 9, 9), _r(6, 2, 3, 3, seed=1), _r(6, seed=2))),
+    "2d_dilation": (lambda x, w: F.conv2d(x, w, padding=2, dilation=2), (_r(2, 4, 8, 7), _r(3, 4, 3, 3, seed=1))),
+    "1d": (lambda x, w: F.conv1d(x, w, stride=2), (_r(2, 3, 10), _r(4, 3, 3, seed=1))),
+    "3d": (lambda x, w: F.conv3d(x, w, padding=1), (_r(1, 2, 5, 5, 4), _r(3, 2, 3, 3, 3, seed=1))),
+    "unbatched": (lambda x, w: F.conv2d(x, w, padding="same"), (_r(4, 6, 6), _r(2, 4, 3, 3, seed=1))),
+    "transposed_2d": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1, groups=2),
+                      (_r(2, 4, 5, 5), _r(4, 3, 3, 3, seed=1), _r(6, seed=2))),
+    "transposed_1d_dilation": (lambda x, w: F.conv_transpose1d(x, w, stride=3, padding=2, dilation=2),
+                               (_r(2, 3, 7), _r(3, 2, 4, seed=1))),
+    "transposed_3d": (lambda x, w: F.conv_transpose3d(x, w, stride=2), (_r(1, 2, 3, 3, 2), _r(2, 3, 2, 2, 2, seed=1))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV))
+def test_convolution(case):
+    fn, inputs = CONV[case]
+    before = _fallbacks()
+    _compare(fn, *inputs)
+    after = _fallbacks()
+    assert not any("conv" in k and after[k] != before.get(k) for k in after)
+
+
+# ------------------------------------------------------------------ pooling
+
+X4 = _r(2, 3, 9, 8)
+X5 = _r(1, 2, 5, 6, 7)
+POOL = {
+    "max2d_ceil_pad": (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True), X4),
+    "max2d_dilation": (lambda x: F.max_pool2d(x, 2, 1, 0, dilation=2, return_indices=True), X4),
+    "max2d_unbatched": (lambda x: F.max_pool2d(x, (2, 3), return_indices=True), X4[0]),
+    "max3d": (lambda x: F.max_pool3d(x, 2, padding=1, return_indices=True), X5),
+    "avg2d_ceil_pad": (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True), X4),
+    "avg2d_exclude_pad": (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), X4),
+    "avg2d_divisor": (lambda x: F.avg_pool2d(x, 2, divisor_override=3), X4),
+    "avg3d": (lambda x: F.avg_pool3d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), X5),
+    "adaptive_avg2d": (lambda x: F.adaptive_avg_pool2d(x, (4, 3)), X4),
+    "adaptive_avg3d": (lambda x: F.adaptive_avg_pool3d(x, (2, 3, 4)), X5),
+    "adaptive_max2d": (lambda x: F.adaptive_max_pool2d(x, (4, 3), return_indices=True), X4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POOL))
+def test_pooling(case):
+    fn, x = POOL[case]
+    _compare(fn, x)
+
+
+def test_max_pool_nan_and_ties():
+    x = torch.zeros(1, 1, 4, 4)
+    x[0, 0, 1, 1] = float("nan")
+    _compare(lambda x: F.max_pool2d(x, 2, return_indices=True), x)
+
+
+# ------------------------------------------------------------------ normalization
+
+NORM = {
+    "batch_norm_train": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (X4, _r(3, seed=1), _r(3, seed=2))),
+    "batch_norm_eval": (lambda x, w, b: F.batch_norm(x, torch.full((3,), 0.3, device=x.device),
+                                                     torch.full((3,), 2.0, device=x.device), w, b, training=False),
+                        (X4, _r(3, seed=1), _r(3, seed=2))),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (9, 8), w, b), (X4, _r(9, 8, seed=1), _r(9, 8, seed=2))),
+    "layer_norm_no_affine": (lambda x: F.layer_norm(x, (8,)), (X4,)),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 3, w, b), (_r(2, 6, 5, 4), _r(6, seed=1), _r(6, seed=2))),
+    "rms_norm": (lambda x, w: F.rms_norm(x, (8,), w), (X4, _r(8, seed=1))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORM))
+def test_norm(case):
+    fn, inputs = NORM[case]
+    _compare(fn, *inputs)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_module_running_stats(momentum):
+    torch.manual_seed(0)
+    cpu = nn.BatchNorm2d(3, momentum=momentum)
+    dev = nn.BatchNorm2d(3, momentum=momentum).to(DEV)
+    for step in range(2):
+        x = _r(4, 3, 5, 5, seed=step) * (step + 1) + step
+        torch.testing.assert_close(dev(x.to(DEV)).cpu(), cpu(x))
+    torch.testing.assert_close(dev.running_mean.cpu(), cpu.running_mean)
+    torch.testing.assert_close(dev.running_var.cpu(), cpu.running_var)
+    assert int(dev.num_batches_tracked.cpu()) == 2
+    cpu.eval(), dev.eval()
+    x = _r(2, 3, 5, 5, seed=9)
+    torch.testing.assert_close(dev(x.to(DEV)).cpu(), cpu(x))
+    decomps = torch.tpu.metrics()["per_op"].get("decompositions", {})
+    assert "aten::native_batch_norm.default" not in decomps  # the lowering ran, not a decomposition
+
+
+# ------------------------------------------------------------------ upsampling
+
+UP = {}
+for _mode in ("nearest", "nearest-exact"):
+    UP[f"{_mode}_2d_size"] = (lambda x, m=_mode: F.interpolate(x, size=(13, 7), mode=m), X4)
+    UP[f"{_mode}_2d_scale"] = (lambda x, m=_mode: F.interpolate(x, scale_factor=1.7, mode=m), X4)
+    UP[f"{_mode}_1d"] = (lambda x, m=_mode: F.interpolate(x, scale_factor=2.3, mode=m), _r(2, 3, 5))
+    UP[f"{_mode}_3d"] = (lambda x, m=_mode: F.interpolate(x, size=(4, 7, 3), mode=m), X5)
+for _ac in (False, True):
+    UP[f"bilinear_ac{_ac}"] = (lambda x, a=_ac: F.interpolate(x, size=(13, 5), mode="bilinear", align_corners=a), X4)
+    UP[f"bilinear_scale_ac{_ac}"] = (lambda x, a=_ac: F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=a), X4)
+    UP[f"bicubic_ac{_ac}"] = (lambda x, a=_ac: F.interpolate(x, size=(13, 5), mode="bicubic", align_corners=a), X4)
+    UP[f"linear_ac{_ac}"] = (lambda x, a=_ac: F.interpolate(x, size=11, mode="linear", align_corners=a), _r(2, 3, 5))
+    UP[f"trilinear_ac{_ac}"] = (lambda x, a=_ac: F.interpolate(x, size=(4, 7, 3), mode="trilinear", align_corners=a), X5)
+
+
+@pytest.mark.parametrize("case", sorted(UP))
+def test_upsample(case):
+    fn, x = UP[case]
+    _compare(fn, x, atol=1e-4 if "bicubic" in case else ATOL)
+
+
+# ------------------------------------------------------------------ losses
+
+LOGITS = _r(5, 4)
+TGT = torch.tensor([0, 3, -100, 1, 2])
+X4C = _r(2, 3, 4, 5, seed=3)
+T4C = torch.randint(0, 3, (2, 4, 5), generator=torch.Generator().manual_seed(0))
+T4C[0, 0, 0] = -100
+Y = _r(5, 4, seed=4)
+P = torch.rand(5, 4, generator=torch.Generator().manual_seed(5)).clamp(0.01, 0.99)
+Q = torch.rand(5, 4, generator=torch.Generator().manual_seed(6))
+W4 = torch.rand(4, generator=torch.Generator().manual_seed(7))
+W3 = torch.rand(3, generator=torch.Generator().manual_seed(8))
+
+
+def _loss_cases():
+    cases = {}
+    for red in ("none", "mean", "sum"):
+        cases.update({
+            f"nll_weight_{red}": (lambda x, w, r=red: F.nll_loss(x, TGT.to(x.device), w, reduction=r),
+                                  (LOGITS.log_softmax(1), W4), (1,)),
+            f"nll_ignore_{red}": (lambda x, r=red: F.nll_loss(x, TGT.clamp(min=0).to(x.device), ignore_index=3, reduction=r),
+                                  (LOGITS.log_softmax(1),), ()),
+            f"nll2d_{red}": (lambda x, w, r=red: F.nll_loss(x, T4C.to(x.device), w, reduction=r), (X4C, W3), (1,)),
+            f"cross_entropy_smoothing_{red}": (
+                lambda x, w, r=red: F.cross_entropy(x, T4C.to(x.device), weight=w, label_smoothing=0.2, reduction=r),
+                (X4C, W3), (1,)),
+            f"cross_entropy_probs_{red}": (lambda x, p, r=red: F.cross_entropy(x, p, reduction=r),
+                                           (LOGITS, Q.softmax(1)), (1,)),
+            f"mse_{red}": (lambda a, b, r=red: F.mse_loss(a, b, reduction=r), (LOGITS, Y), ()),
+            f"smooth_l1_{red}": (lambda a, b, r=red: F.smooth_l1_loss(a, b, reduction=r, beta=0.5), (LOGITS, Y), ()),
+            f"huber_{red}": (lambda a, b, r=red: F.huber_loss(a, b, reduction=r, delta=0.7), (LOGITS, Y), ()),
+            f"bce_{red}": (lambda a, b, w, r=red: F.binary_cross_entropy(a, b, w, reduction=r), (P, Q, W4), (1, 2)),
+            f"bce_logits_{red}": (lambda a, b, w, pw, r=red: F.binary_cross_entropy_with_logits(
+                a, b, w, reduction=r, pos_weight=pw), (LOGITS * 5, Q, W4, W4 * 3), (2, 3)),
+            f"kl_div_{red}": (lambda a, b, r=red: F.kl_div(a, b, reduction=r), (LOGITS.log_softmax(1), Q), ()),
+            f"soft_margin_{red}": (lambda a, r=red: F.soft_margin_loss(a, Y.sign().to(a.device), reduction=r), (LOGITS,), ()),
+            f"multi_margin_{red}": (lambda a, w, r=red: F.multi_margin_loss(
+                a, TGT.clamp(min=0).to(a.device), p=2, margin=0.7, weight=w, reduction=r), (LOGITS, W4), (1,)),
+        })
+    return cases
+
+
+LOSS = _loss_cases()
+
+
+@pytest.mark.parametrize("case", sorted(LOSS))
+def test_loss(case):
+    fn, inputs, no_grad = LOSS[case]
+    _compare(fn, *inputs, no_grad=no_grad)
+
+
+def test_nll_loss_out_of_range_target_is_nan_not_a_number():
+    # a lowering cannot raise on data: an invalid class must not produce a plausible value
+    out = F.nll_loss(LOGITS.to(DEV), torch.tensor([0, 9, 1, 1, 2], device=DEV))
+    assert torch.isnan(out.cpu())
+
+
+# ------------------------------------------------------------------ attention
+
+QA, KA, VA = _r(2, 4, 5, 8, seed=10), _r(2, 4, 7, 8, seed=11), _r(2, 4, 7, 6, seed=12)
+SDPA = F.scaled_dot_product_attention
+ATTN = {
+    "plain": (lambda q, k, v: SDPA(q, k, v), (QA, KA, VA)),
+    "causal_scale": (lambda q, k, v: SDPA(q, k, v, is_causal=True, scale=0.3), (QA, KA, VA)),
+    "bool_mask": (lambda q, k, v: SDPA(q, k, v, attn_mask=(_r(5, 7, seed=13) > -0.5).to(q.device)), (QA, KA, VA)),
+    "float_mask_grad": (lambda q, k, v, b: SDPA(q, k, v, attn_mask=b), (QA, KA, VA, _r(2, 1, 5, 7, seed=14))),
+    "gqa_causal": (lambda q, k, v: SDPA(q, k, v, enable_gqa=True, is_causal=True), (QA, KA[:, :2], VA[:, :2])),
+    "3d": (lambda q, k, v: SDPA(q, k, v), (QA[0], KA[0], VA[0])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTN))
+def test_sdpa(case):
+    fn, inputs = ATTN[case]
+    _compare(fn, *inputs)
+
+
+def test_sdpa_fully_masked_row_is_zero_like_cpu():
+    m = torch.ones(5, 7, dtype=torch.bool)
+    m[2] = False
+    _compare(lambda q, k, v: SDPA(q, k, v, attn_mask=m.to(q.device)), QA, KA, VA)
+
+
+def test_sdpa_uses_fused_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q = _r(1, 2, 3, 4, seed=20).to(DEV).requires_grad_()
+    with Record():
+        SDPA(q, q, q).sum().backward()
+    assert torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default in seen
+    assert torch.ops.aten._scaled_dot_product_fused_attention_overrideable_backward.default in seen
+    assert torch.ops.aten.bmm.default not in seen  # not the math path
+
+
+def test_sdpa_dropout_backward_uses_forward_mask():
+    # out = A @ v with A = dropout(softmax(q k^T)); v = I makes out == A, and then the gradient
+    # of <out, g> w.r.t. v must be A^T g: only true if the backward regenerates the same mask.
+    p = 0.5
+    q, k = _r(1, 2, 6, 6, seed=30).to(DEV), _r(1, 2, 6, 6, seed=31).to(DEV)
+    v = torch.eye(6).expand(1, 2, 6, 6).contiguous().to(DEV).requires_grad_()
+    torch.manual_seed(0)
+    a = SDPA(q, k, v, dropout_p=p)
+    g = _r(1, 2, 6, 6, seed=32)
+    (gv,) = torch.autograd.grad(a, v, g.to(DEV))
+    a = a.detach().cpu()
+    torch.testing.assert_close(gv.cpu(), a.transpose(-1, -2) @ g)
+    dropped = (a == 0).float().mean().item()
+    assert 0.2 < dropped < 0.8
+    torch.manual_seed(0)
+    torch.testing.assert_close(SDPA(q, k, v, dropout_p=p).cpu(), a)  # reproducible under the seed
+
+
+# ------------------------------------------------------------------ models
+
+class _CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(8 * 2 * 2, 5)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.bn1(self.conv1(x))))
+        x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def _train_compare(make, x, target, loss_fn, steps=2, atol=1e-4):
+    torch.manual_seed(0)
+    m_cpu = make()
+    m_dev = make()
+    m_dev.load_state_dict(m_cpu.state_dict())
+    m_dev.to(DEV)
+    opt_c = torch.optim.SGD(m_cpu.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(m_dev.parameters(), lr=0.1)
+    for _ in range(steps):
+        lc = loss_fn(m_cpu(x), target)
+        ld = loss_fn(m_dev(x.to(DEV)), target.to(DEV))
+        torch.testing.assert_close(ld.detach().cpu(), lc.detach(), atol=atol, rtol=atol)
+        opt_c.zero_grad(), opt_d.zero_grad()
+        lc.backward(), ld.backward()
+        for (n, pc), pd in zip(m_cpu.named_parameters(), m_dev.parameters()):
+            torch.testing.assert_close(pd.grad.cpu(), pc.grad, atol=atol, rtol=atol, msg=n)
+        opt_c.step(), opt_d.step()
+    for (n, bc), bd in zip(m_cpu.named_buffers(), m_dev.buffers()):
+        torch.testing.assert_close(bd.cpu(), bc, atol=atol, rtol=atol, msg=n)
+    m_cpu.eval(), m_dev.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m_dev(x.to(DEV)).cpu(), m_cpu(x), atol=atol, rtol=atol)
+
+
+def test_small_cnn_training_matches_cpu():
+    x = _r(4, 3, 8, 8, seed=40)
+    t = torch.tensor([0, 4, 2, 1])
+    _train_compare(_CNN, x, t, lambda o, t: F.cross_entropy(o, t, label_smoothing=0.1))
+
+
+class _Block(nn.Module):
+    def __init__(self, d=16, h=4):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+def test_transformer_block_training_matches_cpu():
+    x = _r(2, 6, 16, seed=50)
+    target = _r(2, 6, 16, seed=51)
+    _train_compare(_Block, x, target, F.mse_loss)
+
+
+def test_transformer_encoder_layer_matches_cpu():
+    x = _r(2, 5, 16, seed=60)
+    target = _r(2, 5, 16, seed=61)
+    make = lambda: nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)  # noqa: E731
+    _train_compare(make, x, target, F.mse_loss, steps=1)
