@@ -231,9 +231,43 @@ def _storage_copy(self, src, non_blocking=False):
     return self
 
 
+_StorageWriteFile = torch._C.StorageBase._write_file
+
+
+def _storage_write_file(self, f, is_real_file, save_size, element_size):
+    # the C++ writer reads device memory through data_ptr(), which a tpu storage only fakes
+    if self.device.type == "tpu":
+        self = self.cpu()
+    return _StorageWriteFile(self, f, is_real_file, save_size, element_size)
+
+
+_StorageSetFromFile = torch._C.StorageBase._set_from_file
+
+
+def _storage_set_from_file(self, f, offset, is_real_file, element_size):
+    if self.device.type != "tpu":
+        return _StorageSetFromFile(self, f, offset, is_real_file, element_size)
+    host = torch.UntypedStorage(self.nbytes())
+    _StorageSetFromFile(host, f, offset, is_real_file, element_size)
+    return self.copy_(host)
+
+
+def _storage_tpu(self, device=None, non_blocking=False):
+    """``UntypedStorage.tpu()``: a copy on tpu (self if it is there already)."""
+    idx = _tpu_index(torch.device("tpu") if device is None else
+                     (torch.device("tpu", device) if isinstance(device, int) else device))
+    if self.device.type == "tpu" and (self.device.index or 0) == idx:
+        return self
+    return torch.UntypedStorage(self.nbytes(), device=torch.device("tpu", idx)).copy_(self)
+
+
 def _install_storage() -> None:
     torch.UntypedStorage.__new__ = _storage_new
     torch.UntypedStorage.copy_ = _storage_copy
+    torch.UntypedStorage._write_file = _storage_write_file
+    torch.UntypedStorage._set_from_file = _storage_set_from_file
+    if not hasattr(torch.UntypedStorage, "tpu"):
+        torch.UntypedStorage.tpu = _storage_tpu
 
 
 def retype_storage(t: torch.Tensor) -> None:
