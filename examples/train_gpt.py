@@ -141,7 +141,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
 
 

@@ -469,6 +469,21 @@ def test_parameter_on_tpu():
     assert m.weight.grad.device.type == "tpu" and m.weight.grad.shape == (3, 2)
 
 
+def test_module_to_keeps_parameters_and_weight_tying():
+    """Like CUDA: ``module.to(device)`` converts parameters in place (same Parameter objects),
+    so tied weights stay tied and an optimizer built before the move still owns them."""
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    param = emb.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.to(TPU)
+    assert model[0].weight is param and model[1].weight is param
+    assert param.device.type == "tpu"
+    assert opt.param_groups[0]["params"][0] is param
+
+
 def test_parameter_data_assignment_and_inplace_under_no_grad():
     ref = nn.Linear(2, 2)
     m = nn.Linear(2, 2)

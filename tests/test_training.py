@@ -79,7 +79,7 @@ def token_batches(n, batch, seq_len, vocab, seed=2):
     out = []
     for _ in range(n):
         x = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
-        out.append((x[:, :-1], x[:, 1:]))
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
 
 
