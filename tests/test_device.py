@@ -484,3 +484,49 @@ def test_main_report():
     assert "eager mode: DEFER_NEVER" in text
     assert "cache folder: /tmp/torchtpu-test-cache" in text
     assert "CPU fallback: enabled" in text
+
+
+# ---------------------------------------------------------------- several devices
+
+_MULTI_SCRIPT = r'''
+import copy, io, torch
+assert torch.tpu.device_count() == 2, torch.tpu.device_count()
+a = torch.arange(6.0).reshape(2, 3)
+x = a.to("tpu:1")
+assert x.device == torch.device("tpu", 1) and x.untyped_storage().device == x.device
+torch.testing.assert_close(x.cpu(), a)
+y = x * 2 + x
+assert y.device == x.device
+torch.testing.assert_close(y.cpu(), a * 3)
+torch.testing.assert_close((x @ x.t()).cpu(), a @ a.t())
+assert torch.ones(2, device="tpu:1").device.index == 1
+assert torch.empty(0, device="tpu:1").device.index == 1
+x[1].add_(10)
+torch.testing.assert_close(x.cpu()[1], a[1] + 10)
+z = x.to("tpu:0")
+assert z.device.index == 0
+torch.testing.assert_close(z.cpu(), x.cpu())
+try:
+    x + z
+    raise SystemExit("mixing tpu:0 and tpu:1 did not raise")
+except RuntimeError as e:
+    assert "Expected all tensors to be on the same device" in str(e) and "tpu:1" in str(e), e
+buf = io.BytesIO(); torch.save({"x": x}, buf); buf.seek(0)
+loaded = torch.load(buf)["x"]
+assert loaded.device.index == 1
+torch.testing.assert_close(loaded.cpu(), x.cpu())
+assert copy.deepcopy(x).device.index == 1
+assert torch.Generator("tpu:1").device.index == 1
+assert torch.tpu.memory_allocated(1) >= x.nbytes
+with torch.tpu.device(1):
+    assert torch.tpu.current_device() == 1
+print("MULTI-OK")
+'''
+
+
+def test_second_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", TORCHTPU_PLATFORM="cpu")
+    out = subprocess.run([sys.executable, "-c", _MULTI_SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0 and "MULTI-OK" in out.stdout, out.stderr[-3000:]

@@ -463,6 +463,9 @@ def install() -> None:
     _wrap_accelerator()
     _install_pin_memory()
     _install_kernels()
+    from . import multidevice
+
+    multidevice.install()
     from . import autocast
 
     autocast.install()

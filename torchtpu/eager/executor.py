@@ -352,7 +352,12 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:
         flat.append(_rng.next_state(gen))
-    out = entry.jitted(*flat)
+    try:
+        out = entry.jitted(*flat)
+    except ValueError as e:
+        if "incompatible devices" in str(e):  # tpu:0 and tpu:1 tensors in one op
+            raise _device_error(lowering, tensors) from None
+        raise
     if mode is _DEBUG:
         jax.block_until_ready(out)
     if lowering.mutates:

@@ -80,12 +80,21 @@ def _meta(shape, jdtype):
     return m
 
 
+# Set by torchtpu.device.multidevice when the platform has several devices: builds the tensor
+# for an array on device N > 0 (create_empty_tensor can only make tpu:0), None for device 0.
+wrap_multi = None
+
+
 def wrap(array, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new tpu tensor (contiguous, offset 0) whose storage holds ``array``."""
     shape, dt, strides, nbytes = _meta(array.shape, array.dtype)
     if dtype is not None and dtype != dt:
         nbytes = nbytes // dt.itemsize * dtype.itemsize
         dt = dtype
+    if wrap_multi is not None:
+        t = wrap_multi(array, shape, dt, strides, nbytes)
+        if t is not None:
+            return t
     t = _create_empty(shape, dt)
     st = _make_storage(_alloc_address(nbytes), _torch_device(0), nbytes)
     _set_storage(_CPU_KEYS, t, st, 0, shape, strides)
