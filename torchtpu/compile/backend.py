@@ -87,8 +87,9 @@ class CompiledGraph:
             if isinstance(a, Tensor):
                 if a.device.type == "tpu":
                     arr = _copy.value_of(a)
-                else:
-                    arr = _copy.host_to_device(a)
+                else:  # a CPU tensor (optimizer step counts): numpy, moved by the call itself
+                    arr = np.array(_lower._torch_to_np(a.detach().cpu()), copy=True)
+                    COUNTERS["transfers_host_to_device"] += 1
                 arrays.append(arr)
                 slots.append(i)
                 sig.append((arr.shape, arr.dtype))
@@ -120,24 +121,34 @@ class CompiledGraph:
             flat = arrays + [words]
         outs, news = entry.compiled(*flat)
         del flat
-        # write back mutated inputs
+        # write back mutated inputs; CPU-side values come back in one transfer
+        host_writes = []
         for i, new in zip(self.mutated, news):
             t = args[i]
             if t.device.type == "tpu":
                 _copy.assign(t, new)
             else:
-                with torch.no_grad():
-                    t.copy_(_copy.device_to_host(new).view(t.shape))
+                host_writes.append((t, new))
         consts, is_seq = entry.consts
-        res = []
         devs = self.out_devices
+        host_outs = [outs[v] for j, (kind, v) in enumerate(consts)
+                     if kind == "array" and devs[j] == "cpu"]
+        if host_writes or host_outs:
+            got = jax.device_get([n for _, n in host_writes] + host_outs)
+            COUNTERS["host_syncs"] += 1
+            with torch.no_grad():
+                for (t, _), h in zip(host_writes, got):
+                    t.copy_(_lower._np_to_torch(np.asarray(h)).view(t.shape))
+            host_outs = [_lower._np_to_torch(np.asarray(h)) for h in got[len(host_writes):]]
+        res = []
+        k = 0
         for j, (kind, v) in enumerate(consts):
             if kind == "array":
-                arr = outs[v]
                 if devs[j] == "cpu":
-                    res.append(_copy.device_to_host(arr))
+                    res.append(host_outs[k])
+                    k += 1
                 else:
-                    res.append(_wrap(arr))
+                    res.append(_wrap(outs[v]))
             elif kind == "input":
                 res.append(args[v])
             else:
@@ -233,6 +244,10 @@ def _decompositions():
         if op._schema.is_mutable or _is_view(op):
             continue
         table[op] = fn
+    from .decomp import extra_decompositions
+
+    for op, fn in extra_decompositions(_lower.has_lowering).items():
+        table.setdefault(op, fn)
     return table
 
 
