@@ -216,11 +216,7 @@ def maybe_compile(model: nn.Module, args):
     if not args.compile:
         return model
     backend = "tpu" if args.device.startswith("tpu") else "inductor"
-    try:
-        import torch._dynamo
-
-        if backend not in torch._dynamo.list_backends(exclude_tags=()):
-            raise RuntimeError(f'torch.compile backend "{backend}" is not registered')
+    try:  # an unknown backend name fails here (torch._dynamo's InvalidBackend)
         return torch.compile(model, backend=backend)
     except Exception as e:  # e.g. a torchtpu build without its compile backend
         warnings.warn(f"--compile: {e}; training eagerly instead")
@@ -267,16 +263,21 @@ def sample(model, data: CharData, args, device, n_chars: int, prompt: str = "FAB
 def metrics_summary() -> list[str]:
     m = torch.tpu.metrics()
     c, per_op = m["counters"], m["per_op"]
+    eager, fused = c.get("eager_compiles", 0), c.get("fused_graph_compiles", 0)
+    graph = c.get("xla_compiles", 0)
+    hits = (c.get("eager_cache_hits", 0) + c.get("fused_graph_cache_hits", 0)
+            + c.get("compile_cache_hits", 0))
     lines = [
-        f"  compiles           {c.get('eager_compiles', 0) + c.get('fused_compiles', 0)}"
-        f"  (eager {c.get('eager_compiles', 0)}, fused {c.get('fused_compiles', 0)}, "
-        f"graph {c.get('compile_graphs', c.get('dynamo_compiles', 0))})",
-        f"  cache hits         {c.get('eager_cache_hits', 0) + c.get('fused_cache_hits', 0)}",
+        f"  compiles           {eager + fused + graph}  (eager ops {eager}, fused graphs {fused}, "
+        f"torch.compile graphs {graph})",
+        f"  cache hits         {hits}",
         f"  host syncs         {c.get('host_syncs', 0)}",
         f"  decompositions     {c.get('decompositions', 0)}",
-        f"  cpu fallbacks      {c.get('cpu_fallbacks', 0)}",
+        f"  cpu fallbacks      {c.get('cpu_fallbacks', 0) + c.get('compile_cpu_fallbacks', 0)}",
     ]
-    fb = per_op.get("cpu_fallbacks", {})
+    fb = dict(per_op.get("cpu_fallbacks", {}))
+    for k, v in per_op.get("compile_cpu_fallbacks", {}).items():
+        fb[k] = fb.get(k, 0) + v
     if fb:
         top = sorted(fb.items(), key=lambda kv: -kv[1])[:8]
         lines.append("    " + ", ".join(f"{k} x{v}" for k, v in top)
