@@ -394,11 +394,21 @@ def _det_from_lu(lu, pivots):
 
 # ---------------------------------------------------------------- determinants / inverse / solve
 
+def _det_input(A):
+    """The matrix whose LU _linalg_det/_linalg_slogdet return. PyTorch factors A^T for a real
+    contiguous A (det(A^T) = det(A)) and its backward formula (linalg_lu_solve with
+    adjoint=False) relies on that. A lowering cannot see strides; tensors a lowering receives
+    are contiguous in the common case, so we mirror the contiguous branch. Known limitation:
+    the gradient of det/slogdet of a real *non-contiguous* view (e.g. ``A.mT``) is transposed.
+    """
+    return A if jnp.issubdtype(A.dtype, jnp.complexfloating) else _mT(A)
+
+
 @register(aten._linalg_det.default)
 def _linalg_det(A):
     _square(A, "linalg.det")
     _floating(A, "linalg.det")
-    lu, piv, _, _ = _lu(A)
+    lu, piv, _, _ = _lu(_det_input(A))
     diag, parity = _det_from_lu(lu, piv)
     return parity * jnp.prod(diag, axis=-1), lu, piv
 
@@ -407,7 +417,7 @@ def _linalg_det(A):
 def _linalg_slogdet(A):
     _square(A, "linalg.slogdet")
     _floating(A, "linalg.slogdet")
-    lu, piv, _, _ = _lu(A)
+    lu, piv, _, _ = _lu(_det_input(A))
     diag, parity = _det_from_lu(lu, piv)
     absd = jnp.abs(diag)
     logabs = jnp.sum(jnp.log(absd), axis=-1).astype(_real(A.dtype))

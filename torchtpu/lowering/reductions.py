@@ -182,17 +182,6 @@ def mean_dim(self, dim, keepdim=False, *, dtype=None):
     return (s / jnp.asarray(n, s.dtype) if n else s * jnp.asarray(np.nan, s.dtype)).astype(od)
 
 
-@register(aten.nanmean.default)
-def nanmean(self, dim=None, keepdim=False, *, dtype=None):
-    od = _mean_dtype(self, dtype, "nanmean")
-    x = _acc(self.astype(od))
-    dims = _dims(dim, self.ndim)
-    nan = jnp.isnan(x)
-    s = jnp.sum(jnp.where(nan, jnp.zeros((), x.dtype), x), axis=dims, keepdims=keepdim)
-    n = jnp.sum(~nan, axis=dims, keepdims=keepdim).astype(s.dtype)
-    return (s / n).astype(od)
-
-
 @register(aten.prod.default)
 def prod_default(self, *, dtype=None):
     od = _sum_dtype(self, dtype)
@@ -257,19 +246,10 @@ def std_mean_correction(self, dim=None, *, correction=None, keepdim=False):
     return jnp.sqrt(v).astype(_real_dtype(self.dtype)), m.astype(self.dtype)
 
 
-# legacy overloads (CompositeImplicit in PyTorch, but a graph may still carry them)
-def _legacy(fn):
-    def lowering(self, dim=None, unbiased=True, keepdim=False):
-        return fn(self, dim, correction=1 if unbiased else 0, keepdim=keepdim)
-
-    return lowering
-
-
-for _op, _fn in ((aten.var, var_correction), (aten.std, std_correction),
-                 (aten.var_mean, var_mean_correction), (aten.std_mean, std_mean_correction)):
-    _l = _legacy(_fn)
-    register(_op.dim)(_l)
-    register(_op.default)(lambda self, unbiased=True, _l=_l: _l(self, None, unbiased, False))
+# The legacy ``unbiased`` overloads (var.dim, std.default, ...) and nanmean, argsort,
+# max.other / min.other are CompositeImplicitAutograd: they decompose before reaching the
+# backend. Registering a PrivateUse1 kernel for them would replace that decomposition and
+# silently drop autograd, so they are deliberately not in the table.
 
 
 # ---------------------------------------------------------------- max / min family
@@ -350,16 +330,6 @@ def min_dim(self, dim, keepdim=False):
     return _minmax_dim(self, dim, keepdim, False, "min")
 
 
-@register(aten.max.other)
-def max_other(self, other):
-    return jnp.maximum(self, other)
-
-
-@register(aten.min.other)
-def min_other(self, other):
-    return jnp.minimum(self, other)
-
-
 @register(aten.aminmax.default)
 def aminmax(self, *, dim=None, keepdim=False):
     _check_not_complex(self, "aminmax")
@@ -385,8 +355,8 @@ def _argminmax(self, dim, keepdim, largest, name):
         raise RuntimeError(f"{name}(): does not support bool input")
     if dim is None:
         if self.size == 0:
-            raise RuntimeError(f"{name}(): Expected reduction dim to be specified for "
-                               "input.numel() == 0.")
+            raise IndexError(f"{name}(): Expected reduction dim to be specified for "
+                             "input.numel() == 0.")
         r = _arg_extreme(self.reshape(-1), 0, largest)
         return r.reshape((1,) * self.ndim) if keepdim else r
     d = canonical_dim(dim, self.ndim)
@@ -704,16 +674,6 @@ def sort_stable(self, *, stable, dim=-1, descending=False):
     return _sort(self, dim, descending)
 
 
-@register(aten.argsort.default)
-def argsort(self, dim=-1, descending=False):
-    return _sort(self, dim, descending)[1]
-
-
-@register(aten.argsort.stable)
-def argsort_stable(self, *, stable, dim=-1, descending=False):
-    return _sort(self, dim, descending)[1]
-
-
 @register(aten.topk.default)
 def topk(self, k, dim=-1, largest=True, sorted=True):
     if self.dtype == jnp.bool_:
@@ -766,6 +726,8 @@ def _median_all(self, ignore_nan, name):
     if self.dtype == jnp.bool_:
         raise _not_impl("median_cpu", self)
     if self.size == 0:
+        if _is_float(self):
+            return jnp.asarray(np.nan, self.dtype)
         raise RuntimeError(f"{name}() input tensor cannot be empty")
     return _median_last(self.reshape(-1), ignore_nan)[0]
 
@@ -846,6 +808,8 @@ def _softmax(self, dim, half_to_float):
     d, od = _softmax_prep(self, dim, half_to_float, "softmax_lastdim_kernel_impl")
     if self.ndim == 0:
         return jnp.ones((), od)
+    if self.size == 0:
+        return self.astype(od)
     x = _acc(self)
     m = lax.stop_gradient(jnp.max(x, axis=d, keepdims=True))
     e = jnp.exp(x - m)
@@ -857,6 +821,8 @@ def _log_softmax(self, dim, half_to_float):
     d, od = _softmax_prep(self, dim, half_to_float, "log_softmax_lastdim_kernel_impl")
     if self.ndim == 0:
         return jnp.zeros((), od)
+    if self.size == 0:
+        return self.astype(od)
     x = _acc(self)
     m = lax.stop_gradient(jnp.max(x, axis=d, keepdims=True))
     s = x - m
