@@ -87,12 +87,6 @@ def stack(tensors, dim=0):
     return jnp.stack([cast(t, dt) for t in tensors], axis=d)
 
 
-@register(aten.hstack.default)
-def hstack(tensors):
-    tensors = [t.reshape(1) if t.ndim == 0 else t for t in tensors]
-    return cat(tensors, 0 if tensors[0].ndim == 1 else 1)
-
-
 # ---- copies ----
 
 @register(aten.clone.default)
@@ -124,13 +118,6 @@ def repeat(self, repeats):
                            "dimensions of tensor")
     x = self.reshape((1,) * (len(repeats) - self.ndim) + tuple(self.shape))
     return jnp.tile(x, repeats)
-
-
-@register(aten.repeat_interleave.self_int)
-def repeat_interleave_self_int(self, repeats, dim=None, *, output_size=None):
-    if dim is None:
-        return jnp.repeat(self.reshape(-1), repeats)
-    return jnp.repeat(self, repeats, axis=_dim(dim, self.ndim))
 
 
 def _repeat_interleave_dynamic(args, kwargs):
@@ -165,21 +152,29 @@ def constant_pad_nd(self, pad, value=0):
 
 
 def _mode_pad(x, padding, mode, nd):
+    """reflect / edge padding of the last ``nd`` dims as a gather with static indices: output
+    j of a dim reads input ``f(j - left)`` (negative pads crop, as in PyTorch)."""
     padding = list(padding)
-    cfg = [(0, 0)] * (x.ndim - nd)
-    pads = [(padding[2 * i], padding[2 * i + 1]) for i in range(nd)][::-1]
-    cfg = cfg + pads
-    if mode == "reflect":
-        for (lo, hi), s in zip(pads, x.shape[x.ndim - nd:]):
-            if lo >= s or hi >= s:
-                raise RuntimeError(f"Argument #4: Padding size should be less than the "
-                                   f"corresponding input dimension, but got: padding ({lo}, {hi}) "
-                                   f"at dimension {x.ndim - nd} of input {list(x.shape)}")
-    # negative padding crops
-    crop = tuple(slice(max(-lo, 0), s - max(-hi, 0)) for (lo, hi), s in zip(cfg, x.shape))
-    x = x[crop]
-    cfg = [(max(lo, 0), max(hi, 0)) for lo, hi in cfg]
-    return jnp.pad(x, cfg, mode=mode)
+    for i in range(nd):
+        d = x.ndim - 1 - i
+        lo, hi = padding[2 * i], padding[2 * i + 1]
+        n = x.shape[d]
+        if mode == "reflect" and (lo >= n or hi >= n):
+            raise RuntimeError(f"Argument #4: Padding size should be less than the corresponding "
+                               f"input dimension, but got: padding ({lo}, {hi}) at dimension {d} "
+                               f"of input {list(x.shape)}")
+        out = n + lo + hi
+        if out <= 0:
+            raise RuntimeError(f"input tensor of size {list(x.shape)} with padding {padding} "
+                               f"gives a non-positive output size {out} at dimension {d}")
+        j = np.arange(out) - lo
+        if mode == "edge":
+            j = np.clip(j, 0, n - 1)
+        else:
+            j = np.abs(j)
+            j = (n - 1) - np.abs((n - 1) - j)
+        x = jnp.take(x, j, axis=d)
+    return x
 
 
 def _pad_family(nd, mode):
