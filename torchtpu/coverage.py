@@ -111,9 +111,11 @@ REQUIRED = (
     "nn.functional.max_pool2d", "nn.functional.avg_pool2d", "nn.functional.adaptive_avg_pool2d",
     "softmax", "log_softmax", "nn.functional.scaled_dot_product_attention",
     "nn.functional.cross_entropy", "nn.functional.mse_loss", "nn.functional.nll_loss",
+    "nn.functional.l1_loss", "nn.functional.smooth_l1_loss",
+    "nn.functional.binary_cross_entropy_with_logits",
     "nn.functional.embedding",
     "index_select", "gather", "scatter", "scatter_add", "index_put", "index_add",
-    "__getitem__", "masked_fill",
+    "__getitem__", "masked_fill", "nonzero", "masked_select",
     "sum", "mean", "amax", "amin", "max.reduction_with_dim", "min.reduction_with_dim",
     "argmax", "argmin", "prod", "var", "std",
     "cat", "stack", "split", "chunk", "reshape", "view", "permute", "transpose", "expand",
@@ -223,11 +225,29 @@ def tolerance(opinfo, dtype) -> tuple:
 # moving samples
 
 
+def _same_view(x, device, memo):
+    """``x`` on ``device`` with the same storage, sizes, strides and offset (so ops that read
+    outside a view, like as_strided, and samples sharing a storage, behave as on CPU)."""
+    try:
+        st = x.untyped_storage()
+        n = st.nbytes() // x.element_size()
+        if n == 0 or x.is_conj() or x.is_neg():
+            return x.to(device)
+        sk = ("storage", st.data_ptr(), x.dtype)
+        base = memo.get(sk)
+        if base is None:
+            flat = torch.empty(0, dtype=x.dtype).set_(st, 0, (n,), (1,))
+            base = memo[sk] = flat.to(device)
+        return base.as_strided(x.shape, x.stride(), x.storage_offset()).detach()
+    except Exception:  # noqa: BLE001  (odd tensors: fall back to a plain copy)
+        return x.to(device)
+
+
 def _move(x, device, memo):
     if isinstance(x, torch.Tensor):
         got = memo.get(id(x))
         if got is None:
-            t = x.detach().to(device)
+            t = _same_view(x.detach(), device, memo) if device != "cpu" else x.detach()
             if x.requires_grad:
                 t.requires_grad_(True)
             got = memo[id(x)] = t
@@ -772,6 +792,9 @@ def _crash_records(key, mode, why):
     return recs
 
 
+OP_SECONDS: dict = {}
+
+
 def run_all(keys, mode="full", jobs=2, timeout=DEFAULT_TIMEOUT_S, max_samples=None,
             verbose=False) -> dict:
     """Run ``keys`` in ``jobs`` worker processes; an op that crashes or hangs its worker is
@@ -840,6 +863,7 @@ def run_all(keys, mode="full", jobs=2, timeout=DEFAULT_TIMEOUT_S, max_samples=No
                     recs = {tuple(k.split("|")): r for k, r in msg["recs"].items()}
             with lock:
                 results[key] = recs
+                OP_SECONDS[key] = round(time.time() - t0, 2)
                 n = len(results)
                 if verbose or n % 25 == 0 or n == total:
                     st = ",".join(f"{dt[:4]}/{k[0]}={r['status']}" for (dt, k), r in recs.items())
@@ -912,7 +936,7 @@ def main(argv=None) -> int:
         meta = {"mode": a.mode, "jobs": a.jobs, "seconds": time.time() - t0,
                 "max_samples": a.max_samples or MODES[a.mode]["max_samples"],
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "ops": "all" if not a.ops else a.ops}
+                "ops": "all" if not a.ops else a.ops, "op_seconds": OP_SECONDS}
         if a.json:
             _save_json(results, meta, a.json)
     print_table(results)

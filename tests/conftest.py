@@ -1,0 +1,50 @@
+"""Shared pytest configuration.
+
+Options (also settable by environment variable):
+  --opinfo=fast|full   (TORCHTPU_OPINFO)   tests/test_opinfo.py: the fast CI subset (default;
+                       the first samples of float32 + one other dtype per op) or the full run.
+  --opinfo-timeout=S   (TORCHTPU_OPINFO_TIMEOUT) per-test time limit of tests/test_opinfo.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--opinfo", default=os.environ.get("TORCHTPU_OPINFO", "fast"),
+                     choices=("fast", "full"), help="OpInfo test subset (tests/test_opinfo.py)")
+    parser.addoption("--opinfo-timeout", type=int,
+                     default=int(os.environ.get("TORCHTPU_OPINFO_TIMEOUT", "300")),
+                     help="seconds per OpInfo test before it fails as timed out")
+
+
+def pytest_configure(config):
+    # test_opinfo.py reads the mode while it collects (parametrisation depends on it)
+    os.environ["TORCHTPU_OPINFO"] = config.getoption("--opinfo")
+
+
+class OpTimeout(Exception):
+    pass
+
+
+@pytest.fixture
+def op_timeout(request):
+    """Fail (not hang) a test that runs longer than --opinfo-timeout (main thread, POSIX)."""
+    seconds = request.config.getoption("--opinfo-timeout")
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise OpTimeout(f"timed out after {seconds} s (--opinfo-timeout)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
