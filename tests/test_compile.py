@@ -269,3 +269,65 @@ def test_custom_compiler_options():
     torch._dynamo.reset()
     _close(f(x), torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["xla_compiles"] - c0 == 2  # the options are part of the cache key
+
+
+def test_conv_net_inference_and_training_match_cpu():
+    def make():
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 8, 3, stride=2), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5))
+
+    cpu, tpu = _pair(make)
+    x = torch.randn(2, 3, 16, 16)
+    cm = torch.compile(tpu, backend="tpu")
+    out_c, out_t = cpu(x), cm(x.to(TPU))
+    _close(out_c, out_t, atol=1e-4, rtol=1e-4)
+    out_c.sum().backward()
+    out_t.sum().backward()
+    _close(cpu[0].weight.grad, tpu[0].weight.grad, atol=1e-4, rtol=1e-4)
+    _close(cpu[1].running_var, tpu[1].running_var, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_block_matches_cpu():
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return y.transpose(1, 2).reshape(2, 5, 16)
+
+    cpu, tpu = _pair(Attn)
+    x = torch.randn(2, 5, 16)
+    _close(cpu(x), torch.compile(tpu, backend="tpu")(x.to(TPU)), atol=1e-5, rtol=1e-4)
+
+
+_lib = torch.library.Library("torchtpu_test", "DEF")
+_lib.define("twice(Tensor x) -> Tensor")
+_lib.impl("twice", lambda x: x * 2, "CPU")
+_lib.impl("twice", lambda x: torch.empty_like(x), "Meta")
+
+
+def test_op_without_lowering_runs_on_cpu_inside_the_program():
+    op = torch.ops.torchtpu_test.twice.default
+    torch.library.register_fake("torchtpu_test::twice")(lambda x: torch.empty_like(x))
+
+    def f(x):
+        return op(x.sin()) + 1
+
+    x = torch.randn(6)
+    before = COUNTERS["compile_cpu_fallbacks"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(x.sin() * 2 + 1, torch.compile(f, backend="tpu")(x.to(TPU)))
+    assert COUNTERS["compile_cpu_fallbacks"] == before + 1
+    torch._dynamo.reset()
+    torch.tpu.enable_cpu_fallback = False
+    try:
+        with pytest.raises(Exception, match="torchtpu_test::twice"):
+            torch.compile(f, backend="tpu")(x.to(TPU))
+    finally:
+        torch.tpu.enable_cpu_fallback = True
