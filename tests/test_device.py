@@ -295,6 +295,15 @@ def test_event_errors_and_stream():
     ev = s.record_event()
     s.wait_event(ev)
     s.wait_stream(tpu.Stream())
+    # PyTorch's device-generic classes give the tpu ones; CPU keeps PyTorch's
+    ge = torch.Event(device="tpu", enable_timing=True)
+    assert isinstance(ge, tpu.Event) and isinstance(ge, torch.Event)
+    gs = torch.Stream(device="tpu")
+    assert isinstance(gs, tpu.Stream) and isinstance(gs, torch.Stream) and gs == s
+    assert type(torch.Event(device="cpu")) is tpu.Event.__mro__[1]
+    ge.record(gs)
+    ge.synchronize()
+    assert ge.query()
     with tpu.stream(s):
         y = torch.ones(3, device="tpu") * 2
     s.synchronize()
@@ -328,6 +337,9 @@ def test_memory_accounting():
     assert tpu.max_memory_allocated() <= during
     torch.accelerator.reset_peak_memory_stats()
     torch.accelerator.empty_cache()
+    torch.accelerator.empty_host_cache()
+    assert torch.accelerator.get_device_capability()["supported_dtypes"] >= {
+        torch.float32, torch.bfloat16, torch.int64, torch.bool}
     free, total = tpu.mem_get_info()
     assert 0 <= free <= total
 
@@ -381,6 +393,12 @@ def test_autocast_lower_precision_ops():
         assert F.linear(a, w, bias).dtype == lin.dtype
     # outside autocast: float32 again
     assert (ta @ tb).dtype == torch.float32
+    with torch.autocast("tpu"):  # the default low precision on tpu is bfloat16
+        assert (ta @ tb).dtype == torch.bfloat16
+    with torch.autocast("tpu", dtype=torch.float16):
+        assert (ta @ tb).dtype == torch.float16
+    with torch.autocast("tpu", enabled=False):
+        assert (ta @ tb).dtype == torch.float32
 
 
 def test_autocast_float32_ops():

@@ -152,6 +152,59 @@ def default_generator(index: int) -> Generator:
 _defaults: dict = {}
 
 
+# ---------------------------------------------------------------- torch.Event / torch.Stream
+
+_BaseEvent = torch.Event
+_BaseStream = torch.Stream
+
+
+class _EventMeta(type(_BaseEvent)):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _BaseEvent)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, _BaseEvent)
+
+
+class _StreamMeta(type(_BaseStream)):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _BaseStream)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, _BaseStream)
+
+
+def _means_tpu(device) -> bool:
+    if device is None:
+        return _acc_is_tpu()
+    if isinstance(device, int):
+        return _acc_is_tpu()
+    return torch.device(device).type == "tpu"
+
+
+class Event(_BaseEvent, metaclass=_EventMeta):
+    """``torch.Event``: torch.tpu.Event (runtime/sync.py) for "tpu", PyTorch's otherwise."""
+
+    def __new__(cls, device=None, *, enable_timing=False, blocking=False, interprocess=False):
+        if _means_tpu(device):
+            from ..runtime import sync
+
+            return sync.Event(enable_timing, blocking, interprocess, device=device)
+        return _BaseEvent(device, enable_timing=enable_timing, blocking=blocking,
+                          interprocess=interprocess)
+
+
+class Stream(_BaseStream, metaclass=_StreamMeta):
+    """``torch.Stream``: torch.tpu.Stream (runtime/sync.py) for "tpu", PyTorch's otherwise."""
+
+    def __new__(cls, device=None, *, priority=0, **kwargs):
+        if _means_tpu(device):
+            from ..runtime import sync
+
+            return sync.Stream(device, priority)
+        return _BaseStream(device, priority=priority, **kwargs)
+
+
 # ---------------------------------------------------------------- storages
 
 _StorageNew = torch._C.StorageBase.__new__
@@ -366,6 +419,30 @@ def _wrap_accelerator() -> None:
         return orig_empty()
 
     acc.empty_cache = empty_cache
+    orig_host = getattr(acc, "empty_host_cache", None)
+    if orig_host is not None:
+        @functools.wraps(orig_host)
+        def empty_host_cache():
+            # tpu "pinned" host buffers are ordinary CPU tensors: no host cache to empty
+            # (PyTorch's own would reach a pinned allocator that does not exist: a crash)
+            if _acc_is_tpu():
+                return None
+            return orig_host()
+
+        acc.empty_host_cache = empty_host_cache
+        if getattr(acc, "memory", None) is not None and getattr(acc.memory, "empty_host_cache", None) is orig_host:
+            acc.memory.empty_host_cache = empty_host_cache
+    orig_cap = acc.get_device_capability
+
+    @functools.wraps(orig_cap)
+    def get_device_capability(device=None, /):
+        if _acc_is_tpu() and (device is None or isinstance(device, int) or _means_tpu(device)):
+            from ..runtime.dtypes import TORCH_TO_JAX
+
+            return {"supported_dtypes": set(TORCH_TO_JAX)}
+        return orig_cap(device)
+
+    acc.get_device_capability = get_device_capability
     if getattr(acc, "memory", None) is not None and getattr(acc.memory, "empty_cache", None) is orig_empty:
         acc.memory.empty_cache = empty_cache
 
@@ -458,6 +535,8 @@ def _install_kernels() -> None:
 
 def install() -> None:
     torch.Generator = Generator
+    torch.Event = Event
+    torch.Stream = Stream
     _install_storage()
     _install_serialization()
     _wrap_accelerator()
@@ -469,3 +548,4 @@ def install() -> None:
     from . import autocast
 
     autocast.install()
+    torch.set_autocast_dtype("tpu", torch.bfloat16)  # the TPU's native low precision

@@ -18,8 +18,13 @@ import threading
 import time
 
 import jax
+import torch
 
 from .metrics import count
+
+# PyTorch's own classes (torchtpu.device.extras later puts device-dispatching ones in their place)
+_BaseEvent = torch.Event.__mro__[-2]
+_BaseStream = torch.Stream.__mro__[-2]
 
 _sync_hooks: list = []  # called first (the fused executor flushes its pending graph)
 
@@ -87,15 +92,21 @@ def synchronize(device=None) -> None:
     memory.sample_peak(idx)
 
 
-class Event:
-    """A point in the device's work (see the module docstring for the model)."""
+class Event(_BaseEvent):
+    """A point in the device's work (see the module docstring for the model). A
+    ``torch.Event`` subclass: ``torch.Event(device="tpu")`` returns one too."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False,
+                interprocess: bool = False, device=None):
+        return _BaseEvent.__new__(cls, device="tpu", enable_timing=enable_timing,
+                                   blocking=blocking, interprocess=interprocess)
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False, device=None):
         self.enable_timing = enable_timing
         self.blocking = blocking
         self.interprocess = interprocess
-        self.device = device
+        self._device_arg = device
         self._arrays = None  # None: never recorded
         self._time = None
         self._thread = None
@@ -103,7 +114,7 @@ class Event:
 
     def record(self, stream=None) -> None:
         _flush()
-        idx = stream.device_index if stream is not None else _index_of(self.device)
+        idx = stream.device_index if stream is not None else _index_of(self._device_arg)
         arrays = _arrays(idx)
         self._arrays = arrays
         self._time = None
@@ -159,10 +170,11 @@ class Event:
         return f"<torch.tpu.Event enable_timing={self.enable_timing}>"
 
 
-class Stream:
-    """The device's one in-order stream (see the module docstring)."""
+class Stream(_BaseStream):
+    """The device's one in-order stream (see the module docstring). A ``torch.Stream``
+    subclass: ``torch.Stream(device="tpu")`` returns one too."""
 
-    def __init__(self, device=None, priority: int = 0, **kwargs):
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
         idx = _index_of(device)
         if idx is None:
             from ..device import tpu_module
@@ -171,15 +183,20 @@ class Stream:
         from . import devices
 
         devices.jax_device(idx)  # validates the ordinal
-        self.device_index = idx
-        self.priority = priority
-        self.stream_id = 0
+        self = _BaseStream.__new__(cls, device=torch.device("tpu", idx), priority=priority)
+        self._index = idx
+        return self
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        pass
+
+    @property
+    def device_index(self):
+        return self._index
 
     @property
     def device(self):
-        import torch
-
-        return torch.device("tpu", self.device_index)
+        return torch.device("tpu", self._index)
 
     def query(self) -> bool:
         _flush()
@@ -200,10 +217,10 @@ class Stream:
         return event
 
     def __eq__(self, other):
-        return isinstance(other, Stream) and other.device_index == self.device_index
+        return isinstance(other, _BaseStream) and other.device == self.device
 
     def __hash__(self):
         return hash(("tpu", self.device_index))
 
     def __repr__(self):
-        return f"<torch.tpu.Stream device=tpu:{self.device_index} priority={self.priority}>"
+        return f"<torch.tpu.Stream device=tpu:{self.device_index}>"
