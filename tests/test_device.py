@@ -548,3 +548,22 @@ def test_second_device():
     out = subprocess.run([sys.executable, "-c", _MULTI_SCRIPT], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0 and "MULTI-OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_jax_op_pallas_kernel():
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] + 2 * y_ref[...]
+
+    def padd(x, y):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=jax.default_backend() == "cpu")(x, y)
+
+    op = tpu.pallas.jax_op("test_pallas_add", padd)
+    a, b = torch.randn(8, 128), torch.randn(8, 128)
+    ta = a.to("tpu").requires_grad_()
+    out = op(ta, b.to("tpu"))
+    torch.testing.assert_close(out.detach().cpu(), a + 2 * b)
+    with pytest.raises(RuntimeError, match="test_pallas_add.*custom_vjp"):
+        out.sum().backward()

@@ -14,7 +14,9 @@ and returns a callable taking tensors::
 - CPU tensors: the same function runs on JAX's CPU backend (handy for references and tests).
 - FakeTensor/meta: output shapes and dtypes come from ``jax.eval_shape`` (torch.compile works).
 - autograd: the backward is ``jax.vjp`` of ``fn`` (another op, ``<name>_vjp``), so the op is
-  differentiable whenever ``fn`` is; integer inputs get no gradient.
+  differentiable whenever ``fn`` is; integer inputs get no gradient. A bare ``pallas_call`` is
+  not differentiable in JAX: wrap it in ``jax.custom_vjp`` (the backward then says so clearly
+  otherwise).
 """
 from __future__ import annotations
 
@@ -116,7 +118,12 @@ def jax_op(name: str, fn=None):
     @skip
     def impl_vjp(args, cotangents):
         args = list(args)
-        return _run(bwd_jitted(len(args)), args + list(cotangents))
+        try:
+            return _run(bwd_jitted(len(args)), args + list(cotangents))
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise RuntimeError(
+                f"jax_op {name!r}: JAX cannot differentiate this function ({e}). A "
+                "pallas_call needs a jax.custom_vjp around it to be differentiable.") from e
 
     for key in ("PrivateUse1", "CPU"):
         _lib.impl(name, impl, key)
