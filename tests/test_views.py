@@ -63,6 +63,8 @@ GETITEM = {
     "bool_mask_mid": lambda x: x[:, torch.tensor([True, False, True, False, False], device=x.device)],
     "scalar_bool": lambda x: x[True],
     "int_and_slice_view_chain": lambda x: x[1:][::2][:, 1].t()[2:],
+    "cpu_index": lambda x: x[torch.tensor([3, 0, -2]), :, torch.tensor([1])],
+    "cpu_mask": lambda x: x[:, torch.tensor([True, False, True, False, True])],
 }
 
 
@@ -98,6 +100,8 @@ SETITEM = {
     "bool_mask_rows_values": _set(lambda x: _d(x, [False, True, False, True]),
                                   lambda x: torch.full((2, 5, 6), 4.0, device=x.device)),
     "int_dtype_value": _set(lambda x: 0, lambda x: _d(x, 3)),
+    "cpu_index": _set(lambda x: (torch.tensor([0, 2]), 1), lambda x: torch.ones(2, 6, device=x.device)),
+    "cpu_mask": _set(lambda x: torch.tensor([False, True, True, False]), lambda x: 7.0),
 }
 
 

@@ -66,14 +66,40 @@ def _out_names(op: OpOverload):
     return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
+def _host_tensors_to_device(args):
+    """Registry meta ``host_tensors``: CPU tensors among the arguments (index tensors; CUDA
+    accepts CPU indices too) are copied to the device of the op's first tpu tensor."""
+    dev = None
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.device.type == "tpu":
+                dev = t.device
+                break
+        if dev is not None:
+            break
+    if dev is None:
+        return args
+
+    def move(t):
+        return t.to(dev) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
+
+    return tuple(type(a)(move(t) for t in a) if isinstance(a, (list, tuple)) else move(a)
+                 for a in args)
+
+
 def _make(lowering, kind, out_names=()):
     run = executor.run
+    host = lowering.meta.get("host_tensors", False)
     if kind == executor.FUNCTIONAL or kind == executor.INPLACE or kind == executor.DIRECT_INPLACE:
         def kernel(*args, **kwargs):
+            if host:
+                args = _host_tensors_to_device(args)
             return run(lowering, kind, args, kwargs)
     else:
         def kernel(*args, **kwargs):
             outs = [kwargs.pop(n) for n in out_names]
+            if host:
+                args = _host_tensors_to_device(args)
             return executor.run_out(lowering, args, kwargs, outs)
     return kernel
 

@@ -14,6 +14,7 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim, cast, jdtype, result_type, to_jax
+from . import registry
 from .registry import register
 
 aten = torch.ops.aten
@@ -462,3 +463,10 @@ def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False
     cnt = np.diff(np.append(np.nonzero(start)[0], n))
     out = np.moveaxis(srt[start].reshape((-1,) + np.moveaxis(a, d, 0).shape[1:]), 0, d)
     return jnp.asarray(out), jnp.asarray(inv), jnp.asarray(cnt.astype(np.int64))
+
+
+# Index tensors may live on the CPU (CUDA accepts that too): the kernels move them to the
+# device first (registry meta ``host_tensors``, read by eager/kernels.py).
+for _op in (aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default,
+            aten._index_put_impl.default, aten._unsafe_index_put.default):
+    registry.LOWERINGS[_op].meta["host_tensors"] = True
