@@ -121,6 +121,16 @@ def test_write_through_dtype_view():
     torch.testing.assert_close(x.cpu(), base)
 
 
+def test_resize_dtype_view():
+    base = torch.arange(4.0)
+    v = base.to("tpu").view(torch.int32)
+    v.resize_(6)
+    ref = base.clone().view(torch.int32)
+    ref.resize_(6)
+    assert v.shape == ref.shape
+    torch.testing.assert_close(v.cpu()[:4], ref[:4])  # the grown tail is uninitialised
+
+
 # ---------------------------------------------------------------- RNG
 
 def _has_random_lowerings():

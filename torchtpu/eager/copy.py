@@ -83,7 +83,11 @@ def resize(t: torch.Tensor, shape) -> None:
     st = t.untyped_storage()
     have = st.nbytes() // t.element_size()
     if need > have:
-        old = _buffer.buffer_of(t).array.reshape(-1)
+        old = _buffer.buffer_of(t).array
+        jd = np.dtype(to_jax(t.dtype))
+        if old.dtype != jd:  # a view of another dtype (x.view(torch.int32)): reinterpret
+            old = views.bitcast_flat(old, jd)[:have]
+        old = old.reshape(-1)
         grown = jnp.concatenate([old, jnp.zeros((need - have,), old.dtype)])
         new_st = _buffer.new_storage(need * t.element_size(), t.device.index or 0)
         _buffer.buffer_of_storage(new_st, grown)
