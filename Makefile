@@ -8,9 +8,13 @@ TORCH_VERSION ?= 2.13.0
 # Where pip finds torch. Empty: pip's configured index. For a CPU-only wheel from the PyTorch
 # index (instead of PyPI's CUDA build) use: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
+# Extra dependency sets of torchtpu to install: tpu (jax[tpu]) or cuda (jax[cuda12]), e.g.
+# make demo EXTRAS=tpu
+EXTRAS  ?=
+comma   := ,
 PYTEST_ARGS ?=
-DEMO_ARGS ?= --steps 80 --layers 2 --embd 96 --batch-size 16 --seq-len 64 --log-every 5 --sample 120
-STAMP   := $(VENV)/.torchtpu-installed
+DEMO_ARGS ?= --steps 60 --layers 2 --embd 64 --heads 4 --batch-size 16 --seq-len 64 --log-every 5 --sample 120
+STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
 .PHONY: all venv demo demo-cpu test bench clean help
 
@@ -28,7 +32,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test$(if $(EXTRAS),$(comma)$(EXTRAS))]"
 	@touch $@
 
 demo: $(STAMP)
