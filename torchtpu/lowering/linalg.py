@@ -52,16 +52,18 @@ def _is_float_or_complex(x):
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _matmul(a, b, out_dtype=None):
-    """a @ b with PyTorch's dtype rules (inputs already share a dtype)."""
+def _matmul(a, b, out_dtype=None, keep_acc=False):
+    """a @ b with PyTorch's dtype rules (inputs already share a dtype). Half-precision
+    inputs accumulate in float32; ``keep_acc`` returns that float32 value unrounded (the
+    addmm family adds beta * self before rounding once, like PyTorch's CPU kernels)."""
     dt = a.dtype
     od = dt if out_dtype is None else np.dtype(out_dtype)
     if dt == jnp.bool_:
         r = jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32), preferred_element_type=jnp.int32)
         return r != 0
     if dt in _LOW:
-        return jnp.matmul(a, b, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32).astype(od)
+        r = jnp.matmul(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return r if keep_acc else r.astype(od)
     if jnp.issubdtype(dt, jnp.integer):
         return jnp.matmul(a, b, preferred_element_type=od).astype(od)
     return jnp.matmul(a, b, precision=_precision(dt), preferred_element_type=od).astype(od)
@@ -90,17 +92,25 @@ def _scale(x, s, dt):
     return x * jnp.asarray(s, dt)
 
 
-def _add_scaled(self, prod, beta, alpha):
-    """beta * self + alpha * prod, PyTorch's addmm family (beta == 0 ignores self's NaNs)."""
+def _add_scaled(self, prod, beta, alpha, out_dtype=None):
+    """beta * self + alpha * prod, PyTorch's addmm family (beta == 0 ignores self's NaNs).
+    ``prod`` may be a float32 accumulator of a half-precision product: the sum is formed in
+    float32 and rounded once to ``out_dtype``."""
     dt = prod.dtype
+    od = dt if out_dtype is None else np.dtype(out_dtype)
     self = jnp.broadcast_to(self.astype(dt), prod.shape)
     if dt == jnp.bool_:
         p = prod if alpha else jnp.zeros_like(prod)
         return (self & bool(beta)) | p if beta else p
     p = _scale(prod, alpha, dt)
     if beta == 0:
-        return p
-    return _scale(self, beta, dt) + p
+        return p.astype(od)
+    return (_scale(self, beta, dt) + p).astype(od)
+
+
+def _addmm_like(self, a, b, beta, alpha, out_dtype=None):
+    od = np.dtype(out_dtype) if out_dtype is not None else a.dtype
+    return _add_scaled(self, _matmul(a, b, out_dtype, keep_acc=True), beta, alpha, od)
 
 
 def _mm_shapes(a, b):
@@ -158,7 +168,7 @@ def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     _mm_shapes(mat1, mat2)
     _same_dtype(mat1, mat2, "mat1 and mat2")
     _same_dtype(self, mat1, "self and mat2")
-    return _add_scaled(self, _matmul(mat1, mat2), beta, alpha)
+    return _addmm_like(self, mat1, mat2, beta, alpha)
 
 
 @register(aten.addmm.dtype)
@@ -166,21 +176,21 @@ def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
     _mm_shapes(mat1, mat2)
     _same_dtype(mat1, mat2, "mat1 and mat2")
     od = _check_out_dtype(mat1, out_dtype, "addmm")
-    return _add_scaled(self, _matmul(mat1, mat2, od), beta, alpha)
+    return _addmm_like(self, mat1, mat2, beta, alpha, od)
 
 
 @register(aten.baddbmm.default)
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     _bmm_shapes(batch1, batch2)
     _same_dtype(batch1, batch2, "batch1 and batch2")
-    return _add_scaled(self, _matmul(batch1, batch2), beta, alpha)
+    return _addmm_like(self, batch1, batch2, beta, alpha)
 
 
 @register(aten.baddbmm.dtype)
 def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
     _bmm_shapes(batch1, batch2)
     od = _check_out_dtype(batch1, out_dtype, "baddbmm")
-    return _add_scaled(self, _matmul(batch1, batch2, od), beta, alpha)
+    return _addmm_like(self, batch1, batch2, beta, alpha, od)
 
 
 @register(aten.addbmm.default)
@@ -195,7 +205,7 @@ def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
         # one (n, b*k) @ (b*k, m) product: the batch sum happens inside the matmul
         a2 = jnp.transpose(batch1, (1, 0, 2)).reshape(n, b * k)
         b2 = batch2.reshape(b * k, batch2.shape[2])
-        prod = _matmul(a2, b2)
+        return _addmm_like(self, a2, b2, beta, alpha)
     return _add_scaled(self, prod, beta, alpha)
 
 
@@ -214,7 +224,7 @@ def addmv(self, mat, vec, *, beta=1, alpha=1):
         raise RuntimeError(f"size mismatch, got input ({self.shape[0] if self.ndim else 1}), "
                            f"mat ({'x'.join(map(str, mat.shape))}), vec ({vec.shape[0] if vec.ndim else 0})")
     _same_dtype(mat, vec, "mat and vec")
-    return _add_scaled(self, _matmul(mat, vec), beta, alpha)
+    return _addmm_like(self, mat, vec, beta, alpha)
 
 
 def _dot_check(a, b, name):
