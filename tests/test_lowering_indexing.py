@@ -124,6 +124,10 @@ def test_cat_out_and_errors():
     torch.testing.assert_close(out.cpu(), torch.cat([X, X]))
     with pytest.raises(IndexError):
         torch.cat([X.to(DEV), X.to(DEV)], 3)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match except in dimension 0"):
+        torch.cat([X.to(DEV), X[:, :2].to(DEV)])
+    with pytest.raises(RuntimeError, match="zero-dimensional tensor"):
+        torch.cat([X.to(DEV), torch.tensor(1.0, device=DEV)])
 
 
 # ---- view-op lowerings (graph executors) called directly ----

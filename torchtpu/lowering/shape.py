@@ -72,11 +72,28 @@ def _cat_inputs(tensors):
 
 @register(aten.cat.default)
 def cat(tensors, dim=0):
-    dt = result_type(*[t for t in tensors]) if tensors else torch.get_default_dtype()
+    if not tensors:
+        raise ValueError("torch.cat(): expected a non-empty list of Tensors")
+    for i, t in enumerate(tensors):
+        if t.ndim == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {i}) cannot be concatenated")
+    dt = result_type(*tensors)
     kept = _cat_inputs(tensors)
     if not kept:
         return jnp.zeros((0,), to_jax(dt))
     d = _dim(dim, kept[0].ndim)
+    ref = kept[0].shape
+    for i, t in enumerate(tensors):
+        if t.ndim == 1 and t.shape[0] == 0:
+            continue
+        if t.ndim != len(ref):
+            raise RuntimeError(f"Tensors must have same number of dimensions: got {len(ref)} and "
+                               f"{t.ndim}")
+        for k in range(t.ndim):
+            if k != d and t.shape[k] != ref[k]:
+                raise RuntimeError(f"Sizes of tensors must match except in dimension {d}. "
+                                   f"Expected size {ref[k]} but got size {t.shape[k]} for tensor "
+                                   f"number {i} in the list.")
     return jnp.concatenate([cast(t, dt) for t in kept], axis=d)
 
 
