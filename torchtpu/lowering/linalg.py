@@ -75,6 +75,26 @@ def _same_dtype(a, b, what="m1 and m2"):
                            f"{_tname(a.dtype)} != {_tname(b.dtype)}")
 
 
+def _same_scalar_type(a, b):
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected scalar type {_torch_name(a.dtype)} but found "
+                           f"{_torch_name(b.dtype)}")
+
+
+def _addmm_dtypes(self, mat1, mat2):
+    if self.dtype != mat2.dtype:
+        raise RuntimeError(f"self and mat2 must have the same dtype, but got "
+                           f"{_torch_name(self.dtype)} and {_torch_name(mat2.dtype)}")
+    _same_dtype(mat1, mat2)
+
+
+def _addmv_dtypes(self, mat, vec):
+    if not (self.dtype == mat.dtype == vec.dtype):
+        raise RuntimeError(f"addmv input tensors must have the same dtype, but got "
+                           f"{_torch_name(self.dtype)}, {_torch_name(mat.dtype)}, and "
+                           f"{_torch_name(vec.dtype)}")
+
+
 def _check_out_dtype(a, out_dtype, name):
     od = np.dtype(to_jax(out_dtype))
     if not (od == a.dtype or (a.dtype in _LOW and od == np.dtype(jnp.float32))):
@@ -128,14 +148,14 @@ def _mm_shapes(a, b):
 @register(aten.mm.default)
 def mm(self, mat2):
     _mm_shapes(self, mat2)
-    _same_dtype(self, mat2, "self and mat2")
+    _same_dtype(self, mat2)
     return _matmul(self, mat2)
 
 
 @register(aten.mm.dtype)
 def mm_dtype(self, mat2, out_dtype):
     _mm_shapes(self, mat2)
-    _same_dtype(self, mat2, "self and mat2")
+    _same_dtype(self, mat2)
     return _matmul(self, mat2, _check_out_dtype(self, out_dtype, "mm"))
 
 
@@ -152,29 +172,28 @@ def _bmm_shapes(a, b):
 @register(aten.bmm.default)
 def bmm(self, mat2):
     _bmm_shapes(self, mat2)
-    _same_dtype(self, mat2, "self and mat2")
+    _same_scalar_type(self, mat2)
     return _matmul(self, mat2)
 
 
 @register(aten.bmm.dtype)
 def bmm_dtype(self, mat2, out_dtype):
     _bmm_shapes(self, mat2)
-    _same_dtype(self, mat2, "self and mat2")
+    _same_scalar_type(self, mat2)
     return _matmul(self, mat2, _check_out_dtype(self, out_dtype, "bmm"))
 
 
 @register(aten.addmm.default)
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     _mm_shapes(mat1, mat2)
-    _same_dtype(mat1, mat2, "mat1 and mat2")
-    _same_dtype(self, mat1, "self and mat2")
+    _addmm_dtypes(self, mat1, mat2)
     return _addmm_like(self, mat1, mat2, beta, alpha)
 
 
 @register(aten.addmm.dtype)
 def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
     _mm_shapes(mat1, mat2)
-    _same_dtype(mat1, mat2, "mat1 and mat2")
+    _same_dtype(mat1, mat2)
     od = _check_out_dtype(mat1, out_dtype, "addmm")
     return _addmm_like(self, mat1, mat2, beta, alpha, od)
 
@@ -182,7 +201,8 @@ def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
 @register(aten.baddbmm.default)
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     _bmm_shapes(batch1, batch2)
-    _same_dtype(batch1, batch2, "batch1 and batch2")
+    _same_scalar_type(self, batch1)
+    _same_scalar_type(batch1, batch2)
     return _addmm_like(self, batch1, batch2, beta, alpha)
 
 
@@ -196,7 +216,8 @@ def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
 @register(aten.addbmm.default)
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     _bmm_shapes(batch1, batch2)
-    _same_dtype(batch1, batch2, "batch1 and batch2")
+    _same_scalar_type(self, batch1)
+    _same_scalar_type(batch1, batch2)
     dt = batch1.dtype
     if dt == jnp.bool_ or jnp.issubdtype(dt, jnp.integer):
         prod = jnp.sum(_matmul(batch1, batch2), axis=0, dtype=dt)
@@ -214,7 +235,7 @@ def mv(self, vec):
     if self.ndim != 2 or vec.ndim != 1 or self.shape[1] != vec.shape[0]:
         raise RuntimeError(f"size mismatch, got input ({self.shape[0] if self.ndim else 0}), "
                            f"mat ({'x'.join(map(str, self.shape))}), vec ({vec.shape[0] if vec.ndim else 0})")
-    _same_dtype(self, vec, "self and vec")
+    _addmv_dtypes(vec, self, vec)
     return _matmul(self, vec)
 
 
@@ -223,7 +244,7 @@ def addmv(self, mat, vec, *, beta=1, alpha=1):
     if mat.ndim != 2 or vec.ndim != 1 or mat.shape[1] != vec.shape[0]:
         raise RuntimeError(f"size mismatch, got input ({self.shape[0] if self.ndim else 1}), "
                            f"mat ({'x'.join(map(str, mat.shape))}), vec ({vec.shape[0] if vec.ndim else 0})")
-    _same_dtype(mat, vec, "mat and vec")
+    _addmv_dtypes(self, mat, vec)
     return _addmm_like(self, mat, vec, beta, alpha)
 
 
@@ -515,6 +536,24 @@ def linalg_lu(A, *, pivot=True):
     U = jnp.triu(lu[..., :k, :])
     # A[perm] = L U  =>  A = P L U with P[perm[i], i] = 1
     P = jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=A.dtype), -1, -2)
+    return P, L, U
+
+
+@register(aten.lu_unpack.default)
+def lu_unpack(LU_data, LU_pivots, unpack_data=True, unpack_pivots=True):
+    m, n = LU_data.shape[-2:]
+    k = min(m, n)
+    dt = LU_data.dtype
+    if unpack_data:
+        L = jnp.tril(LU_data[..., :, :k], -1) + jnp.eye(m, k, dtype=dt)
+        U = jnp.triu(LU_data[..., :k, :])
+    else:
+        L = U = jnp.zeros((0,), dt)
+    if unpack_pivots:
+        perm = _perm_from_pivots(LU_pivots, m) if m else jnp.zeros(LU_pivots.shape[:-1] + (0,), _I32)
+        P = jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=dt), -1, -2)
+    else:
+        P = jnp.zeros((0,), dt)
     return P, L, U
 
 
