@@ -218,6 +218,8 @@ INDEX_CASES = {
     "masked_select_bcast": (torch.masked_select, (X, torch.tensor([True, False, True, False, True]))),
     "unique": (lambda a: torch.unique(a, return_inverse=True, return_counts=True), (torch.tensor([[3, 1, 3], [2, 1, 1]]),)),
     "unique_plain": (torch.unique, (torch.tensor([3.0, 1.0, 3.0, -2.0]),)),
+    "unique_nan_distinct": (lambda a: torch.unique(a, return_inverse=True, return_counts=True),
+                            (torch.tensor([float("nan"), 1.0, float("nan"), 1.0]),)),
     "unique_dim": (lambda a: torch.unique(a, dim=1, return_inverse=True, return_counts=True), (torch.tensor([[3, 1, 3], [2, 1, 2]]),)),
     "unique_consecutive": (lambda a: torch.unique_consecutive(a, return_inverse=True, return_counts=True), (torch.tensor([1, 1, 2, 2, 3, 1, 1, 2]),)),
     "unique_consecutive_dim": (lambda a: torch.unique_consecutive(a, return_counts=True, dim=0), (torch.tensor([[1, 2], [1, 2], [3, 4]]),)),

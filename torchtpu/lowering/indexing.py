@@ -394,7 +394,9 @@ _EMPTY_I64 = np.zeros((0,), np.int64)
 
 def _unique_flat(x, return_inverse, return_counts):
     a = np.asarray(x)
-    u, inv, cnt = np.unique(a.reshape(-1), return_inverse=True, return_counts=True)
+    # NaNs are all distinct in PyTorch
+    u, inv, cnt = np.unique(a.reshape(-1), return_inverse=True, return_counts=True,
+                            equal_nan=False)
     inv = inv.reshape(a.shape).astype(np.int64) if return_inverse else _EMPTY_I64
     cnt = cnt.astype(np.int64) if return_counts else _EMPTY_I64
     return jnp.asarray(u.astype(a.dtype)), jnp.asarray(inv), jnp.asarray(cnt)
