@@ -13,6 +13,7 @@ TORCH_INDEX ?=
 EXTRAS  ?=
 comma   := ,
 PYTEST_ARGS ?=
+TESTS   ?= tests
 DEMO_ARGS ?= --steps 60 --layers 2 --embd 64 --heads 4 --batch-size 16 --seq-len 64 --log-every 5 --sample 120
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
@@ -42,7 +43,7 @@ demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
