@@ -160,6 +160,17 @@ def test_upsample(case):
     _compare(fn, x, atol=1e-4 if "bicubic" in case else ATOL)
 
 
+GRID = (_r(2, 3, 5, 6, seed=70), torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(71)) * 2.6 - 1.3)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_grid_sample(mode, padding_mode, align_corners):
+    _compare(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding_mode,
+                                        align_corners=align_corners), *GRID, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ losses
 
 LOGITS = _r(5, 4)

@@ -56,14 +56,18 @@ def _siblings(op: OpOverload):
         cs = cand._schema
         if not cs.is_mutable or cand is op:
             continue
-        non_out = [a for a in cs.arguments if not (a.alias_info is not None and a.alias_info.is_write)]
+        # out= tensors are keyword-only; a positional mutated argument (running_mean of
+        # _native_batch_norm_legit) makes a different op, not an out= sibling
+        non_out = [a for a in cs.arguments
+                   if not (a.alias_info is not None and a.alias_info.is_write and a.kwarg_only)]
         if _arg_sig(non_out) == sig:
             outs.append(cand)
     return inplace, outs
 
 
 def _out_names(op: OpOverload):
-    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return [a.name for a in op._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only]
 
 
 def _host_tensors_to_device(args):
@@ -115,7 +119,8 @@ def bind_lowering(lowering: registry.Lowering) -> None:
         # Lowerings of view ops serve the graph executors (compile, fused) only: in eager a
         # view must alias its base, which PyTorch's metadata kernels do (see VIEW_OPS).
         return
-    if not schema.is_mutable:
+    if not schema.is_mutable or lowering.mutates:
+        # (registry flag mutates: the executor writes the mutated arguments back itself)
         _bind(op, _make(lowering, executor.FUNCTIONAL))
         inplace, outs = _siblings(op)
         if inplace is not None and registry.get(inplace) is None:

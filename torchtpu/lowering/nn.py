@@ -406,6 +406,15 @@ def _bshape(x):
     return (1, -1) + (1,) * (x.ndim - 2)
 
 
+def _bn_affine(x, mean, invstd, weight, bias, acc):
+    """x * alpha + beta per channel (PyTorch CPU's form, so low-precision outputs round alike)."""
+    alpha = invstd * weight.astype(acc) if weight is not None else invstd
+    beta = -mean * alpha
+    if bias is not None:
+        beta = beta + bias.astype(acc)
+    return x * alpha.reshape(_bshape(x)) + beta.reshape(_bshape(x))
+
+
 def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps):
     acc = _acc(input.dtype)
     x = input.astype(acc)
@@ -413,8 +422,10 @@ def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, 
     n = x.size // x.shape[1]
     mean = jnp.mean(x, axis=axes)
     var = jnp.mean(jnp.square(x - mean.reshape(_bshape(x))), axis=axes)
-    invstd = lax.rsqrt(var + eps)
-    y = (x - mean.reshape(_bshape(x))) * invstd.reshape(_bshape(x))
+    invstd = 1 / jnp.sqrt(var + eps)
+    # PyTorch CPU normalises with the saved statistics, which have the input's dtype
+    m_r, i_r = mean.astype(input.dtype).astype(acc), invstd.astype(input.dtype).astype(acc)
+    y = (x - m_r.reshape(_bshape(x))) * i_r.reshape(_bshape(x))
     if weight is not None:
         y = y * weight.astype(acc).reshape(_bshape(x))
     if bias is not None:
@@ -431,12 +442,8 @@ def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, 
 def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
     acc = _acc(input.dtype)
     x = input.astype(acc)
-    invstd = lax.rsqrt(running_var.astype(acc) + eps)
-    y = (x - running_mean.astype(acc).reshape(_bshape(x))) * invstd.reshape(_bshape(x))
-    if weight is not None:
-        y = y * weight.astype(acc).reshape(_bshape(x))
-    if bias is not None:
-        y = y + bias.astype(acc).reshape(_bshape(x))
+    invstd = 1 / jnp.sqrt(running_var.astype(acc) + eps)
+    y = _bn_affine(x, running_mean.astype(acc), invstd, weight, bias, acc)
     empty = jnp.zeros((0,), input.dtype)
     return y.astype(input.dtype), empty, empty
 
@@ -455,6 +462,43 @@ def _native_batch_norm_legit_functional(input, weight, bias, running_mean, runni
         return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
     return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps) + (
         running_mean, running_var)
+
+
+@register(aten._native_batch_norm_legit.default, mutates=("running_mean", "running_var"))
+def _native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum,
+                             eps):
+    return native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@register(aten._batch_norm_with_update.default, mutates=("running_mean", "running_var"))
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    y, m, i, rm, rv = _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
+    return y, m, i, jnp.zeros((0,), jnp.uint8), rm, rv
+
+
+@register(aten._batch_norm_with_update_functional.default)
+def _batch_norm_with_update_functional(input, weight, bias, running_mean, running_var, momentum,
+                                       eps):
+    y, m, i, rm, rv = _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
+    return y, m, i, jnp.zeros((0,), jnp.uint8), rm, rv
+
+
+@register(aten._batch_norm_no_update.default)
+def _batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    if running_mean is None:  # no running statistics: batch statistics, as in training
+        y, m, i = _batch_norm_train(input, weight, bias, None, None, momentum, eps)[:3]
+        return y, m, i, jnp.zeros((0,), jnp.uint8)
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps) + (
+        jnp.zeros((0,), jnp.uint8),)
+
+
+@register(aten.batch_norm_backward.default)
+def batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_var,
+                        update, eps, output_mask, reserve):
+    # save_var holds the inverse standard deviation; train iff statistics were saved
+    train = save_mean is not None and save_mean.size > 0
+    return native_batch_norm_backward(grad_out, input, weight, running_mean, running_var,
+                                      save_mean, save_var, train, eps, output_mask)
 
 
 @register(aten._native_batch_norm_legit.no_stats)
@@ -753,3 +797,101 @@ for _name, _make in (("upsample_linear1d", _linear_matrix), ("upsample_bilinear2
     _f, _b = _interp_ops(_make)
     register(getattr(aten, _name).default)(_f)
     register(getattr(aten, _name + "_backward").default)(_b)
+
+
+# ---------------------------------------------------------------- grid sampling
+
+def _gs_unnormalize(coord, size, align_corners):
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _gs_reflect(x, twice_low, twice_high):
+    if twice_low == twice_high:
+        return jnp.zeros_like(x)
+    lo = twice_low / 2
+    span = (twice_high - twice_low) / 2
+    x = jnp.abs(x - lo)
+    extra = jnp.fmod(x, span)
+    flips = jnp.floor(x / span)
+    return jnp.where(jnp.fmod(flips, 2) == 0, extra + lo, span - extra + lo)
+
+
+def _gs_coordinates(x, size, padding_mode, align_corners):
+    if padding_mode == 1:  # border
+        return jnp.clip(x, 0, size - 1)
+    if padding_mode == 2:  # reflection
+        if align_corners:
+            x = _gs_reflect(x, 0, 2 * (size - 1))
+        else:
+            x = _gs_reflect(x, -1, 2 * size - 1)
+        return jnp.clip(x, 0, size - 1)
+    return x
+
+
+def _gs_read(inp, ix, iy):
+    """inp (N, C, H, W); integer-valued ix, iy (N, Ho, Wo): (N, C, Ho, Wo), zero outside."""
+    N, C, H, W = inp.shape
+    ok = (ix >= 0) & (ix <= W - 1) & (iy >= 0) & (iy <= H - 1)
+    xi = jnp.clip(ix, 0, W - 1).astype(jnp.int32)
+    yi = jnp.clip(iy, 0, H - 1).astype(jnp.int32)
+    flat = inp.reshape(N, C, H * W)
+    idx = (yi * W + xi).reshape(N, 1, -1)
+    v = jnp.take_along_axis(flat, jnp.broadcast_to(idx, (N, C, idx.shape[-1])), axis=2)
+    v = v.reshape((N, C) + ix.shape[1:])
+    return jnp.where(ok[:, None], v, jnp.zeros((), inp.dtype))
+
+
+def _grid_sampler_2d(input, grid, interpolation_mode, padding_mode, align_corners):
+    acc = _acc(input.dtype)
+    inp = input.astype(acc)
+    g = grid.astype(acc)
+    H, W = input.shape[2], input.shape[3]
+    x = _gs_unnormalize(g[..., 0], W, align_corners)
+    y = _gs_unnormalize(g[..., 1], H, align_corners)
+    if interpolation_mode == 2:  # bicubic: padding applies to each tap
+        x0, y0 = jnp.floor(x), jnp.floor(y)
+        tx, ty = x - x0, y - y0
+        A = -0.75
+
+        def coeffs(t):
+            c1 = lambda s: ((A + 2) * s - (A + 3)) * s * s + 1  # noqa: E731
+            c2 = lambda s: ((A * s - 5 * A) * s + 8 * A) * s - 4 * A  # noqa: E731
+            return [c2(t + 1), c1(t), c1(1 - t), c2(2 - t)]
+
+        wx, wy = coeffs(tx), coeffs(ty)
+        out = 0
+        for j in range(4):
+            row = 0
+            yy = _gs_coordinates(y0 - 1 + j, H, padding_mode, align_corners)
+            for i in range(4):
+                xx = _gs_coordinates(x0 - 1 + i, W, padding_mode, align_corners)
+                row = row + _gs_read(inp, xx, yy) * wx[i][:, None]
+            out = out + row * wy[j][:, None]
+        return out.astype(input.dtype)
+    x = _gs_coordinates(x, W, padding_mode, align_corners)
+    y = _gs_coordinates(y, H, padding_mode, align_corners)
+    if interpolation_mode == 1:  # nearest (round half to even, as nearbyint)
+        return _gs_read(inp, jnp.round(x), jnp.round(y)).astype(input.dtype)
+    x0, y0 = jnp.floor(x), jnp.floor(y)
+    x1, y1 = x0 + 1, y0 + 1
+    wx1, wy1 = x - x0, y - y0
+    wx0, wy0 = x1 - x, y1 - y
+    out = (_gs_read(inp, x0, y0) * (wx0 * wy0)[:, None] + _gs_read(inp, x1, y0) * (wx1 * wy0)[:, None]
+           + _gs_read(inp, x0, y1) * (wx0 * wy1)[:, None] + _gs_read(inp, x1, y1) * (wx1 * wy1)[:, None])
+    return out.astype(input.dtype)
+
+
+@register(aten.grid_sampler_2d.default)
+def grid_sampler_2d(input, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sampler_2d(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@register(aten.grid_sampler_2d_backward.default)
+def grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
+                             align_corners, output_mask):
+    f = lambda i, g: _grid_sampler_2d(i, g, interpolation_mode, padding_mode, align_corners)  # noqa: E731
+    _, vjp = jax.vjp(f, input, grid)
+    gi, gg = vjp(grad_output.astype(input.dtype))
+    return (gi if output_mask[0] else None), gg
