@@ -17,6 +17,8 @@ A recorded node applies the same per-op pure function that Strict mode jits
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 import weakref
 
 import jax
@@ -30,6 +32,7 @@ from . import executor, modes
 
 Tensor = torch.Tensor
 MAX_NODES = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
+DONATE = os.environ.get("TORCHTPU_FUSED_DONATE", "1") not in ("0", "")
 
 
 class PendingBuffer(_buffer.Buffer):
@@ -233,12 +236,31 @@ def _write_mutated(lowering, args, kwargs, news):
             record(_COPY[0], executor.DIRECT_INPLACE, (t, new), {})
 
 
-def _fingerprint(g, live):
+def _refcounts(inputs):
+    counts = []
+    for i in range(len(inputs)):
+        x = inputs[i]
+        counts.append(sys.getrefcount(x))
+    return counts
+
+
+# what _refcounts reports for an object that only the list refers to
+_BASE = _refcounts([object()])[0]
+
+
+def _unreferenced(inputs):
+    """Indices of input arrays nothing but the graph refers to any more (their storages were
+    overwritten in place, or their tensors died): safe to donate to the program."""
+    return tuple(i for i, (x, n) in enumerate(zip(inputs, _refcounts(inputs)))
+                 if n <= _BASE and isinstance(x, jax.Array))
+
+
+def _fingerprint(g, live, donate):
     return (tuple(n.key for n in g.nodes), tuple(n.refs for n in g.nodes),
-            tuple(pb.ref for pb in live))
+            tuple(pb.ref for pb in live), donate)
 
 
-def _make_program(nodes, out_refs):
+def _make_program(nodes, out_refs, donate=()):
     nodes = [(n.traced, n.refs) for n in nodes]
 
     def program(*inputs):
@@ -249,7 +271,7 @@ def _make_program(nodes, out_refs):
             env.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
         return tuple(env[n][i] for n, i in out_refs)
 
-    return jax.jit(program)
+    return jax.jit(program, donate_argnums=donate)
 
 
 def flush(reason: str = "explicit") -> None:
@@ -271,15 +293,23 @@ def flush(reason: str = "explicit") -> None:
         COUNTERS["fused_ops_executed"] += len(g.nodes)
         if not live:
             return
-        fp = _fingerprint(g, live)
+        inputs = g.inputs
+        g.inputs = None
+        g.input_ids = None
+        donate = _unreferenced(inputs) if DONATE else ()
+        fp = _fingerprint(g, live, donate)
         prog = _PROGRAMS.get(fp)
         if prog is None:
             count("fused_graph_compiles")
-            prog = _PROGRAMS[fp] = _make_program(g.nodes, [pb.ref for pb in live])
+            prog = _PROGRAMS[fp] = _make_program(g.nodes, [pb.ref for pb in live], donate)
         else:
             count("fused_graph_cache_hits")
+        if donate:
+            count("fused_donated_buffers", len(donate))
         try:
-            results = prog(*g.inputs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                results = prog(*inputs)
         except Exception as e:  # name the user's ops, as Debug mode would
             ops = sorted({str(n.key[0][0].op) for n in g.nodes})
             raise RuntimeError(f"torchtpu fused graph of {len(g.nodes)} ops failed "
