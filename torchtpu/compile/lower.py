@@ -208,7 +208,10 @@ class GraphLowering:
 
     def _call(self, n, op, args, kwargs, rng):
         low = registry.get(op)
-        if low is not None and not low.dynamic_shape:
+        dyn = low is not None and low.dynamic_shape
+        if dyn and dyn is not True:
+            dyn = dyn(args, kwargs)  # a per-call predicate (e.g. boolean-mask indexing)
+        if low is not None and not dyn:
             if low.random:
                 kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
                 i = self.random_index.get(n)
