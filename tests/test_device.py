@@ -311,6 +311,9 @@ def test_event_errors_and_stream():
     gs = torch.Stream(device="tpu")
     assert isinstance(gs, tpu.Stream) and isinstance(gs, torch.Stream) and gs == s
     assert type(torch.Event(device="cpu")) is tpu.Event.__mro__[1]
+    acc_s = torch.accelerator.current_stream()
+    assert isinstance(acc_s, tpu.Stream) and acc_s == s
+    acc_s.synchronize()
     ge.record(gs)
     ge.synchronize()
     assert ge.query()

@@ -400,6 +400,7 @@ def _wrap_accelerator() -> None:
         "reset_peak_memory_stats": memory.reset_peak_memory_stats,
         "reset_accumulated_memory_stats": lambda i: None,
         "get_memory_info": memory.mem_get_info,
+        "current_stream": lambda i: _tpu_stream(i),
     }
     for name, fn in impl.items():
         orig = getattr(acc, name, None)
@@ -445,6 +446,12 @@ def _wrap_accelerator() -> None:
     acc.get_device_capability = get_device_capability
     if getattr(acc, "memory", None) is not None and getattr(acc.memory, "empty_cache", None) is orig_empty:
         acc.memory.empty_cache = empty_cache
+
+
+def _tpu_stream(index):
+    from . import tpu_module
+
+    return tpu_module.current_stream(index)
 
 
 def _acc_wrapper(orig, fn):
