@@ -263,6 +263,9 @@ class GraphLowering:
             outs = jax.tree_util.tree_flatten(out, is_leaf=lambda x: isinstance(x, torch.Tensor))[0]
             return tuple(_torch_to_np(o) for o in outs)
 
+        if not arrays and torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+            # a factory (iota, arange...): its value is a constant of the program
+            return jax.tree_util.tree_unflatten(out_tree, [jnp.asarray(x) for x in host()])
         res = jax.pure_callback(host, tuple(shapes), *arrays, vmap_method="sequential")
         return jax.tree_util.tree_unflatten(out_tree, list(res))
 
