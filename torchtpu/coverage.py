@@ -50,8 +50,8 @@ FORWARD, BACKWARD = "forward", "backward"
 
 # Samples per (op, dtype): the fast CI subset and the full run (``python -m torchtpu.coverage``).
 MODES = {
-    "fast": {"max_samples": 2, "dtypes": "float32+1"},
-    "full": {"max_samples": 12, "dtypes": "all"},
+    "fast": {"max_samples": 1, "dtypes": "float32+1"},
+    "full": {"max_samples": 2, "dtypes": "all"},
 }
 DEFAULT_TIMEOUT_S = 300  # per op (all its dtypes and kinds), in both pytest and the workers
 
@@ -93,6 +93,11 @@ RANDOM_IF = {
 # Ops whose output values are undefined (uninitialised memory): shape, dtype and device only.
 UNDEFINED = {n: "uninitialised output" for n in (
     "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted")}
+
+# Tensor arguments PyTorch requires on CPU whatever the device: kept on CPU (op -> reason).
+CPU_ARGS = {
+    "tensor_split": "indices_or_sections must be a CPU tensor (PyTorch's rule on every device)",
+}
 
 # OpInfos that cannot run on a CPU-referenced backend at all; listed in the report as n/a.
 NOT_APPLICABLE_PREFIX = {
@@ -185,16 +190,19 @@ def cases(mode: str = "full"):
 # tolerances
 
 
-def tolerance(opinfo, dtype) -> tuple:
-    """(atol, rtol) for ``dtype``: the widest the OpInfo declares, else PyTorch's defaults.
+def tolerance(opinfo, dtype):
+    """(atol, rtol) the OpInfo declares for samples of ``dtype`` (the widest), or None.
 
     Declared means a ``toleranceOverride``/``precisionOverride`` among the OpInfo's decorators
-    (plain, or in a ``DecorateInfo`` for any test, for all devices or for CPU/CUDA).
+    (plain, or in a ``DecorateInfo`` for any test, for all devices or for CPU/CUDA). Each output
+    is compared with at least PyTorch's default tolerances for the OUTPUT's dtype
+    (``torch.testing.assert_close``'s defaults), so an int64 sample with a float output is
+    compared as floats.
     """
     from torch.testing._comparison import default_tolerances
     from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
 
-    rtol, atol = default_tolerances(dtype)
+    rtol, _ = default_tolerances(dtype)
     declared = []
 
     def visit(dec):
@@ -215,10 +223,18 @@ def tolerance(opinfo, dtype) -> tuple:
                 visit(d)
         else:
             visit(dec)
-    if declared:
-        atol = max(atol, max(a for a, _ in declared))
-        rtol = max(rtol, max(r for _, r in declared))
-    return atol, rtol
+    if not declared:
+        return None
+    return max(a for a, _ in declared), max(r for _, r in declared)
+
+
+def _tols(tol, dtype):
+    from torch.testing._comparison import default_tolerances
+
+    rtol, atol = default_tolerances(dtype)
+    if tol is None:
+        return atol, rtol
+    return max(atol, tol[0]), max(rtol, tol[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,11 +277,11 @@ def _move(x, device, memo):
     return x
 
 
-def _move_sample(sample, device):
+def _move_sample(sample, device, key=None):
     """(input, args, kwargs) with every tensor a fresh leaf on ``device`` (grad flags kept)."""
     memo: dict = {}
     inp = _move(sample.input, device, memo)
-    args = _move(tuple(sample.args), device, memo)
+    args = _move(tuple(sample.args), "cpu" if key in CPU_ARGS else device, memo)
     kwargs = _move(dict(sample.kwargs), device, memo)
     if "device" in kwargs and kwargs["device"] is not None:
         kwargs["device"] = torch.device(device)
@@ -301,7 +317,7 @@ class Mismatch(AssertionError):
     pass
 
 
-def _compare(actual, expected, atol, rtol, values=True, path="output"):
+def _compare(actual, expected, tol, values=True, path="output"):
     """Compare a tpu result (already on CPU) with CPU's; raises Mismatch naming the place."""
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
@@ -312,6 +328,7 @@ def _compare(actual, expected, atol, rtol, values=True, path="output"):
             raise Mismatch(f"{path}: shape {tuple(actual.shape)} != CPU's {tuple(expected.shape)}")
         if not values:
             return
+        atol, rtol = _tols(tol, expected.dtype)
         try:
             torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True,
                                        check_device=False, check_stride=False, check_layout=False)
@@ -324,9 +341,10 @@ def _compare(actual, expected, atol, rtol, values=True, path="output"):
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
             raise Mismatch(f"{path}: expected a sequence of {len(expected)}, got {type(actual).__name__}")
         for i, (a, e) in enumerate(zip(actual, expected)):
-            _compare(a, e, atol, rtol, values, f"{path}[{i}]")
+            _compare(a, e, tol, values, f"{path}[{i}]")
         return
     if isinstance(expected, float) and isinstance(actual, float) and values:
+        atol, rtol = _tols(tol, torch.float64)
         if not (abs(actual - expected) <= atol + rtol * abs(expected)
                 or (actual != actual and expected != expected)):
             raise Mismatch(f"{path}: {actual} != CPU's {expected}")
@@ -384,6 +402,7 @@ class _Acc:
         self.fallback_ops: set = set()
         self.host_syncs = 0
         self.checked = set()  # "values" / "shape+dtype (<why>)"
+        self.note = None  # why samples were not checked
 
     def ok(self, i, fallbacks, syncs):
         self.n += 1
@@ -410,7 +429,7 @@ class _Acc:
     def record(self, skip_reason=None) -> dict:
         if skip_reason is not None or self.n == 0:
             status = "skip"
-            reason = skip_reason or "no sample inputs"
+            reason = skip_reason or self.note or "no sample inputs"
         elif self.failed == 0:
             status = "native" if self.fallback == 0 else "fallback"
             reason = self.reason
@@ -424,7 +443,8 @@ class _Acc:
 
 
 def _grad_targets(out):
-    outs = [t for t in _tensors(out, []) if t.requires_grad and t.dtype.is_floating_point]
+    outs = [t for t in _tensors(out, [])
+            if t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)]
     return outs
 
 
@@ -435,7 +455,7 @@ def check_op(key: str, dtype, max_samples: int | None = None, grad: bool = False
     A record: status ("native" | "fallback" | "partial" | "fail" | "skip"), reason, counts.
     """
     opinfo = op_db()[key]
-    atol, rtol = tolerance(opinfo, dtype)
+    tol = tolerance(opinfo, dtype)
     fwd, bwd = _Acc(), _Acc()
     grad = grad and dtype is torch.float32 and supports_grad(opinfo)
     torch.manual_seed(0)
@@ -458,28 +478,34 @@ def check_op(key: str, dtype, max_samples: int | None = None, grad: bool = False
             fwd.fail(i + 1, "cannot make sample input: " + _first_line(e))
             break
         i += 1
-        _one_sample(key, opinfo, sample, i, dtype, atol, rtol, fwd, bwd if grad else None)
+        _one_sample(key, opinfo, sample, i, dtype, tol, fwd, bwd if grad else None)
     res = {FORWARD: fwd.record()}
     if grad:
         res[BACKWARD] = bwd.record()
     return res
 
 
-def _one_sample(key, opinfo, sample, i, dtype, atol, rtol, fwd, bwd):
+def _one_sample(key, opinfo, sample, i, dtype, tol, fwd, bwd):
     why_random = _random_reason(key, sample)
     values = why_random is None
     check = "values" if values else f"shape+dtype ({why_random})"
     # the tpu copy first: the CPU run may mutate its inputs
-    t_in, t_args, t_kwargs = _move_sample(sample, "tpu")
+    t_in, t_args, t_kwargs = _move_sample(sample, "tpu", key)
     c_in, c_args, c_kwargs = _move_sample(sample, "cpu")
     # CPU reference
     try:
         torch.manual_seed(i)
         c_out = opinfo(c_in, *c_args, **c_kwargs)
         c_cmp = sample.output_process_fn_grad(c_out)
-    except Exception:  # noqa: BLE001
-        return  # a sample CPU itself rejects is not a test of tpu
+    except Exception as e:  # noqa: BLE001
+        # a sample CPU itself rejects is not a test of tpu
+        fwd.note = "CPU rejects the samples: " + _first_line(e)
+        if bwd is not None:
+            bwd.note = fwd.note
+        return
     want_grad = bwd is not None and bool(_grad_targets(c_cmp))
+    if bwd is not None and not want_grad:
+        bwd.note = "no differentiable output in the samples"
     c_grads = c_go = c_inputs = None
     if want_grad:
         c_inputs = [t for t in _tensors((c_in, c_args, c_kwargs), []) if t.requires_grad]
@@ -488,7 +514,8 @@ def _one_sample(key, opinfo, sample, i, dtype, atol, rtol, fwd, bwd):
         c_go = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in c_outs]
         try:
             c_grads = torch.autograd.grad(c_outs, c_inputs, c_go, allow_unused=True)
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
+            bwd.note = "CPU backward fails: " + _first_line(e)
             want_grad = False
     c_cmp = _to_cpu(c_cmp)
     # tpu
@@ -500,7 +527,7 @@ def _one_sample(key, opinfo, sample, i, dtype, atol, rtol, fwd, bwd):
         fb = _fallback_ops()
         syncs = _counter("host_syncs")
         _check_on_tpu(t_cmp)
-        _compare(_to_cpu(t_cmp), c_cmp, atol, rtol, values)
+        _compare(_to_cpu(t_cmp), c_cmp, tol, values)
     except Exception as e:  # noqa: BLE001
         fwd.fail(i, _first_line(e) if not isinstance(e, Mismatch) else "wrong result: " + str(e))
         if want_grad:
@@ -526,7 +553,7 @@ def _one_sample(key, opinfo, sample, i, dtype, atol, rtol, fwd, bwd):
                                f"{'None' if cg is None else 'a tensor'} on CPU")
             if tg is not None:
                 _check_on_tpu(tg, f"grad[{j}]")
-                _compare(_to_cpu(tg), cg, atol, rtol, values, f"grad[{j}]")
+                _compare(_to_cpu(tg), cg, tol, values, f"grad[{j}]")
     except Exception as e:  # noqa: BLE001
         bwd.fail(i, _first_line(e) if not isinstance(e, Mismatch) else "wrong result: " + str(e))
         return
@@ -692,7 +719,8 @@ def report(results: dict, meta: dict) -> str:
     for key, recs in results.items():
         for (dt, kind), r in recs.items():
             per_dtype[(dt, kind)][r["status"]] += 1
-            if r.get("host_syncs") and kind == FORWARD and dt == "float32":
+            if r.get("host_syncs") and kind == FORWARD and dt == "float32" \
+                    and r["status"] == "native":
                 syncs.append((key, r["host_syncs"], r["samples"]))
             for f in r.get("fallback_ops", ()):
                 fb_ops[f] += 1
@@ -706,14 +734,14 @@ def report(results: dict, meta: dict) -> str:
     if fb_ops:
         L.append("## Most frequent CPU fallbacks (aten op: number of (op, dtype, kind) cases)\n")
         L.append(", ".join(f"`{k}` {v}" for k, v in fb_ops.most_common(40)) + "\n")
-    L.append("## Host syncs (data-dependent shapes), float32 forward\n")
+    L.append("## Host syncs of natively passing ops (data-dependent shapes), float32 forward\n")
     L.append(", ".join(f"`{k}` {n}/{s} samples" for k, n, s in sorted(syncs)) or "none")
     L.append("")
     L.append("## Per op\n")
     L.append("Status per (dtype, kind); reason of the first failure (or the fallback ops).\n")
     L.append("| op | f32 fwd | f32 bwd | bf16 | int64 | bool | first problem |")
     L.append("|---|---|---|---|---|---|---|")
-    for key in db:
+    for key in sorted(db):
         if key in na:
             continue
         recs = results.get(key)
