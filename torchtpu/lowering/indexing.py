@@ -7,6 +7,8 @@ Out-of-range indices cannot be checked without a host sync; like XLA gathers the
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,7 +223,14 @@ def index_reduce(self, dim, index, source, reduce, *, include_self=True):
 # ---- advanced indexing: index.Tensor, index_put ----
 
 def _has_mask(indices):
-    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES for i in indices)
+    """Any boolean/byte mask among the indices (torch tensors in eager, arrays in a graph)."""
+    for i in indices:
+        if i is None:
+            continue
+        dt = i.dtype if isinstance(i, torch.Tensor) else jdtype(i)
+        if dt in _MASK_DTYPES:
+            return True
+    return False
 
 
 def _index_dynamic(args, kwargs):
@@ -233,7 +242,7 @@ def _index_put_dynamic(args, kwargs):
     """index_put with a mask and values that are not a single element: values are matched to
     the mask's count (a scalar value is written jitted, through a static-size nonzero)."""
     values = args[2] if len(args) > 2 else kwargs["values"]
-    return _has_mask(args[1]) and values.numel() != 1
+    return _has_mask(args[1]) and math.prod(values.shape) != 1
 
 
 def _index_tuple(x, indices, for_write=False):
