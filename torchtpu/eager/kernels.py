@@ -91,10 +91,17 @@ def _host_tensors_to_device(args):
                  for a in args)
 
 
-def _make(lowering, kind, out_names=()):
+def _make(lowering, kind, out_names=(), void=False):
+    """The PrivateUse1 kernel of one overload. ``void``: its schema returns nothing (the
+    in-place foreach ops), so the kernel must return None."""
     run = executor.run
     host = lowering.meta.get("host_tensors", False)
-    if kind == executor.FUNCTIONAL or kind == executor.INPLACE or kind == executor.DIRECT_INPLACE:
+    if void:
+        def kernel(*args, **kwargs):
+            if host:
+                args = _host_tensors_to_device(args)
+            run(lowering, kind, args, kwargs)
+    elif kind == executor.FUNCTIONAL or kind == executor.INPLACE or kind == executor.DIRECT_INPLACE:
         def kernel(*args, **kwargs):
             if host:
                 args = _host_tensors_to_device(args)
@@ -108,6 +115,10 @@ def _make(lowering, kind, out_names=()):
     return kernel
 
 
+def _is_composite_implicit(op) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
 def is_view_schema(schema) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
@@ -119,17 +130,21 @@ def bind_lowering(lowering: registry.Lowering) -> None:
         # Lowerings of view ops serve the graph executors (compile, fused) only: in eager a
         # view must alias its base, which PyTorch's metadata kernels do (see VIEW_OPS).
         return
+    if _is_composite_implicit(op):
+        # A backend kernel would replace the decomposition that autograd differentiates
+        # through (and the op would lose its gradient): such lowerings serve graphs only.
+        return
     if not schema.is_mutable or lowering.mutates:
         # (registry flag mutates: the executor writes the mutated arguments back itself)
         _bind(op, _make(lowering, executor.FUNCTIONAL))
         inplace, outs = _siblings(op)
         if inplace is not None and registry.get(inplace) is None:
-            _bind(inplace, _make(lowering, executor.INPLACE))
+            _bind(inplace, _make(lowering, executor.INPLACE, void=not inplace._schema.returns))
         for o in outs:
             if registry.get(o) is None:
                 _bind(o, _make(lowering, executor.OUT, _out_names(o)))
     elif schema.name.endswith("_") or op._overloadname.endswith("_"):
-        _bind(op, _make(lowering, executor.DIRECT_INPLACE))
+        _bind(op, _make(lowering, executor.DIRECT_INPLACE, void=not schema.returns))
     else:
         _bind(op, _make(lowering, executor.OUT, _out_names(op)))
 

@@ -19,3 +19,5 @@ from . import (  # noqa: F401
     reductions,
     shape,
 )
+
+foreach.register_all()  # maps base lowerings over lists: needs every family registered first
