@@ -365,3 +365,46 @@ def test_transformer_encoder_layer_matches_cpu():
     target = _r(2, 5, 16, seed=61)
     make = lambda: nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)  # noqa: E731
     _train_compare(make, x, target, F.mse_loss, steps=1)
+
+
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+def test_transformer_encoder_layer_inference_fast_path(norm_first, activation):
+    # eval + no_grad: PyTorch calls the fused aten::_transformer_encoder_layer_fwd
+    torch.manual_seed(0)
+    make = lambda: nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True,  # noqa: E731
+                                              norm_first=norm_first, activation=activation).eval()
+    cpu, dev = make(), make()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to(DEV)
+    x = _r(2, 5, 16, seed=80)
+    kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    before = _fallbacks()
+    with torch.no_grad():
+        for kw in ({}, {"src_key_padding_mask": kpm}, {"src_mask": causal, "src_key_padding_mask": kpm}):
+            out = dev(x.to(DEV), **{k: v.to(DEV) for k, v in kw.items()})
+            torch.testing.assert_close(out.cpu(), cpu(x, **kw))
+    assert _fallbacks() == before
+
+
+def test_multihead_attention_inference_fast_path():
+    torch.manual_seed(0)
+    cpu = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    dev = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to(DEV)
+    x, y = _r(2, 5, 16, seed=90), _r(2, 7, 16, seed=91)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, 5:] = True
+    before = _fallbacks()
+    with torch.no_grad():
+        for args, kw in (((x, x, x), {}), ((x, y, y), {"key_padding_mask": kpm, "average_attn_weights": False}),
+                         ((x, x, x), {"need_weights": False})):
+            a = cpu(*args, **kw)
+            b = dev(*(t.to(DEV) for t in args), **{k: v.to(DEV) if isinstance(v, torch.Tensor) else v
+                                                   for k, v in kw.items()})
+            torch.testing.assert_close(b[0].cpu(), a[0])
+            assert (a[1] is None) == (b[1] is None)
+            if a[1] is not None:
+                torch.testing.assert_close(b[1].cpu(), a[1])
+    assert _fallbacks() == before

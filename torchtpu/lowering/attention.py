@@ -153,3 +153,93 @@ def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
     if grad_input_mask[3] and attn_bias is not None and attn_bias.dtype != jnp.bool_:
         gb = _sum_to(ds, attn_bias.shape).astype(attn_bias.dtype)
     return gq, gk, gv, gb
+
+
+# ---------------------------------------------------------------- nn.MultiheadAttention /
+# nn.TransformerEncoderLayer inference fast paths (eval, no grad, batch_first)
+
+def _linear(x, w, b):
+    acc = _acc(x.dtype)
+    y = jnp.einsum("...i,oi->...o", x.astype(acc), w.astype(acc), precision=_prec(acc))
+    return (y + b.astype(acc)) if b is not None else y
+
+
+def _mha_mask(mask, mask_type, B, H, L, S):
+    """PyTorch's native MHA converts any mask to bool (True = masked out)."""
+    if mask is None:
+        return None
+    m = mask if mask.dtype == jnp.bool_ else (mask != 0)
+    if mask_type == 1 or (mask_type is None and m.ndim == 2 and m.shape == (B, S) and (L, S) != (B, S)):
+        return m.reshape(B, 1, 1, S)
+    return m
+
+
+def _native_mha(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
+                proj_bias, mask, need_weights, average_attn_weights, mask_type):
+    acc = _acc(query.dtype)
+    B, L, D = query.shape
+    S = key.shape[1]
+    dh = embed_dim // num_head
+    wq, wk, wv = jnp.split(qkv_weight, 3, axis=0)
+    bq, bk, bv = jnp.split(qkv_bias, 3, axis=0) if qkv_bias is not None else (None, None, None)
+    q = _linear(query, wq, bq).reshape(B, L, num_head, dh).transpose(0, 2, 1, 3) / math.sqrt(dh)
+    k = _linear(key, wk, bk).reshape(B, S, num_head, dh).transpose(0, 2, 1, 3)
+    v = _linear(value, wv, bv).reshape(B, S, num_head, dh).transpose(0, 2, 1, 3)
+    s = jnp.einsum("bhld,bhsd->bhls", q, k, precision=_prec(acc))
+    m = _mha_mask(mask, mask_type, B, num_head, L, S)
+    if m is not None:
+        s = jnp.where(m, -jnp.inf, s)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = _probs(s, lse)  # fully masked rows: zeros
+    o = jnp.einsum("bhls,bhsd->bhld", p, v, precision=_prec(acc))
+    o = o.transpose(0, 2, 1, 3).reshape(B, L, embed_dim)
+    out = _linear(o, proj_weight, proj_bias).astype(query.dtype)
+    if not need_weights:
+        return out, None
+    w = jnp.mean(p, axis=1) if average_attn_weights else p
+    return out, w.astype(query.dtype)
+
+
+@register(aten._native_multi_head_attention.default)
+def native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias,
+                                proj_weight, proj_bias, mask=None, need_weights=True,
+                                average_attn_weights=True, mask_type=None):
+    return _native_mha(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,
+                       proj_bias, mask, need_weights, average_attn_weights, mask_type)
+
+
+def _layer_norm(x, w, b, eps):
+    acc = _acc(x.dtype)
+    xf = x.astype(acc)
+    mean = jnp.mean(xf, -1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
+    y = (xf - mean) * lax.rsqrt(var + eps)
+    if w is not None:
+        y = y * w.astype(acc)
+    if b is not None:
+        y = y + b.astype(acc)
+    return y.astype(x.dtype)
+
+
+@register(aten._transformer_encoder_layer_fwd.default)
+def transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+                                  proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
+                                  norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
+                                  ffn_weight_2, ffn_bias_2, mask=None, mask_type=None):
+    x = src
+    if norm_first:
+        x = _layer_norm(x, norm_weight_1, norm_bias_1, eps)
+    x = _native_mha(x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
+                    mask, False, True, mask_type)[0]
+    x = x + src
+    if not norm_first:
+        x = _layer_norm(x, norm_weight_1, norm_bias_1, eps)
+    res = x
+    if norm_first:
+        x = _layer_norm(x, norm_weight_2, norm_bias_2, eps)
+    h = _linear(x, ffn_weight_1, ffn_bias_1)
+    h = jax.nn.gelu(h, approximate=False) if use_gelu else jnp.maximum(h, 0)
+    x = (_linear(h.astype(src.dtype), ffn_weight_2, ffn_bias_2).astype(src.dtype)) + res
+    if not norm_first:
+        x = _layer_norm(x, norm_weight_2, norm_bias_2, eps)
+    return x
