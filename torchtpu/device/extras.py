@@ -466,7 +466,11 @@ def _acc_wrapper(orig, fn):
             return fn(idx)
         return orig(device_index, *args, **kwargs)
 
-    return wrapper
+    # Dynamo calls torch.accelerator.current_stream() while compiling; without the skip it
+    # tries to compile this frame too, recursing until RecursionError (DESIGN fact 4)
+    from ..eager.dynamo_skip import skip
+
+    return skip(wrapper)
 
 
 # ---------------------------------------------------------------- pinned memory
