@@ -264,3 +264,45 @@ def test_getitem_setitem_backward():
         (z * z).sum().backward()
         return z, x.grad
     same(f, A.clone().requires_grad_())
+
+
+# ---- the graph executors use the view/indexing lowerings ----
+
+def _graph_fn(x, i, w):
+    y = torch.cat([x[:, 1:3], x[:, ::2].t().reshape(4, -1)[:, :2]], 0)
+    z = y.unsqueeze(0).expand(2, -1, -1).permute(1, 0, 2).flatten(1)
+    e = F.embedding(i, w)
+    g = torch.gather(x, 1, i[:4, None].expand(4, 2) % 5)
+    s = x.index_add(0, i % 4, torch.ones(i.shape[0], 5, device=x.device))
+    u = torch.unbind(x, 1)[2] + x.select(1, -1) + torch.diagonal(x).sum()
+    v = F.pad(x[None], (1, 2), mode="reflect")
+    x2 = x.clone()
+    x2[:, 1] = 3.0
+    x2[i[:2]] += 1.0
+    return (z.sum(1), e, g, s, u, v, x.view(torch.int32)[0], torch.where(x > 0, x, 0.0), x2,
+            x.split([2, 3], 1)[1], x.unfold(1, 2, 2), torch.view_as_real(x.to(torch.complex64)))
+
+
+def test_compiled_views_and_indexing():
+    from torchtpu.runtime.metrics import PER_OP
+
+    x, i, w = torch.randn(4, 5), torch.tensor([1, 0, 3, 2, 1]), torch.randn(4, 3)
+    before = dict(PER_OP.get("compile_cpu_fallbacks", {}))
+    same(torch.compile(_graph_fn, backend="tpu", fullgraph=True), x, i, w)
+    new = {k: v for k, v in PER_OP.get("compile_cpu_fallbacks", {}).items() if before.get(k) != v}
+    mine = [k for k in new if any(s in k for s in ("index", "gather", "cat", "pad", "select",
+                                                   "slice", "view", "embedding", "where",
+                                                   "unfold", "split", "unbind", "diagonal"))]
+    assert not mine, f"fell back to CPU callbacks in the compiled graph: {mine}"
+
+
+FUSED_CASES = {**{n: VIEWS[n] for n in ("column_mul", "chained", "narrow_select_unbind",
+                                         "view_reshape", "index_add_inplace", "dtype_view")},
+               "setitem_bool_mask_values": SETITEM["bool_mask_values"],
+               "setitem_tensor_index": SETITEM["tensor_index_values"]}
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_view_writes_fused(name):
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        same(FUSED_CASES[name], A)
