@@ -7,6 +7,7 @@ write back mutated storages. Everything else happens once per key, at a cache mi
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -177,24 +178,52 @@ def _check_cast(op_name, result_dt, self_dt):
             f"desired output type {str(self_dt).replace('torch.', '').capitalize()}")
 
 
+def _device_index(dev) -> int:
+    """The index a device argument names: "tpu" alone is the current device, as for CUDA."""
+    if dev is None or dev.index is None:
+        from ..device import tpu_module
+
+        return tpu_module._current[0]
+    return dev.index
+
+
 def _device_for_factory(kwargs, args):
     dev = kwargs.get("device")
     if dev is None:
         for a in args:
             if isinstance(a, torch.device):
                 dev = a
-    idx = 0 if dev is None or dev.index is None else dev.index
-    return _devices.jax_device(idx)
+    return _devices.jax_device(_device_index(dev))
 
 
-def _build(lowering, kind, args, kwargs, specs, tensors, write_slots):
-    """The jitted program for one cache key (see make_traced)."""
+def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=None):
+    """The jitted program for one cache key (see make_traced). ``device``: pin the outputs
+    there (with several devices, an output that does not depend on an input would otherwise
+    land on JAX's default device)."""
     traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots)
     jit_kwargs = {}
     if not tensors:
-        jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(
-            _device_for_factory(kwargs, args))
+        device = _device_for_factory(kwargs, args)
+    if device is not None:
+        jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(device)
     return jax.jit(traced, **jit_kwargs)
+
+
+_multi = []
+
+
+def _multi_device() -> bool:
+    if not _multi:
+        _multi.append(_devices.device_count() > 1)
+    return _multi[0]
+
+
+def _device_of_inputs(flat):
+    for a in flat:
+        sh = getattr(a, "sharding", None)
+        if sh is not None:
+            return next(iter(sh.device_set))
+    return None
 
 
 def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
@@ -239,6 +268,10 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
             # (jit retraces per dtype), so a dtype captured at the first build can be stale
             dt = _buffer.dtypes.to_torch(vals[slot].dtype)
             _check_cast(op_name, _buffer.dtypes.to_torch(v.dtype), dt)
+            shape = tuple(vals[slot].shape)
+            if tuple(v.shape) != shape and jnp.broadcast_shapes(tuple(v.shape), shape) != shape:
+                raise RuntimeError(f"output with shape {list(shape)} doesn't match the broadcast "
+                                   f"shape {list(v.shape)}")
             new_storages.append(views.write(arrays[slot], specs[slot], offsets[slot], v))
         return tuple(new_storages)
 
@@ -342,11 +375,18 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
         flat.extend(offs)
     specs = tuple(specs)
     key = (lowering, kind, key_args, key_kwargs, specs)
+    dev = None
+    if not tensors:  # a factory: its program is bound to the current device
+        key = key + (_device_index(None),)
+    elif _multi_device():
+        dev = _device_of_inputs(flat)
+        key = key + (dev,)
     entry = _CACHE.get(key)
     if entry is None:
         COUNTERS["eager_cache_misses"] += 1
         ws = _write_slots(kind, args, kwargs)
-        entry = _CACHE[key] = _Entry(_build(lowering, kind, args, kwargs, specs, tensors, ws), ws)
+        entry = _CACHE[key] = _Entry(
+            _build(lowering, kind, args, kwargs, specs, tensors, ws, dev), ws)
         count("eager_compiles", op=lowering.name)
     else:
         COUNTERS["eager_cache_hits"] += 1

@@ -10,6 +10,7 @@ import torch
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.dtypes import to_jax
+from .executor import _device_index
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,7 +25,7 @@ def _zeros(shape, dtype, device_index):
 
 def empty_tensor(shape, dtype=None, device=None) -> torch.Tensor:
     dtype = dtype or torch.get_default_dtype()
-    idx = 0 if device is None or device.index is None else device.index
+    idx = _device_index(device)
     _devices.jax_device(idx)  # validates the ordinal
     arr = _zeros(shape, dtype, idx)
     return _buffer.wrap(arr, dtype)
@@ -34,7 +35,7 @@ def empty_strided(shape, stride, dtype=None, device=None) -> torch.Tensor:
     dtype = dtype or torch.get_default_dtype()
     if list(stride) == _buffer._contiguous_strides(shape):
         return empty_tensor(shape, dtype, device)
-    idx = 0 if device is None or device.index is None else device.index
+    idx = _device_index(device)
     n = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
     t = empty_tensor([n], dtype, device)
     return torch.ops.aten.as_strided.default(t, shape, stride, 0)
