@@ -698,6 +698,16 @@ def report(results: dict, meta: dict) -> str:
              f"(up to {meta.get('max_samples')} samples per op and dtype), "
              f"{meta.get('seconds', 0):.0f} s with {meta.get('jobs')} worker processes")
     L.append(f"- op_db: {len(db)} OpInfos; {len(na)} not applicable (listed at the end)\n")
+    L.append("How to run:\n")
+    L.append("- `python -m torchtpu.coverage` — this report (all ops, worker processes `-j N`, "
+             "per-op timeout `--timeout S`; `--ops a,b` for a few ops; `--max-samples N` for "
+             "more samples); `--write-xfails` also rewrites `tests/opinfo_expected_failures.txt` "
+             "(review the diff before committing).")
+    L.append("- `pytest tests/test_opinfo.py` — the fast CI subset (first sample, float32 + one "
+             "other dtype per op; part of `make test`); `--opinfo=full` (or "
+             "`TORCHTPU_OPINFO=full`) the same cases as this report, with the expected failures "
+             "as strict xfails; `TORCHTPU_OPINFO_INPROCESS=1` runs the checks inside pytest "
+             "for debugging.\n")
     L.append("## Summary (ops)\n")
     L.append("| | ops | native | fallback | partial | fail | native % |")
     L.append("|---|---|---|---|---|---|---|")
