@@ -14,7 +14,7 @@ EXTRAS  ?=
 comma   := ,
 PYTEST_ARGS ?=
 TESTS   ?= tests
-DEMO_ARGS ?= --steps 60 --layers 2 --embd 64 --heads 4 --batch-size 16 --seq-len 64 --log-every 5 --sample 120
+DEMO_ARGS ?= --steps 40 --layers 2 --embd 64 --heads 4 --batch-size 16 --seq-len 64 --log-every 5 --sample 80
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
 .PHONY: all venv demo demo-cpu test bench clean help
