@@ -117,10 +117,24 @@ def _scalar_aval(v):
     return jax.ShapeDtypeStruct(np.shape(v), v.dtype)
 
 
+def _on_device0(args, kwargs) -> bool:
+    tensors: list = []
+    executor._key(args, tensors)
+    executor._key(list(kwargs.values()), tensors)
+    for t in tensors:
+        if isinstance(t, Tensor) and t.device.type == "tpu":
+            return not t.device.index
+    return executor._device_index(kwargs.get("device")) == 0
+
+
 def record(lowering, kind, args, kwargs):
     """Record one op (the executor hands it over while the mode is DEFER_AND_FUSE)."""
     if lowering.dynamic_shape:
         flush("dynamic_shape")
+        return executor.run_strict(lowering, kind, args, kwargs)
+    if executor._multi_device() and not _on_device0(args, kwargs):
+        # pending tensors are created on tpu:0; ops on other devices run strict (uncut graph
+        # on tpu:0 keeps recording)
         return executor.run_strict(lowering, kind, args, kwargs)
     g = _graph[0]
     gen = None
