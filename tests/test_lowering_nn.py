@@ -207,6 +207,9 @@ def _loss_cases():
                 a, b, w, reduction=r, pos_weight=pw), (LOGITS * 5, Q, W4, W4 * 3), (2, 3)),
             f"kl_div_{red}": (lambda a, b, r=red: F.kl_div(a, b, reduction=r), (LOGITS.log_softmax(1), Q), ()),
             f"soft_margin_{red}": (lambda a, r=red: F.soft_margin_loss(a, Y.sign().to(a.device), reduction=r), (LOGITS,), ()),
+            f"multilabel_margin_{red}": (lambda a, r=red: F.multilabel_margin_loss(
+                a, torch.tensor([[3, 0, -1, 1], [1, 2, 3, -1], [-1, 1, 2, 0], [0, 1, 2, 3], [2, -1, 0, 0]]
+                                ).to(a.device), reduction=r), (LOGITS,), ()),
             f"multi_margin_{red}": (lambda a, w, r=red: F.multi_margin_loss(
                 a, TGT.clamp(min=0).to(a.device), p=2, margin=0.7, weight=w, reduction=r), (LOGITS, W4), (1,)),
         })

@@ -239,3 +239,32 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
     _, vjp = jax.vjp(f, self)
     return vjp(grad_output.astype(self.dtype).reshape(f(self).shape))[0]
 
+
+
+def _multilabel_margin(self, target, reduction):
+    x = self if self.ndim == 2 else self.reshape(1, -1)
+    t = target.reshape(x.shape).astype(jnp.int64)
+    c = x.shape[1]
+    valid = jnp.cumprod(t != -1, axis=1).astype(bool)  # targets end at the first -1
+    safe = jnp.clip(t, 0, c - 1)
+    onehot = (safe[:, :, None] == jnp.arange(c)[None, None, :]) & valid[:, :, None]
+    is_target = jnp.any(onehot, axis=1)
+    xt = jnp.take_along_axis(x, safe, axis=1)  # (N, K) scores of the targets
+    z = jnp.maximum(1 - xt[:, :, None] + x[:, None, :], 0)  # (N, K, C)
+    z = jnp.where(valid[:, :, None] & ~is_target[:, None, :], z, 0)
+    loss = (jnp.sum(z, axis=(1, 2)) / c).astype(self.dtype)
+    if self.ndim < 2:
+        loss = loss.reshape(())
+    return _reduce(loss, reduction), is_target.astype(self.dtype).reshape(self.shape)
+
+
+@register(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(self, target, reduction):
+    return _multilabel_margin(self, target, reduction)
+
+
+@register(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
+    f = lambda x: _multilabel_margin(x, target, reduction)[0]  # noqa: E731
+    out, vjp = jax.vjp(f, self)
+    return vjp(grad_output.astype(self.dtype).reshape(out.shape))[0]
