@@ -54,6 +54,7 @@ class Timer:
                  max_number: int = 100_000):
         self.warmup, self.repeats = warmup, repeats
         self.min_repeat_s, self.max_number = min_repeat_s, max_number
+        self.history: list[Measurement] = []  # every measurement taken, for a noise summary
 
     def _run(self, fn, number, sync):
         t0 = time.perf_counter()
@@ -84,11 +85,22 @@ class Timer:
         finally:
             if gc_was:
                 gc.enable()
-        return Measurement(statistics.median(times), min(times), max(times), number,
-                           self.repeats)
+        m = Measurement(statistics.median(times), min(times), max(times), number, self.repeats)
+        self.history.append(m)
+        return m
 
     def per_call_us(self, fn, sync=None, number=None) -> float:
         return self.measure(fn, sync, number).us
+
+    def noise_note(self) -> str:
+        """One line: how much repeats of the same measurement disagreed in this run."""
+        if not self.history:
+            return ""
+        spreads = sorted(m.spread for m in self.history)
+        return (f"noise: (max-min)/median over repeats is {100 * statistics.median(spreads):.0f}%"
+                f" typically, {100 * spreads[-1]:.0f}% at worst"
+                + ("  (a loaded machine: compare ratios across runs with care)"
+                   if spreads[-1] > 0.5 else ""))
 
 
 @dataclass

@@ -163,7 +163,12 @@ def bench_mlp(timer: Timer) -> tuple[dict, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer and shorter repeats")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads(N) for PyTorch CPU (default: PyTorch's choice; "
+                        "1 is steadier on a loaded machine)")
     args = p.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     timer = Timer(warmup=20, repeats=3 if args.quick else 7,
                   min_repeat_s=0.02 if args.quick else 0.1)
     mode = torch.tpu.EagerMode.DEFER_NEVER
@@ -190,6 +195,7 @@ def main(argv=None) -> int:
     if fallbacks:
         table.notes.append(f"warning: {fallbacks} CPU fallbacks happened in the MLP step; see "
                            "torch.tpu.metrics()['per_op']['cpu_fallbacks']")
+    table.notes.append(timer.noise_note())
     table.print(ratios=[("tpu", "cpu"), ("tpu", "jax")])
 
     ok_abs = add["tpu"] <= ADD_TARGET_US
