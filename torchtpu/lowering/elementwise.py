@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from ._util import cast, float_result_type, is_array, jdtype, result_type, to_jax
+from ._util import cast as _cast, float_result_type, is_array, jdtype, result_type, to_jax
 from .registry import register
 
 aten = torch.ops.aten
@@ -34,9 +34,25 @@ def _tname(dt) -> str:
     return s[0].upper() + s[1:]
 
 
+def cast(x, dtype: torch.dtype):
+    """``_util.cast`` that wraps out-of-range Python integers like PyTorch's scalar conversion."""
+    if isinstance(x, int) and not isinstance(x, bool) and _is_int(dtype):
+        info = np.iinfo(to_jax(dtype))
+        if not info.min <= x <= info.max:
+            x = np.array(x & 0xFFFFFFFFFFFFFFFF, np.uint64).astype(to_jax(dtype)).item()
+    if is_array(x) and x.dtype == jnp.bool_ and (dtype.is_floating_point or dtype.is_complex):
+        # XLA rewrites convert(pred) * c into select(pred, c, 0), losing 0 * inf = nan
+        # (False / 0 would give 0): keep the converted value opaque to that rewrite.
+        return lax.optimization_barrier(_cast(x, dtype))
+    return _cast(x, dtype)
+
+
 def _binop(self, other, dt=None):
     dt = dt or result_type(self, other)
-    return cast(self, dt), cast(other, dt), dt
+    a, b = cast(self, dt), cast(other, dt)
+    if a.shape != b.shape:
+        a, b = jnp.broadcast_arrays(a, b)
+    return a, b, dt
 
 
 def _check_alpha(dt, alpha):
@@ -247,7 +263,7 @@ _FLOAT_EXP_SPECIAL = {2.0, 3.0, -1.0, -2.0, 0.5, -0.5, 1.0, 0.0}
 def pow_tensor_tensor(self, exponent):
     a, b, dt = _binop(self, exponent)
     if dt == torch.bool:
-        raise RuntimeError('"pow" not implemented for \'Bool\'')
+        return jnp.logical_or(a, jnp.logical_not(b))
     if _is_int(dt):
         return _int_pow(a, b)
     return jnp.power(a, b)
@@ -257,7 +273,7 @@ def pow_tensor_tensor(self, exponent):
 def pow_tensor_scalar(self, exponent):
     dt = result_type(self, exponent)
     if dt == torch.bool:
-        raise RuntimeError('"pow" not implemented for \'Bool\'')
+        return self if exponent else jnp.ones(self.shape, jnp.bool_)
     a = cast(self, dt)
     if _is_int(dt):
         if isinstance(exponent, (int, bool)) and exponent < 0:
@@ -405,7 +421,17 @@ def polygamma(n, self):
 @register(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)
 def special_zeta(self, other):
     dt = float_result_type(self, other)
-    return jsp.zeta(cast(self, dt), cast(other, dt))
+    x, q, _ = _binop(self, other, dt)
+    return _upcast(_zeta)(x, q)
+
+
+def _zeta(x, q):
+    # PyTorch's order of special cases (cephes): x == 1 -> inf; x < 1 -> nan; q a non-positive
+    # integer -> inf
+    r = jsp.zeta(x, q)
+    r = jnp.where((q <= 0) & (q == jnp.floor(q)), jnp.inf, r)
+    r = jnp.where(x < 1, jnp.nan, r)
+    return jnp.where(x == 1, jnp.inf, r).astype(x.dtype)
 
 
 @register(aten.logit.default)
@@ -584,6 +610,10 @@ def heaviside(self, values):
 @register(aten.logaddexp.default)
 def logaddexp(self, other):
     a, b, dt = _binop(self, other)
+    return _upcast(_logaddexp)(a, b)
+
+
+def _logaddexp(a, b):
     m = jnp.maximum(a, b)
     r = m + jnp.log1p(jnp.exp(-jnp.abs(a - b)))
     return jnp.where(jnp.isinf(a) & (a == b), a, r)
@@ -592,6 +622,10 @@ def logaddexp(self, other):
 @register(aten.logaddexp2.default)
 def logaddexp2(self, other):
     a, b, dt = _binop(self, other)
+    return _upcast(_logaddexp2)(a, b)
+
+
+def _logaddexp2(a, b):
     m = jnp.maximum(a, b)
     r = m + jnp.log1p(jnp.exp2(-jnp.abs(a - b))) / jnp.log(jnp.asarray(2.0, a.dtype))
     return jnp.where(jnp.isinf(a) & (a == b), a, r)
