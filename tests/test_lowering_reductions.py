@@ -235,6 +235,14 @@ SEQ = torch.sort(torch.randn(10)).values
     (lambda a, b: torch.dist(a, b, INF), (torch.randn(3, 4), torch.randn(4))),
     (lambda a: torch.renorm(a, 2, 0, 1.0), (torch.randn(4, 5),)),
     (lambda a: torch.renorm(a, 1, 1, 0.5), (torch.randn(3, 4, 2),)),
+    (lambda a: torch.histogram(a, bins=5), (torch.randn(50),)),
+    (lambda a, w: torch.histogram(a, bins=4, weight=w, density=True), (torch.randn(50), torch.rand(50))),
+    (lambda a: torch.histogram(a, bins=4, range=(0., 4.)), (torch.tensor([0., 1, 2, 3, 4, 4, 5, -1, NAN]),)),
+    (lambda a: torch.histogram(a, bins=3), (torch.ones(4),)),
+    (lambda a: torch.histogram(a, bins=3), (torch.randn(0),)),
+    (lambda a, b: torch.histogram(a, b), (torch.randn(50), torch.tensor([-1., 0, 0.5, 2]))),
+    (lambda a, b: torch.cdist(a, b, p=0.5), (torch.randn(2, 3, 4), torch.randn(1, 5, 4))),
+    (lambda a, b: torch.cdist(a, b, p=INF), (torch.randn(3, 4), torch.randn(5, 4))),
     (lambda a: torch.ops.aten._softmax_backward_data(a, a.softmax(1), 1, torch.float32), (torch.randn(3, 4),)),
     (lambda a: torch.ops.aten._log_softmax_backward_data(a, a.log_softmax(0), 0, torch.float32), (torch.randn(3, 4),)),
 ])
@@ -393,6 +401,8 @@ def _grads(fn, args, dev):
     (torch.linalg.inv, (A,)),
     (torch.linalg.lu_factor, (A,)),
     (torch.fft.rfft, (X.double(),)),
+    (lambda a, b: torch.cdist(a, b, p=1.5), (torch.randn(2, 3, 4), torch.randn(1, 5, 4))),
+    (torch.cdist, (torch.randn(3, 4), torch.randn(5, 4))),
 ])
 def test_backward(fn, args):
     before = _counts()

@@ -1004,3 +1004,132 @@ builtins_max = max
 @register(aten.bincount.default, dynamic_shape=True)
 def bincount(self, weights=None, minlength=0):
     return _bincount_concrete(self, weights, minlength)
+
+
+def _histogram_counts(x, edges, weight, density):
+    """Counts (or weight sums) of flat ``x`` in the bins ``edges`` (PyTorch's histogram: bin
+    i holds edges[i] <= v < edges[i+1], the last bin is closed; NaN and outside values skip)."""
+    nb = edges.shape[0] - 1
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    pos = _bsearch(edges.reshape(1, -1), x.reshape(1, -1), True).reshape(x.shape) - 1
+    pos = jnp.clip(jnp.where(pos >= nb, nb - 1, pos), 0, max(nb - 1, 0))
+    w = jnp.ones(x.shape, x.dtype) if weight is None else weight.reshape(-1).astype(x.dtype)
+    w = jnp.where(inside, w, jnp.zeros((), x.dtype))
+    hist = jnp.zeros((nb,), x.dtype).at[pos].add(w)
+    if density:
+        widths = edges[1:] - edges[:-1]
+        hist = hist / (jnp.sum(hist) * widths)
+    return hist
+
+
+def _linspace(start, end, steps, dt):
+    """torch.linspace's CPU formula (first half from start, second half from end)."""
+    start = jnp.asarray(start, dt)
+    end = jnp.asarray(end, dt)
+    if steps == 1:
+        return start.reshape(1)
+    step = (end - start) / jnp.asarray(steps - 1, dt)
+    i = jnp.arange(steps)
+    lo = start + step * i.astype(dt)
+    hi = end - step * (steps - 1 - i).astype(dt)
+    return jnp.where(i < steps // 2, lo, hi)
+
+
+@register(aten.histogram.bin_ct)
+def histogram_bin_ct(self, bins=100, *, range=None, weight=None, density=False):
+    if not _is_float(self):
+        raise RuntimeError(f"torch.histogram: input tensor and bins tensors should have the "
+                           f"same dtype, but got input {jdtype(self)}")
+    if bins <= 0:
+        raise RuntimeError(f"torch.histogramdd(): bins must be > 0, but got {bins} for "
+                           "dimension 0")
+    dt = self.dtype
+    x = self.reshape(-1)
+    if range is not None:
+        lo, hi = float(range[0]), float(range[1])
+        if lo > hi:
+            raise ValueError(f"histogramdd(): for dimension 0, the range's min ({lo}) must not "
+                             f"exceed its max ({hi})")
+        lo = jnp.asarray(lo, jnp.float64)
+        hi = jnp.asarray(hi, jnp.float64)
+    elif x.size:
+        # NaN data without a range is an error on CPU (it needs a sync); here edges go NaN
+        lo = jnp.min(x).astype(jnp.float64)
+        hi = jnp.max(x).astype(jnp.float64)
+    else:  # empty input, no range: [0, 1] like NumPy
+        lo, hi = jnp.zeros((), jnp.float64), jnp.ones((), jnp.float64)
+    eq = lo == hi
+    lo = jnp.where(eq, lo - 0.5, lo)
+    hi = jnp.where(eq, hi + 0.5, hi)
+    edges = _linspace(lo.astype(dt), hi.astype(dt), bins + 1, dt)
+    return _histogram_counts(x, edges, weight, density), edges
+
+
+@register(aten.histogram.bins_tensor)
+def histogram_bins_tensor(self, bins, *, weight=None, density=False):
+    if bins.ndim != 1:
+        raise RuntimeError("torch.histogramdd(): bins tensor should have one dimension")
+    return _histogram_counts(self.reshape(-1), bins.astype(self.dtype), weight, density), bins
+
+
+def _cdist_diffs(x1, x2):
+    return x1[..., :, None, :] - x2[..., None, :, :]
+
+
+@register(aten._cdist_forward.default)
+def _cdist_forward(x1, x2, p, compute_mode):
+    if p < 0:
+        raise RuntimeError(f"cdist only supports non-negative p values")
+    batch = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
+    a = jnp.abs(_cdist_diffs(_acc(x1), _acc(x2)))
+    if p == 0:
+        r = jnp.sum((a != 0).astype(a.dtype), -1)
+    elif p == 1:
+        r = jnp.sum(a, -1)
+    elif p == 2:
+        r = jnp.sqrt(jnp.sum(a * a, -1))
+    elif math.isinf(p):
+        r = jnp.max(a, -1) if a.shape[-1] else jnp.zeros(a.shape[:-1], a.dtype)
+    else:
+        r = jnp.power(jnp.sum(jnp.power(a, p), -1), 1.0 / p)
+    return r.astype(x1.dtype)
+
+
+@register(aten._cdist_backward.default)
+def _cdist_backward(grad, x1, x2, p, cdist):
+    """PyTorch's per-pair gradient formulas (zero where the distance is zero)."""
+    batch = cdist.shape[:-2]
+    x1b = jnp.broadcast_to(x1, batch + x1.shape[-2:])
+    x2b = jnp.broadcast_to(x2, batch + x2.shape[-2:])
+    diff = _cdist_diffs(x1b, x2b)
+    g = grad[..., None]
+    d = cdist[..., None]
+    zero = jnp.zeros((), diff.dtype)
+    if p == 0:
+        t = jnp.zeros_like(diff)
+    elif p == 1:
+        t = g * jnp.sign(diff)
+    elif p == 2:
+        t = jnp.where(d == 0, zero, g * diff / jnp.where(d == 0, 1, d))
+    elif math.isinf(p):
+        t = g * jnp.sign(diff) * (jnp.abs(diff) == d).astype(diff.dtype)
+    elif p < 2:
+        bad = (d == 0) | ((diff == 0) & (p < 1))
+        safe_d = jnp.where(d == 0, 1, d)
+        t = jnp.where(bad, zero, jnp.sign(diff) * jnp.power(jnp.abs(diff), p - 1) * g
+                      / jnp.power(safe_d, p - 1))
+    else:
+        safe_d = jnp.where(d == 0, 1, d)
+        t = jnp.where(d == 0, zero, diff * jnp.power(jnp.abs(diff), p - 2) * g
+                      / jnp.power(safe_d, p - 1))
+    r = jnp.sum(t, axis=-2)
+    # reduce broadcast batch dims back to x1's shape
+    extra = r.ndim - x1.ndim
+    if extra:
+        r = jnp.sum(r, axis=tuple(range(extra)))
+    for i, (s_in, s_out) in enumerate(zip(x1.shape[:-2], r.shape[:-2])):
+        if s_in == 1 and s_out != 1:
+            r = jnp.sum(r, axis=i, keepdims=True)
+    return r.astype(x1.dtype)
