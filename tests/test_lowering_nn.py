@@ -188,6 +188,12 @@ W3 = torch.rand(3, generator=torch.Generator().manual_seed(8))
 def _loss_cases():
     cases = {}
     for red in ("none", "mean", "sum"):
+        if red == "sum":  # the sum reduction only where it differs from mean beyond a scale
+            cases[f"nll_weight_{red}"] = (lambda x, w: F.nll_loss(x, TGT.to(x.device), w, reduction="sum"),
+                                          (LOGITS.log_softmax(1), W4), (1,))
+            cases[f"bce_logits_{red}"] = (lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction="sum"),
+                                          (LOGITS, Q), (1,))
+            continue
         cases.update({
             f"nll_weight_{red}": (lambda x, w, r=red: F.nll_loss(x, TGT.to(x.device), w, reduction=r),
                                   (LOGITS.log_softmax(1), W4), (1,)),
@@ -381,7 +387,7 @@ def test_transformer_encoder_layer_inference_fast_path(norm_first, activation):
     dev.to(DEV)
     x = _r(2, 5, 16, seed=80)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
-    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
     before = _fallbacks()
     with torch.no_grad():
         for kw in ({}, {"src_key_padding_mask": kpm}, {"src_mask": causal, "src_key_padding_mask": kpm}):
