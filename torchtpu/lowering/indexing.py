@@ -32,6 +32,16 @@ def _is_concrete(x):
     return not isinstance(x, jax.core.Tracer)
 
 
+def _at(arr, tup, src, how, mode=None):
+    """``arr.at[tup].<how>(src)``; bool arrays combine like PyTorch (add = or, multiply = and,
+    max = or, min = and), which jax's scatter-add/mul do not accept for bool."""
+    if arr.dtype == jnp.bool_ and how != "set":
+        res = getattr(arr.astype(jnp.int32).at[tup], how)(jnp.asarray(src).astype(jnp.int32),
+                                                          mode=mode)
+        return res != 0
+    return getattr(arr.at[tup], how)(src, mode=mode)
+
+
 # ---- index_select / gather / take ----
 
 @register(aten.index_select.default)
@@ -72,7 +82,7 @@ def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
     upd = flat.at[index.reshape(-1)]
     src = source.reshape(-1).astype(self.dtype)
-    flat = upd.add(src) if accumulate else upd.set(src)
+    flat = _at(flat, index.reshape(-1), src, "add") if accumulate else upd.set(src)
     return flat.reshape(self.shape)
 
 
@@ -113,17 +123,16 @@ def _reduce_at(self, tup, src, reduce, include_self=True):
     base = self
     if not include_self:
         base = self.at[tup].set(_identity(reduce, self.dtype))
-    at = base.at[tup]
     if reduce in ("sum", "add"):
-        return at.add(src)
+        return _at(base, tup, src, "add")
     if reduce in ("prod", "multiply"):
-        return at.multiply(src)
+        return _at(base, tup, src, "multiply")
     if reduce == "amax":
-        return at.max(src)
+        return _at(base, tup, src, "max")
     if reduce == "amin":
-        return at.min(src)
+        return _at(base, tup, src, "min")
     if reduce == "mean":
-        total = at.add(src)
+        total = _at(base, tup, src, "add")
         ones = jnp.ones(jnp.broadcast_shapes(jnp.shape(src), self[tup].shape), jnp.int64)
         count = jnp.full(self.shape, 1 if include_self else 0, jnp.int64).at[tup].add(ones)
         count = jnp.maximum(count, 1)
@@ -200,7 +209,7 @@ def index_add(self, dim, index, source, *, alpha=1):
         src = src.astype(a.dtype)
         if alpha != 1:
             src = src * jnp.asarray(alpha).astype(a.dtype)
-        return a.at[tup].add(src)
+        return _at(a, tup, src, "add")
     return _index_dim(self, dim, index, source, fn)
 
 
@@ -307,10 +316,7 @@ def _index_put(self, indices, values, accumulate):
         upd = (self + values) if accumulate else jnp.broadcast_to(values, self.shape)
         return jnp.where(m, upd, self)
     mode = "drop" if drop else None
-    at = self.at[tup]
-    if accumulate:
-        return at.add(values, mode=mode)
-    return at.set(values, mode=mode)
+    return _at(self, tup, values, "add" if accumulate else "set", mode)
 
 
 @register(aten.index_put.default, dynamic_shape=_index_put_dynamic)
@@ -362,6 +368,19 @@ def where(condition, self, other):
 @register(aten.embedding.default)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
+
+
+@register(aten.embedding_renorm.default)
+def embedding_renorm(self, indices, max_norm, norm_type):
+    """Rows of ``self`` named in ``indices`` whose norm exceeds ``max_norm`` are rescaled to it."""
+    x = self.astype(jnp.float32) if self.dtype in (jnp.bfloat16, jnp.float16) else self
+    if norm_type == float("inf"):
+        norm = jnp.max(jnp.abs(x), axis=1)
+    else:
+        norm = jnp.sum(jnp.abs(x) ** norm_type, axis=1) ** (1.0 / norm_type)
+    hit = jnp.zeros((self.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(hit & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
+    return (x * scale[:, None].astype(x.dtype)).astype(self.dtype)
 
 
 @register(aten.embedding_dense_backward.default)
