@@ -100,6 +100,7 @@ SETITEM = {
     "bool_mask_rows_values": _set(lambda x: _d(x, [False, True, False, True]),
                                   lambda x: torch.full((2, 5, 6), 4.0, device=x.device)),
     "int_dtype_value": _set(lambda x: 0, lambda x: _d(x, 3)),
+    "mask_and_index": _set(lambda x: (_d(x, [True, False, False, True]), _d(x, [0, 4])), lambda x: 5.0),
     "cpu_index": _set(lambda x: (torch.tensor([0, 2]), 1), lambda x: torch.ones(2, 6, device=x.device)),
     "cpu_mask": _set(lambda x: torch.tensor([False, True, True, False]), lambda x: 7.0),
 }

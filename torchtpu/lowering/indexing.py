@@ -248,10 +248,14 @@ def _index_dynamic(args, kwargs):
 
 
 def _index_put_dynamic(args, kwargs):
-    """index_put with a mask and values that are not a single element: values are matched to
-    the mask's count (a scalar value is written jitted, through a static-size nonzero)."""
+    """index_put with a mask, unless the mask is the only index and one value is written."""
     values = args[2] if len(args) > 2 else kwargs["values"]
-    return _has_mask(args[1]) and math.prod(values.shape) != 1
+    if not _has_mask(args[1]):
+        return False
+    # jitted only for one mask and one value (a padded static-size nonzero, padding dropped);
+    # a mask next to other index tensors must broadcast with its (data-dependent) count
+    n_index = sum(1 for i in args[1] if i is not None)
+    return n_index != 1 or math.prod(values.shape) != 1
 
 
 def _index_tuple(x, indices, for_write=False):
