@@ -283,6 +283,9 @@ def _index_tuple(x, indices, for_write=False):
                 drop = True
             if m.ndim == 0:
                 # x[True] / x[False]: a new leading dim of size 1 / 0
+                if sum(1 for i in indices if i is not None) != 1:
+                    raise NotImplementedError("index with a 0-dim boolean mask next to other "
+                                              "index tensors is not supported on tpu")
                 return None, m
             tup.extend(jnp.asarray(z, jnp.int64) for z in nz)
             d += m.ndim
