@@ -171,6 +171,14 @@ def test_grid_sample(mode, padding_mode, align_corners):
                                         align_corners=align_corners), *GRID, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mode,padding_mode", [("bilinear", "reflection"), ("nearest", "zeros")])
+def test_grid_sample_3d(mode, padding_mode):
+    x = _r(2, 3, 4, 5, 6, seed=72)
+    g = torch.rand(2, 3, 4, 5, 3, generator=torch.Generator().manual_seed(73)) * 2.6 - 1.3
+    _compare(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding_mode, align_corners=False),
+             x, g, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ losses
 
 LOGITS = _r(5, 4)

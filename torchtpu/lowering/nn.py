@@ -895,3 +895,55 @@ def grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, paddi
     _, vjp = jax.vjp(f, input, grid)
     gi, gg = vjp(grad_output.astype(input.dtype))
     return (gi if output_mask[0] else None), gg
+
+
+def _gs_read3(inp, ix, iy, iz):
+    """inp (N, C, D, H, W); integer-valued ix, iy, iz (N, Do, Ho, Wo), zero outside."""
+    N, C, D, H, W = inp.shape
+    ok = (ix >= 0) & (ix <= W - 1) & (iy >= 0) & (iy <= H - 1) & (iz >= 0) & (iz <= D - 1)
+    xi = jnp.clip(ix, 0, W - 1).astype(jnp.int32)
+    yi = jnp.clip(iy, 0, H - 1).astype(jnp.int32)
+    zi = jnp.clip(iz, 0, D - 1).astype(jnp.int32)
+    flat = inp.reshape(N, C, D * H * W)
+    idx = ((zi * H + yi) * W + xi).reshape(N, 1, -1)
+    v = jnp.take_along_axis(flat, jnp.broadcast_to(idx, (N, C, idx.shape[-1])), axis=2)
+    v = v.reshape((N, C) + ix.shape[1:])
+    return jnp.where(ok[:, None], v, jnp.zeros((), inp.dtype))
+
+
+def _grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    acc = _acc(input.dtype)
+    inp = input.astype(acc)
+    g = grid.astype(acc)
+    D, H, W = input.shape[2:]
+    x = _gs_coordinates(_gs_unnormalize(g[..., 0], W, align_corners), W, padding_mode, align_corners)
+    y = _gs_coordinates(_gs_unnormalize(g[..., 1], H, align_corners), H, padding_mode, align_corners)
+    z = _gs_coordinates(_gs_unnormalize(g[..., 2], D, align_corners), D, padding_mode, align_corners)
+    if interpolation_mode == 1:  # nearest
+        return _gs_read3(inp, jnp.round(x), jnp.round(y), jnp.round(z)).astype(input.dtype)
+    if interpolation_mode != 0:
+        raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
+    x0, y0, z0 = jnp.floor(x), jnp.floor(y), jnp.floor(z)
+    out = 0
+    for dz in (0, 1):
+        wz = (z - z0) if dz else (z0 + 1 - z)
+        for dy in (0, 1):
+            wy = (y - y0) if dy else (y0 + 1 - y)
+            for dx in (0, 1):
+                wx = (x - x0) if dx else (x0 + 1 - x)
+                out = out + _gs_read3(inp, x0 + dx, y0 + dy, z0 + dz) * (wx * wy * wz)[:, None]
+    return out.astype(input.dtype)
+
+
+@register(aten.grid_sampler_3d.default)
+def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@register(aten.grid_sampler_3d_backward.default)
+def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
+                             align_corners, output_mask):
+    f = lambda i, g: _grid_sampler_3d(i, g, interpolation_mode, padding_mode, align_corners)  # noqa: E731
+    _, vjp = jax.vjp(f, input, grid)
+    gi, gg = vjp(grad_output.astype(input.dtype))
+    return (gi if output_mask[0] else None), gg
