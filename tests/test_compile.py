@@ -222,21 +222,25 @@ def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
     ref = f(x)
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     files = [os.path.join(d, n) for d, _, ns in os.walk(tmp_path / "c") for n in ns]
-    assert len(files) == 1
+    assert len(files) == 2  # the executable under its graph key and under its HLO key
     torch._dynamo.reset()
     hits, compiles = COUNTERS["compile_disk_cache_hits"], COUNTERS["xla_compiles"]
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["compile_disk_cache_hits"] == hits + 1
     assert COUNTERS["xla_compiles"] == compiles
-    with open(files[0], "r+b") as fh:  # corrupt the payload
-        fh.seek(60)
-        fh.write(b"garbage" * 20)
+    for name in files:  # corrupt the entries
+        with open(name, "r+b") as fh:
+            fh.seek(60)
+            fh.write(b"garbage" * 20)
     torch._dynamo.reset()
     errors = COUNTERS["compile_disk_cache_errors"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
-    assert COUNTERS["compile_disk_cache_errors"] == errors + 1
+    assert COUNTERS["compile_disk_cache_errors"] == errors + 2
+    assert COUNTERS["xla_compiles"] == compiles + 1
+    torch._dynamo.reset()  # the rebuilt entries are good again
+    _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["xla_compiles"] == compiles + 1
 
 

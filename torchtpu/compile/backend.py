@@ -109,7 +109,7 @@ class CompiledGraph:
                 entry = self.entries.get(key)
                 if entry is None:
                     COUNTERS["compile_cache_misses"] += 1
-                    entry = self._compile(arrays, slots, statics, tuple(donate))
+                    entry = self._compile(arrays, slots, statics, tuple(donate), key[0])
                     self.entries[key] = entry
                 else:
                     COUNTERS["compile_cache_hits"] += 1
@@ -174,7 +174,32 @@ class CompiledGraph:
             donate.append(j)
         return tuple(donate)
 
-    def _compile(self, arrays, slots, statics, donate):
+    def _graph_key(self, sig, arrays, donate, copts):
+        import hashlib
+
+        gm = self.low.gm
+        consts = []
+        lowerings = []
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                v = _lower._fetch_attr(gm, n.target)
+                if isinstance(v, Tensor):
+                    v = v.detach()
+                    v = _copy.device_to_host(_copy.value_of(v)) if v.device.type == "tpu" else v
+                    consts.append(hashlib.sha256(_lower._torch_to_np(v).tobytes()).digest()
+                                  + repr((tuple(v.shape), v.dtype)).encode())
+                else:
+                    consts.append(repr(v).encode())
+            elif n.op == "call_function":
+                low = _lower.registry.get(n.target) if isinstance(n.target, torch._ops.OpOverload) \
+                    else None
+                if low is not None:
+                    lowerings.append(low.fn)
+        devs = [getattr(_dev_of(a), "id", 0) for a in arrays]
+        return _cache.graph_key(gm.code, consts, (sig, devs), donate, self.n_random, copts,
+                                lowerings)
+
+    def _compile(self, arrays, slots, statics, donate, sig=None):
         if any(isinstance(v, (torch.SymInt,)) for v in statics.values()):
             raise _lower.Unsupported("symbolic inputs without hints")
         if statics and not self._warned_dynamic and any(
@@ -189,6 +214,17 @@ class CompiledGraph:
                               "shape is compiled as its own XLA program (torch.compile(..., "
                               "dynamic=False) is the default for 'tpu')", stacklevel=3)
         t0 = time.perf_counter()
+        copts = _options.compiler_options(self.opts)
+        gkey = None
+        if sig is not None and _options.get(self.opts, "persistent_cache", True):
+            try:
+                gkey = self._graph_key(sig, arrays, donate, copts)
+                hit = _cache.load_graph(gkey)
+            except Exception:  # noqa: BLE001
+                hit = None
+            if hit is not None:
+                count("compile_ms", int((time.perf_counter() - t0) * 1000))
+                return _Entry(hit[0], hit[1]["consts"], donate)
         fn = self.low.trace_fn(slots, statics, self.out_devices)
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                        sharding=jax.sharding.SingleDeviceSharding(_dev_of(a)))
@@ -199,7 +235,6 @@ class CompiledGraph:
         lowered = jitted.lower(*shapes)
         consts = self.low.const_outputs
         count("compile_traces")
-        copts = _options.compiler_options(self.opts)
         compiled = None
         key = None
         cacheable = not self.low.fallback_ops and _options.get(self.opts, "persistent_cache", True)
@@ -216,6 +251,9 @@ class CompiledGraph:
             count("xla_compile_ms", int((time.perf_counter() - t1) * 1000))
             if key is not None:
                 _cache.store(key, compiled)
+        if gkey is not None and key is not None:
+            _cache.store_graph(gkey, compiled, {"in_tree": lowered.in_tree,
+                                                "out_tree": lowered.out_tree, "consts": consts})
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
         return _Entry(compiled, consts, donate)
 
