@@ -49,3 +49,6 @@ def register() -> None:
     from . import extras
 
     extras.install()
+    from . import module_apply
+
+    module_apply.install()  # module.to("tpu") keeps Parameter objects (weight tying)
