@@ -2,8 +2,9 @@
 whose output shape depends on data (nonzero, masked_select, unique: registry flag
 ``dynamic_shape``; they run un-jitted on concrete arrays and count as host syncs).
 
-Out-of-range indices cannot be checked without a host sync; like XLA gathers they are clamped
-(reads) or dropped (writes) instead of raising.
+Out-of-range indices cannot be checked without a host sync, so they do not raise as on CPU:
+reads give clamped or filled (NaN / extreme) values, writes are dropped (JAX's gather/scatter
+modes). Negative indices wrap, as in PyTorch's advanced indexing.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from ._util import canonical_dim, cast, jdtype, result_type, to_jax
+from ._util import canonical_dim, cast, jdtype, result_type
 from . import registry
 from .registry import register
 

@@ -41,10 +41,6 @@ def _slice_bounds(size, start, end, step):
     return start, end
 
 
-def _slice_len(start, end, step):
-    return max(0, (end - start + step - 1) // step)
-
-
 def _index_tuple(ndim, dim, idx):
     return (slice(None),) * dim + (idx,)
 
