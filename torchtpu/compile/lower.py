@@ -89,6 +89,13 @@ class GraphLowering:
                 low = registry.get(f) if f is not None else None
             if low is not None and low.random:
                 self.random_nodes.append(n)
+            for name in (low.mutates if low is not None else ()):
+                dst = _arg_by_name(n, name)
+                if isinstance(dst, torch.fx.Node) and dst.op == "placeholder":
+                    if self.ph_index[dst] not in self.mutated:
+                        self.mutated.append(self.ph_index[dst])
+                elif dst is not None:
+                    raise Unsupported(f"{op_name(n.target)} writes {name}, a non-input value")
             if _is_inplace(n.target) or n.target is aten.copy_.default:
                 dst = n.args[0]
                 if isinstance(dst, torch.fx.Node) and dst.op == "placeholder":
@@ -204,7 +211,27 @@ class GraphLowering:
             if isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder":
                 mutated_vals[self.ph_index[n.args[0]]] = new
             return new
+        low = registry.get(target)
+        if low is not None and low.mutates:
+            out = self._call(n, target, args, kwargs, rng)
+            nres = len(target._schema.returns)
+            for name, new in zip(low.mutates, out[nres:]):
+                dst = _arg_by_name(n, name)
+                if new is not None and isinstance(dst, torch.fx.Node):
+                    old = self._value_of_node_arg(dst, args, kwargs, name, n)
+                    mutated_vals[self.ph_index[dst]] = new.astype(old.dtype).reshape(old.shape)
+            res = tuple(out[:nres])
+            return res[0] if nres == 1 else res
         return self._call(n, target, args, kwargs, rng)
+
+    @staticmethod
+    def _value_of_node_arg(dst, args, kwargs, name, n):
+        for i, a in enumerate(n.target._schema.arguments):
+            if a.name == name:
+                if a.kwarg_only or i >= len(args):
+                    return kwargs[name]
+                return args[i]
+        raise KeyError(name)
 
     def _call(self, n, op, args, kwargs, rng):
         low = registry.get(op)
@@ -268,6 +295,18 @@ class GraphLowering:
             return jax.tree_util.tree_unflatten(out_tree, [jnp.asarray(x) for x in host()])
         res = jax.pure_callback(host, tuple(shapes), *arrays, vmap_method="sequential")
         return jax.tree_util.tree_unflatten(out_tree, list(res))
+
+
+def _arg_by_name(n, name):
+    """The FX argument of node ``n`` bound to schema argument ``name`` (None if absent)."""
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.name == name:
+            if a.name in n.kwargs:
+                return n.kwargs[a.name]
+            if not a.kwarg_only and i < len(n.args):
+                return n.args[i]
+            return None
+    return None
 
 
 def _plain(x):
