@@ -289,6 +289,8 @@ LINALG = [
     (torch.mm, (torch.randn(3, 4), torch.randn(5, 5))),
     (torch.mm, (torch.randn(3, 4), torch.randn(4, 5, dtype=torch.float64))),
     (torch.bmm, (torch.randn(2, 3, 4), torch.randn(2, 4, 5))),
+    (torch.mm, (torch.rand(3, 4) > .5, torch.rand(4, 2) > .5)),  # no bool matmul on CPU either
+    (torch.mm, (torch.randint(-100, 100, (3, 40), dtype=torch.int8), torch.randint(-100, 100, (40, 2), dtype=torch.int8))),
     (lambda a, b, c: torch.addmm(a, b, c, beta=0.5, alpha=2), (torch.randn(5), torch.randn(3, 4), torch.randn(4, 5))),
     (lambda a, b, c: torch.addmm(a, b, c, beta=0), (torch.full((3, 5), NAN), torch.randn(3, 4), torch.randn(4, 5))),
     (lambda a, b, c: torch.addmv(a, b, c, beta=2, alpha=3), (torch.randn(3), torch.randn(3, 4), torch.randn(4))),

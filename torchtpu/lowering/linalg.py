@@ -75,6 +75,12 @@ def _same_dtype(a, b, what="m1 and m2"):
                            f"{_tname(a.dtype)} != {_tname(b.dtype)}")
 
 
+def _no_bool(x, kernel):
+    """PyTorch's CPU matmul kernels have no bool implementation (CUDA neither)."""
+    if x.dtype == jnp.bool_:
+        raise NotImplementedError(f"\"{kernel}\" not implemented for 'Bool'")
+
+
 def _same_scalar_type(a, b):
     if a.dtype != b.dtype:
         raise RuntimeError(f"expected scalar type {_torch_name(a.dtype)} but found "
@@ -147,6 +153,7 @@ def _mm_shapes(a, b):
 
 @register(aten.mm.default)
 def mm(self, mat2):
+    _no_bool(self, "addmm_impl_cpu_")
     _mm_shapes(self, mat2)
     _same_dtype(self, mat2)
     return _matmul(self, mat2)
@@ -154,6 +161,7 @@ def mm(self, mat2):
 
 @register(aten.mm.dtype)
 def mm_dtype(self, mat2, out_dtype):
+    _no_bool(self, "addmm_impl_cpu_")
     _mm_shapes(self, mat2)
     _same_dtype(self, mat2)
     return _matmul(self, mat2, _check_out_dtype(self, out_dtype, "mm"))
@@ -171,6 +179,7 @@ def _bmm_shapes(a, b):
 
 @register(aten.bmm.default)
 def bmm(self, mat2):
+    _no_bool(self, "bmm")
     _bmm_shapes(self, mat2)
     _same_scalar_type(self, mat2)
     return _matmul(self, mat2)
@@ -178,6 +187,7 @@ def bmm(self, mat2):
 
 @register(aten.bmm.dtype)
 def bmm_dtype(self, mat2, out_dtype):
+    _no_bool(self, "bmm")
     _bmm_shapes(self, mat2)
     _same_scalar_type(self, mat2)
     return _matmul(self, mat2, _check_out_dtype(self, out_dtype, "bmm"))
@@ -185,6 +195,7 @@ def bmm_dtype(self, mat2, out_dtype):
 
 @register(aten.addmm.default)
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
+    _no_bool(mat1, "addmm_impl_cpu_")
     _mm_shapes(mat1, mat2)
     _addmm_dtypes(self, mat1, mat2)
     return _addmm_like(self, mat1, mat2, beta, alpha)
@@ -192,6 +203,7 @@ def addmm(self, mat1, mat2, *, beta=1, alpha=1):
 
 @register(aten.addmm.dtype)
 def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
+    _no_bool(mat1, "addmm_impl_cpu_")
     _mm_shapes(mat1, mat2)
     _same_dtype(mat1, mat2)
     od = _check_out_dtype(mat1, out_dtype, "addmm")
@@ -200,6 +212,7 @@ def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
 
 @register(aten.baddbmm.default)
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
+    _no_bool(batch1, "baddbmm")
     _bmm_shapes(batch1, batch2)
     _same_scalar_type(self, batch1)
     _same_scalar_type(batch1, batch2)
@@ -208,6 +221,7 @@ def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
 
 @register(aten.baddbmm.dtype)
 def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
+    _no_bool(batch1, "baddbmm")
     _bmm_shapes(batch1, batch2)
     od = _check_out_dtype(batch1, out_dtype, "baddbmm")
     return _addmm_like(self, batch1, batch2, beta, alpha, od)
@@ -215,6 +229,7 @@ def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
 
 @register(aten.addbmm.default)
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
+    _no_bool(batch1, "addmm_impl_cpu_")
     _bmm_shapes(batch1, batch2)
     _same_scalar_type(self, batch1)
     _same_scalar_type(batch1, batch2)
@@ -232,6 +247,7 @@ def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
 
 @register(aten.mv.default)
 def mv(self, vec):
+    _no_bool(self, "addmv_impl_cpu")
     if self.ndim != 2 or vec.ndim != 1 or self.shape[1] != vec.shape[0]:
         raise RuntimeError(f"size mismatch, got input ({self.shape[0] if self.ndim else 0}), "
                            f"mat ({'x'.join(map(str, self.shape))}), vec ({vec.shape[0] if vec.ndim else 0})")
@@ -241,6 +257,7 @@ def mv(self, vec):
 
 @register(aten.addmv.default)
 def addmv(self, mat, vec, *, beta=1, alpha=1):
+    _no_bool(mat, "addmv_impl_cpu")
     if mat.ndim != 2 or vec.ndim != 1 or mat.shape[1] != vec.shape[0]:
         raise RuntimeError(f"size mismatch, got input ({self.shape[0] if self.ndim else 1}), "
                            f"mat ({'x'.join(map(str, mat.shape))}), vec ({vec.shape[0] if vec.ndim else 0})")
@@ -271,12 +288,14 @@ def _torch_name(dt):
 
 @register(aten.dot.default)
 def dot(self, tensor):
+    _no_bool(self, "dot")
     _dot_check(self, tensor, "dot")
     return _matmul(self, tensor)
 
 
 @register(aten.vdot.default)
 def vdot(self, other):
+    _no_bool(self, "dot")
     _dot_check(self, other, "vdot")
     return _matmul(jnp.conj(self), other)
 
