@@ -218,6 +218,22 @@ def test_train_gpt_example_matches_cpu():
     assert tpu["metrics"]["eager_compiles"] > 0
 
 
+def test_optimizer_built_before_move_to_tpu():
+    """Common in scripts: build model and optimizer, then ``model.to(device)``. The optimizer
+    must train the moved parameters (module.to converts Parameter objects in place)."""
+    batches = classification_batches(3, 8, (12,), 5, seed=9)
+    torch.manual_seed(0)
+    cpu_model = mlp()
+    tpu_model = copy.deepcopy(cpu_model)
+    opt_c = torch.optim.Adam(cpu_model.parameters(), lr=1e-2)
+    opt_t = torch.optim.Adam(tpu_model.parameters(), lr=1e-2)
+    tpu_model.to(TPU)
+    cpu_losses, _ = train_steps(cpu_model, opt_c, batches, "cpu", ce_loss)
+    tpu_losses, _ = train_steps(tpu_model, opt_t, batches, TPU, ce_loss)
+    torch.testing.assert_close(tpu_losses, cpu_losses)
+    assert_params_close(cpu_model, tpu_model)
+
+
 # ----------------------------------------------------------------------------- state dicts
 
 def test_module_state_dict_round_trip():
