@@ -60,14 +60,12 @@ def _conv_fwd(x, w, stride, padding, dilation, groups):
 def _conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
     """PyTorch's transposed convolution: the transpose of the forward convolution whose weight
     is ``w`` (Cin, Cout/groups, k...), evaluated at ``x``."""
-    nd = x.ndim - 2
     k = w.shape[2:]
     out_sp = tuple((i - 1) * s - 2 * p + d * (kk - 1) + op + 1 for i, s, p, d, kk, op in
                    zip(x.shape[2:], stride, padding, dilation, k, output_padding))
     z_shape = (x.shape[0], w.shape[1] * groups) + out_sp
     fwd = lambda z: _conv_fwd(z, w, stride, padding, dilation, groups)  # noqa: E731
     (y,) = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(z_shape, x.dtype))(x)
-    del nd
     return y
 
 
