@@ -356,8 +356,6 @@ def _square(A, name):
 
 def _floating(A, name):
     if not _is_float_or_complex(A) or A.dtype in _LOW:
-        from ._util import to_torch
-
         raise RuntimeError(f"{name}: Expected a floating point or complex tensor as input. "
                            f"Got {_torch_name(A.dtype)}")
 
@@ -400,10 +398,7 @@ def _perm_from_pivots(pivots, m):
 
 def _tri(a, b, *, left=True, lower=True, trans=False, conj=False, unit=False):
     """Triangular solve op(a) x = b (left) or x op(a) = b (right), batch dims broadcast."""
-    if left:
-        batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    else:
-        batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = jnp.broadcast_to(a, batch + a.shape[-2:])
     b = jnp.broadcast_to(b, batch + b.shape[-2:])
     if b.size == 0 or a.size == 0:
@@ -730,12 +725,10 @@ def _linalg_eigh(A, UPLO="L", compute_v=True):
     _square(A, "linalg.eigh")
     _floating(A, "linalg.eigh")
     rd = _real(A.dtype)
-    n = A.shape[-1]
     if A.size == 0:
         w = jnp.zeros(A.shape[:-1], rd)
         return w, (A if compute_v else jnp.zeros((0,), A.dtype))
     v, w = lax.linalg.eigh(A, lower=(UPLO == "L"), symmetrize_input=False)
-    del n
     if not compute_v:
         return w.astype(rd), jnp.zeros((0,), A.dtype)
     return w.astype(rd), v

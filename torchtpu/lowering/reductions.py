@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
 
-from ._util import canonical_dim, cast, jdtype, to_jax
+from ._util import canonical_dim, jdtype, to_jax, to_torch
 from .registry import register
 
 aten = torch.ops.aten
@@ -83,13 +82,7 @@ def _tname(jd) -> str:
             torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int",
             torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
             torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}.get(
-        jdtype_of(jd), str(jd))
-
-
-def jdtype_of(jd):
-    from ._util import to_torch
-
-    return to_torch(np.dtype(jd))
+        to_torch(np.dtype(jd)), str(jd))
 
 
 def _keep(r, x_ndim, dims, keepdim):
@@ -544,15 +537,13 @@ def renorm(self, p, dim, maxnorm):
 
 # ---------------------------------------------------------------- scans
 
-def _scan_prep(self, dim, dtype, name):
-    d = canonical_dim(dim, self.ndim)
-    od = _sum_dtype(self, dtype)
-    return d, od
+def _scan_prep(self, dim, dtype):
+    return canonical_dim(dim, self.ndim), _sum_dtype(self, dtype)
 
 
 @register(aten.cumsum.default)
 def cumsum(self, dim, *, dtype=None):
-    d, od = _scan_prep(self, dim, dtype, "cumsum")
+    d, od = _scan_prep(self, dim, dtype)
     x = self.astype(od)
     if self.ndim == 0:
         return x
@@ -561,7 +552,7 @@ def cumsum(self, dim, *, dtype=None):
 
 @register(aten.cumprod.default)
 def cumprod(self, dim, *, dtype=None):
-    d, od = _scan_prep(self, dim, dtype, "cumprod")
+    d, od = _scan_prep(self, dim, dtype)
     x = self.astype(od)
     if self.ndim == 0:
         return x
@@ -640,7 +631,6 @@ def _sort_key(x):
 
 def _sort_last(x, descending):
     """Stable sort along the last axis: (values, int64 indices)."""
-    n = x.shape[-1]
     idx = lax.broadcasted_iota(_I64, x.shape, x.ndim - 1)
     key = _sort_key(x)
     if descending:
@@ -649,7 +639,6 @@ def _sort_last(x, descending):
     _, si = lax.sort((key, idx), dimension=x.ndim - 1, is_stable=True, num_keys=1)
     if descending:
         si = jnp.flip(si, -1)
-    del n
     return jnp.take_along_axis(x, si, axis=-1), si
 
 
@@ -774,14 +763,12 @@ def mode(self, dim=-1, keepdim=False):
     if self.shape[d] == 0:
         raise IndexError(f"mode(): Expected reduction dim {d} to have non-zero size.")
     x = _to_axis_last(self, d)
-    n = x.shape[-1]
     v, i = _sort_last(x, False)
     pos = lax.broadcasted_iota(_I64, v.shape, v.ndim - 1)
     same = jnp.concatenate([jnp.zeros(v.shape[:-1] + (1,), bool), v[..., 1:] == v[..., :-1]], -1)
     start = lax.cummax(jnp.where(same, jnp.zeros((), _I64), pos), axis=v.ndim - 1)
     count = pos - start + 1
     best = jnp.argmax(count, axis=-1, keepdims=True)
-    del n
     val = jnp.take_along_axis(v, best, axis=-1)[..., 0]
     ind = jnp.take_along_axis(i, best, axis=-1)[..., 0]
     if keepdim:
