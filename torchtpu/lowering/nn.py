@@ -7,6 +7,7 @@ weights) are computed with numpy at trace time: they are constants of the compil
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -182,6 +183,36 @@ def _gather_windows(x, wins, fill):
     return x, valid
 
 
+def _np_window_mask(wins, pred):
+    """numpy bool (o1, o2, ..., k1*k2*...): ``pred(j, idx)`` per tap of each spatial dim."""
+    nd = len(wins)
+    m = np.ones([1] * (2 * nd), dtype=bool)
+    for j, (o, idx) in enumerate(wins):
+        shape = [1] * (2 * nd)
+        shape[j], shape[nd + j] = idx.shape
+        m = m & pred(j, idx).reshape(shape)
+    full = [o for o, idx in wins] + [idx.shape[1] for o, idx in wins]
+    return np.broadcast_to(m, full).reshape([o for o, idx in wins] + [-1])
+
+
+def _slice_windows(x, wins, s, d, p, fill):
+    """Regular windows as strided slices of the padded input (no gather):
+    x (..., *sp) -> (..., o1, o2, ..., k1*k2*...), padding taps set to ``fill``."""
+    nd = len(wins)
+    lead = x.ndim - nd
+    pads = [(0, 0, 0)] * lead
+    for j, (o, idx) in enumerate(wins):
+        pads.append((p[j], max(0, int(idx.max()) - (x.shape[lead + j] - 1)), 0))
+    xp = lax.pad(x, jnp.asarray(fill, x.dtype), pads)
+    taps = []
+    for offs in itertools.product(*[range(idx.shape[1]) for o, idx in wins]):
+        start = [0] * lead + [kk * d[j] for j, kk in enumerate(offs)]
+        limit = list(xp.shape[:lead]) + [kk * d[j] + (wins[j][0] - 1) * s[j] + 1
+                                         for j, kk in enumerate(offs)]
+        taps.append(lax.slice(xp, start, limit, [1] * lead + list(s)))
+    return jnp.stack(taps, axis=-1)
+
+
 def _flat_src_index(wins, in_sizes):
     """(o1, k1, o2, k2, ...) flat index into the input plane of each tap."""
     nd = len(wins)
@@ -212,9 +243,8 @@ def _max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     p, d = _tup(padding, nd), _tup(dilation, nd)
     in_sizes = x.shape[-nd:]
     wins = _windows(in_sizes, k, s, p, d, ceil_mode)
-    g, valid = _gather_windows(x, wins, _neg_inf(x.dtype))
-    g = _window_last(g, nd)
-    valid = _window_last(jnp.asarray(np.broadcast_to(valid, [v for o, idx in wins for v in idx.shape])), nd)
+    g = _slice_windows(x, wins, s, d, p, _neg_inf(x.dtype))
+    valid = jnp.asarray(_np_window_mask(wins, lambda j, idx: (idx >= 0) & (idx < in_sizes[j])))
     src = _window_last(jnp.asarray(_flat_src_index(wins, in_sizes)), nd)
     return _argmax_pool(g, valid, src, nd)
 
@@ -261,31 +291,18 @@ def _avg_pool(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad,
     in_sizes = x.shape[-nd:]
     wins = _windows(in_sizes, k, s, p, (1,) * nd, ceil_mode)
     acc = _acc(x.dtype)
-    g, valid = _gather_windows(x.astype(acc), wins, 0)
-    g = _window_last(g, nd)
+    g = _slice_windows(x.astype(acc), wins, s, (1,) * nd, p, 0)
     total = jnp.sum(g, -1)
     if divisor_override:
         div = np.asarray(divisor_override, dtype=np.float64)
     elif count_include_pad:
         # taps inside the padded input (not the ceil_mode overhang)
-        inpad = None
-        for j, (n, (o, idx)) in enumerate(zip(in_sizes, wins)):
-            ok = (idx >= -p[j]) & (idx < n + p[j])
-            shape = [1] * (2 * nd)
-            shape[2 * j], shape[2 * j + 1] = idx.shape
-            okr = ok.reshape(shape)
-            inpad = okr if inpad is None else (inpad & okr)
-        inpad = np.broadcast_to(inpad, [v for o, idx in wins for v in idx.shape])
-        div = _np_window_sum(inpad, nd)
+        div = _np_window_mask(wins, lambda j, idx: (idx >= -p[j]) & (idx < in_sizes[j] + p[j])
+                              ).sum(-1).astype(np.float64)
     else:
-        vshape = [v for o, idx in wins for v in idx.shape]
-        div = _np_window_sum(np.broadcast_to(np.asarray(valid), vshape), nd)
+        div = _np_window_mask(wins, lambda j, idx: (idx >= 0) & (idx < in_sizes[j])
+                              ).sum(-1).astype(np.float64)
     return (total / jnp.asarray(div, acc)).astype(x.dtype)
-
-
-def _np_window_sum(mask, nd):
-    axes = tuple(2 * j + 1 for j in range(nd))
-    return mask.sum(axis=axes).astype(np.float64)
 
 
 def _avg_pool_nd(nd):
