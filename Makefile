@@ -14,7 +14,7 @@ EXTRAS  ?=
 comma   := ,
 PYTEST_ARGS ?=
 TESTS   ?= tests
-DEMO_ARGS ?= --steps 40 --layers 2 --embd 64 --heads 4 --batch-size 16 --seq-len 64 --log-every 5 --sample 80
+DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
 .PHONY: all venv demo demo-cpu test bench clean help
