@@ -16,10 +16,18 @@ from torchtpu.runtime.metrics import COUNTERS
 TPU = torch.device("tpu")
 
 
+def _new_process():
+    """Forget this process's compiled graphs, as a new process would."""
+    from torchtpu.compile import cache
+
+    torch._dynamo.reset()
+    cache._MEMO.clear()
+
+
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "xla-cache"))
-    torch._dynamo.reset()
+    _new_process()
     yield
     torch._dynamo.reset()
 
@@ -223,7 +231,7 @@ def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     files = [os.path.join(d, n) for d, _, ns in os.walk(tmp_path / "c") for n in ns]
     assert len(files) == 2  # the executable under its graph key and under its HLO key
-    torch._dynamo.reset()
+    _new_process()
     hits, compiles = COUNTERS["compile_disk_cache_hits"], COUNTERS["xla_compiles"]
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["compile_disk_cache_hits"] == hits + 1
@@ -232,14 +240,14 @@ def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
         with open(name, "r+b") as fh:
             fh.seek(60)
             fh.write(b"garbage" * 20)
-    torch._dynamo.reset()
+    _new_process()
     errors = COUNTERS["compile_disk_cache_errors"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["compile_disk_cache_errors"] == errors + 2
     assert COUNTERS["xla_compiles"] == compiles + 1
-    torch._dynamo.reset()  # the rebuilt entries are good again
+    _new_process()  # the rebuilt entries are good again
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["xla_compiles"] == compiles + 1
 
@@ -270,7 +278,7 @@ def test_custom_compiler_options():
             "xla_cpu_enable_fast_math": False}
         _close(f(x), torch.compile(f, backend="tpu")(x.to(TPU)))
     assert torch.tpu.compiler.get_custom_compiler_options() == {}
-    torch._dynamo.reset()
+    _new_process()
     _close(f(x), torch.compile(f, backend="tpu")(x.to(TPU)))
     assert COUNTERS["xla_compiles"] - c0 == 2  # the options are part of the cache key
 

@@ -61,8 +61,26 @@ def _path(key: str) -> str | None:
     return None if d is None else os.path.join(d, key[:2], key + ".xla")
 
 
+# Executables loaded or stored in this process, by key: a payload is deserialized at most once
+# per process (XLA:CPU failed with "Function ... not found" when the same large executable was
+# deserialized twice and both copies were alive), and a recompile after torch._dynamo.reset()
+# reuses the executable.
+_MEMO: dict = {}
+
+
 def load(key: str, lowered):
-    """The compiled executable for ``key`` from disk, or None (a miss)."""
+    """The compiled executable for ``key`` (this process's, else from disk), or None (a miss)."""
+    hit = _MEMO.get(key)
+    if hit is not None:
+        count("compile_process_cache_hits")
+        return hit
+    compiled = _load(key, lowered)
+    if compiled is not None:
+        _MEMO[key] = compiled
+    return compiled
+
+
+def _load(key: str, lowered):
     path = _path(key)
     if path is None:
         return None
@@ -96,6 +114,7 @@ def load(key: str, lowered):
 
 
 def store(key: str, compiled) -> None:
+    _MEMO[key] = compiled
     path = _path(key)
     if path is None:
         return
@@ -165,7 +184,18 @@ def graph_key(code: str, constants: list, signature, donate, n_random, compiler_
 
 
 def load_graph(key: str):
-    """(compiled, meta) for a graph key, or None."""
+    """(compiled, meta) for a graph key (this process's, else from disk), or None."""
+    hit = _MEMO.get(key)
+    if hit is not None:
+        count("compile_process_cache_hits")
+        return hit
+    got = _load_graph(key)
+    if got is not None:
+        _MEMO[key] = got
+    return got
+
+
+def _load_graph(key: str):
     import pickle
     import struct
 
@@ -207,6 +237,7 @@ def store_graph(key: str, compiled, meta: dict) -> None:
     import pickle
     import struct
 
+    _MEMO[key] = (compiled, meta)
     path = _path(key)
     if path is None:
         return
