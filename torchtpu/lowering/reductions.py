@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -1059,29 +1060,67 @@ def histogram_bins_tensor(self, bins, *, weight=None, density=False):
     return _histogram_counts(self.reshape(-1), bins.astype(self.dtype), weight, density), bins
 
 
-def _cdist_diffs(x1, x2):
-    return x1[..., :, None, :] - x2[..., None, :, :]
+_CDIST_CHUNK = 1 << 22  # pair-difference elements materialised at once
+
+
+def _over_rows(fn, rows, n_pair_elems):
+    """Apply ``fn`` to each row (leading axis) of the arrays in ``rows``: vectorised when the
+    [rows, ..., r2, m] pair differences fit in _CDIST_CHUNK elements, else in chunks."""
+    n = rows[0].shape[0]
+    per_row = max(1, n_pair_elems // max(n, 1))
+    if n_pair_elems <= _CDIST_CHUNK or n <= 1:
+        return jax.vmap(fn)(*rows)
+    return lax.map(lambda r: fn(*r), tuple(rows), batch_size=max(1, _CDIST_CHUNK // per_row))
+
+
+def _cdist_reduce(a, p):
+    if p == 0:
+        return jnp.sum((a != 0).astype(a.dtype), -1)
+    if p == 1:
+        return jnp.sum(a, -1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, -1))
+    if math.isinf(p):
+        return jnp.max(a, -1) if a.shape[-1] else jnp.zeros(a.shape[:-1], a.dtype)
+    return jnp.power(jnp.sum(jnp.power(a, p), -1), 1.0 / p)
 
 
 @register(aten._cdist_forward.default)
 def _cdist_forward(x1, x2, p, compute_mode):
     if p < 0:
-        raise RuntimeError(f"cdist only supports non-negative p values")
+        raise RuntimeError("cdist only supports non-negative p values")
     batch = jnp.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
-    x1 = jnp.broadcast_to(x1, batch + x1.shape[-2:])
-    x2 = jnp.broadcast_to(x2, batch + x2.shape[-2:])
-    a = jnp.abs(_cdist_diffs(_acc(x1), _acc(x2)))
+    x1 = jnp.broadcast_to(_acc(x1), batch + x1.shape[-2:])
+    x2 = jnp.broadcast_to(_acc(x2), batch + x2.shape[-2:])
+    r1, r2, m = x1.shape[-2], x2.shape[-2], x1.shape[-1]
+    if r1 == 0 or r2 == 0:
+        return jnp.zeros(batch + (r1, r2), x1.dtype).astype(x1.dtype)
+
+    def row(x1r):  # [*batch, m] -> [*batch, r2]
+        return _cdist_reduce(jnp.abs(x1r[..., None, :] - x2), p)
+
+    n = int(np.prod(batch, dtype=np.int64)) * r1 * r2 * m
+    out = _over_rows(row, [jnp.moveaxis(x1, -2, 0)], n)  # [r1, *batch, r2]
+    return jnp.moveaxis(out, 0, -2).astype(x1.dtype)
+
+
+def _cdist_grad_terms(diff, g, d, p):
+    zero = jnp.zeros((), diff.dtype)
     if p == 0:
-        r = jnp.sum((a != 0).astype(a.dtype), -1)
-    elif p == 1:
-        r = jnp.sum(a, -1)
-    elif p == 2:
-        r = jnp.sqrt(jnp.sum(a * a, -1))
-    elif math.isinf(p):
-        r = jnp.max(a, -1) if a.shape[-1] else jnp.zeros(a.shape[:-1], a.dtype)
-    else:
-        r = jnp.power(jnp.sum(jnp.power(a, p), -1), 1.0 / p)
-    return r.astype(x1.dtype)
+        return jnp.zeros_like(diff)
+    if p == 1:
+        return g * jnp.sign(diff)
+    if p == 2:
+        return jnp.where(d == 0, zero, g * diff / jnp.where(d == 0, 1, d))
+    if math.isinf(p):
+        return g * jnp.sign(diff) * (jnp.abs(diff) == d).astype(diff.dtype)
+    safe_d = jnp.where(d == 0, 1, d)
+    if p < 2:
+        bad = (d == 0) | ((diff == 0) & (p < 1))
+        return jnp.where(bad, zero, jnp.sign(diff) * jnp.power(jnp.abs(diff), p - 1) * g
+                         / jnp.power(safe_d, p - 1))
+    return jnp.where(d == 0, zero, diff * jnp.power(jnp.abs(diff), p - 2) * g
+                     / jnp.power(safe_d, p - 1))
 
 
 @register(aten._cdist_backward.default)
@@ -1090,28 +1129,18 @@ def _cdist_backward(grad, x1, x2, p, cdist):
     batch = cdist.shape[:-2]
     x1b = jnp.broadcast_to(x1, batch + x1.shape[-2:])
     x2b = jnp.broadcast_to(x2, batch + x2.shape[-2:])
-    diff = _cdist_diffs(x1b, x2b)
-    g = grad[..., None]
-    d = cdist[..., None]
-    zero = jnp.zeros((), diff.dtype)
-    if p == 0:
-        t = jnp.zeros_like(diff)
-    elif p == 1:
-        t = g * jnp.sign(diff)
-    elif p == 2:
-        t = jnp.where(d == 0, zero, g * diff / jnp.where(d == 0, 1, d))
-    elif math.isinf(p):
-        t = g * jnp.sign(diff) * (jnp.abs(diff) == d).astype(diff.dtype)
-    elif p < 2:
-        bad = (d == 0) | ((diff == 0) & (p < 1))
-        safe_d = jnp.where(d == 0, 1, d)
-        t = jnp.where(bad, zero, jnp.sign(diff) * jnp.power(jnp.abs(diff), p - 1) * g
-                      / jnp.power(safe_d, p - 1))
+    r1, r2, m = x1b.shape[-2], x2b.shape[-2], x1b.shape[-1]
+    if r1 == 0 or r2 == 0 or m == 0:
+        r = jnp.zeros(batch + (r1, m), x1.dtype)
     else:
-        safe_d = jnp.where(d == 0, 1, d)
-        t = jnp.where(d == 0, zero, diff * jnp.power(jnp.abs(diff), p - 2) * g
-                      / jnp.power(safe_d, p - 1))
-    r = jnp.sum(t, axis=-2)
+        def row(x1r, gr, dr):  # [*batch, m], [*batch, r2], [*batch, r2] -> [*batch, m]
+            diff = x1r[..., None, :] - x2b
+            return jnp.sum(_cdist_grad_terms(diff, gr[..., None], dr[..., None], p), axis=-2)
+
+        n = int(np.prod(batch, dtype=np.int64)) * r1 * r2 * m
+        r = _over_rows(row, [jnp.moveaxis(x1b, -2, 0), jnp.moveaxis(grad, -2, 0),
+                             jnp.moveaxis(cdist, -2, 0)], n)
+        r = jnp.moveaxis(r, 0, -2)
     # reduce broadcast batch dims back to x1's shape
     extra = r.ndim - x1.ndim
     if extra:
