@@ -201,12 +201,19 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=Non
     there (with several devices, an output that does not depend on an input would otherwise
     land on JAX's default device)."""
     traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots)
+    name = lowering.name
+
+    def compiled(*flat):
+        # runs once per program jax builds (a new key, or new shapes/dtypes for a key)
+        count("eager_compiles", op=name)
+        return traced(*flat)
+
     jit_kwargs = {}
     if not tensors:
         device = _device_for_factory(kwargs, args)
     if device is not None:
         jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(traced, **jit_kwargs)
+    return jax.jit(compiled, **jit_kwargs)
 
 
 _multi = []
@@ -387,17 +394,17 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
         ws = _write_slots(kind, args, kwargs)
         entry = _CACHE[key] = _Entry(
             _build(lowering, kind, args, kwargs, specs, tensors, ws, dev), ws)
-        count("eager_compiles", op=lowering.name)
     else:
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:
         flat.append(_rng.next_state(gen))
     try:
         out = entry.jitted(*flat)
-    except ValueError as e:
-        if "incompatible devices" in str(e):  # tpu:0 and tpu:1 tensors in one op
-            raise _device_error(lowering, tensors) from None
-        raise
+    except (TypeError, ValueError) as e:
+        err = _trace_error(lowering, tensors, e)
+        if err is e:
+            raise
+        raise err from e
     if mode is _DEBUG:
         jax.block_until_ready(out)
     if lowering.mutates:
@@ -470,6 +477,33 @@ def _run_out_recorded(lowering, args, kwargs, outs):
             _copy.resize(t, list(v.shape))
         run(_COPY[0], DIRECT_INPLACE, (t, v), {})
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _broadcast_message(shapes):
+    """PyTorch's wording for the first pair of operand shapes that do not broadcast."""
+    for i, a in enumerate(shapes):
+        for b in shapes[i + 1:]:
+            n = max(len(a), len(b))
+            for d in range(1, n + 1):
+                x = a[-d] if d <= len(a) else 1
+                y = b[-d] if d <= len(b) else 1
+                if x != y and x != 1 and y != 1:
+                    return (f"The size of tensor a ({x}) must match the size of tensor b ({y}) "
+                            f"at non-singleton dimension {n - d}")
+    return None
+
+
+def _trace_error(lowering, tensors, e):
+    """PyTorch's exception for what JAX rejected while building an op's program."""
+    msg = str(e)
+    if "incompatible devices" in msg:  # tpu:0 and tpu:1 tensors in one op
+        return _device_error(lowering, tensors)
+    if "Incompatible shapes for broadcasting" in msg or "incompatible shapes" in msg.lower():
+        shapes = [tuple(t.shape) for t in tensors if isinstance(t, Tensor)]
+        return RuntimeError(_broadcast_message(shapes) or f"{lowering.name}: {msg.splitlines()[0]}")
+    if isinstance(e, TypeError) and "dtype" not in msg:
+        return e
+    return RuntimeError(f"{lowering.name} on device tpu: {msg.splitlines()[0]}")
 
 
 def _device_error(lowering, tensors):
