@@ -279,3 +279,46 @@ def test_mask_index_syncs_only_when_shape_depends_on_data():
     check(lambda a, b, v: torch.index_put(a, (b,), v, accumulate=True), x, m, torch.tensor(2.0), syncs=0)
     vals = torch.arange(int(m.sum()), dtype=torch.float32)
     check(lambda a, b, v: torch.index_put(a, (b,), v), x, m, vals, syncs=1)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("variant", ["plain", "padding", "psw", "last_offset", "freq"])
+def test_embedding_bag_forward_backward(mode, variant):
+    if variant == "psw" and mode != "sum":
+        pytest.skip("per_sample_weights exists only for mode='sum'")
+    if variant == "freq" and mode == "max":
+        pytest.skip("scale_grad_by_freq is not supported with mode='max' (PyTorch raises)")
+    torch.manual_seed(1)
+    w = torch.randn(7, 3)
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 0, 1])
+    offsets = torch.tensor([0, 2, 2, 5])  # bag 1 is empty
+    if variant == "last_offset":  # the last offset is len(indices) (PyTorch's contract)
+        offsets = torch.tensor([0, 2, 2, 5, 9])
+    psw = torch.rand(9) if variant == "psw" else None
+    kw = dict(mode=mode, padding_idx=2 if variant == "padding" else None,
+              include_last_offset=variant == "last_offset",
+              scale_grad_by_freq=variant == "freq")
+
+    def f(w, idx, offsets, psw):
+        w = w.clone().requires_grad_()
+        p = psw.clone().requires_grad_() if psw is not None else None
+        out = F.embedding_bag(idx, w, offsets, per_sample_weights=p, **kw)
+        (out * torch.arange(1.0, 4.0, device=out.device)).sum().backward()
+        return (out, w.grad) + ((p.grad,) if p is not None else ())
+
+    if variant != "freq":
+        check(f, w, idx, offsets, psw)
+        return
+    # PyTorch's CPU embedding_bag backward mis-scales some rows with scale_grad_by_freq (a row
+    # seen once in [3, 1, 1] gets 1/2); compare with the documented rule instead: each bag's
+    # gradient divided by the frequency of the word in the batch (F.embedding's CPU kernel).
+    out, gw = f(*_to((w, idx, offsets, psw), DEV))
+    wr = w.clone().requires_grad_()
+    rows = F.embedding(idx, wr, scale_grad_by_freq=True)
+    bag = torch.tensor([0, 0, 2, 2, 2, 3, 3, 3, 3])
+    ref = torch.zeros(4, 3).index_add(0, bag, rows)
+    if mode == "mean":
+        ref = ref / torch.tensor([2.0, 1.0, 3.0, 4.0])[:, None]
+    (ref * torch.arange(1.0, 4.0)).sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach())
+    torch.testing.assert_close(gw.cpu(), wr.grad)

@@ -405,6 +405,104 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     return out.at[idx].add(g)
 
 
+# embedding_bag: mode 0 = sum, 1 = mean, 2 = max. offset2bag is always the full bag id of each
+# index (the backward lowerings below read it); bag_size counts the non-padding entries.
+
+def _bags(indices, offsets, include_last_offset):
+    n = indices.shape[0]
+    b = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    starts = offsets[:b]
+    bag = jnp.searchsorted(starts, jnp.arange(n, dtype=starts.dtype), side="right") - 1
+    return jnp.clip(bag, 0, max(b - 1, 0)).astype(jnp.int64), b
+
+
+@register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    idx = indices.reshape(-1)
+    bag, b = _bags(idx, offsets, include_last_offset)
+    d = weight.shape[1]
+    valid = idx != padding_idx
+    if include_last_offset:  # indices past the last offset belong to no bag (offset2bag = b)
+        inside = jnp.arange(idx.shape[0]) < offsets[-1]
+        valid = valid & inside
+        bag = jnp.where(inside, bag, b)
+    out_dtype = weight.dtype
+    if weight.dtype in (jnp.bfloat16, jnp.float16):  # accumulate in float32, like CPU
+        weight = weight.astype(jnp.float32)
+    rows = jnp.take(weight, idx, axis=0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.astype(rows.dtype)[:, None]
+    count = jnp.zeros((b,), jnp.int64).at[bag].add(valid.astype(jnp.int64), mode="drop")
+    zero = jnp.zeros((), weight.dtype)
+    if mode == 2:
+        neg = jnp.asarray(-jnp.inf, weight.dtype)
+        out = jnp.full((b, d), neg).at[bag].max(jnp.where(valid[:, None], rows, neg), mode="drop")
+        out = jnp.where(count[:, None] > 0, out, zero)
+        # the row that gave each max: first position holding it
+        n = idx.shape[0]
+        is_max = valid[:, None] & (rows == out[jnp.minimum(bag, b - 1)])
+        pos = jnp.where(is_max, jnp.arange(n)[:, None], n)
+        first = jnp.full((b, d), n).at[bag].min(pos, mode="drop")
+        max_idx = jnp.where(first < n, jnp.take(idx, jnp.minimum(first, max(n - 1, 0))), 0)
+        return out.astype(out_dtype), bag, count, max_idx.astype(jnp.int64)
+    out = jnp.zeros((b, d), weight.dtype).at[bag].add(jnp.where(valid[:, None], rows, zero),
+                                                       mode="drop")
+    if mode == 1:
+        out = out / jnp.maximum(count, 1).astype(weight.dtype)[:, None]
+        return out.astype(out_dtype), bag, count, count
+    return out.astype(out_dtype), bag, jnp.zeros((b,), jnp.int64), jnp.zeros((b,), jnp.int64)
+
+
+@register(aten._embedding_bag_dense_backward.default)
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                 scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    idx = indices.reshape(-1)
+    nb = grad.shape[0]
+    valid = (idx != padding_idx) & (offset2bag < nb)  # offset2bag == nb: in no bag
+    offset2bag = jnp.minimum(offset2bag, max(nb - 1, 0))
+    zero = jnp.zeros((), grad.dtype)
+    gw = jnp.zeros((num_weights, grad.shape[1]), grad.dtype)
+    if mode == 2:
+        nonempty = (bag_size > 0)[:, None]
+        cols = jnp.broadcast_to(jnp.arange(grad.shape[1]), grad.shape)
+        return gw.at[maximum_indices, cols].add(jnp.where(nonempty, grad, zero))
+    g = grad[offset2bag]
+    if mode == 1:
+        g = g / jnp.maximum(bag_size[offset2bag], 1).astype(grad.dtype)[:, None]
+    if per_sample_weights is not None:
+        g = g * per_sample_weights.astype(grad.dtype)[:, None]
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), jnp.int64).at[idx].add(1)
+        g = g / freq[idx].astype(grad.dtype)[:, None]
+    return gw.at[idx].add(jnp.where(valid[:, None], g, zero))
+
+
+@register(aten._embedding_bag_backward.default)
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                           num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                           padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag with sparse=True: sparse gradients are not "
+                                  "supported on the 'tpu' backend")
+    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                        num_weights, scale_grad_by_freq, mode,
+                                        per_sample_weights, padding_idx)
+
+
+@register(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                              padding_idx=-1):
+    if mode != 0:
+        raise RuntimeError("embedding_bag_backward: per_sample_weights only supported for "
+                           "mode='sum'")
+    idx = indices.reshape(-1)
+    nb = grad.shape[0]
+    rows = jnp.take(weight, idx, axis=0).astype(grad.dtype)
+    out = jnp.sum(grad[jnp.minimum(offset2bag, max(nb - 1, 0))] * rows, axis=1)
+    return jnp.where((idx != padding_idx) & (offset2bag < nb), out, jnp.zeros((), grad.dtype))
+
+
 # ---- data-dependent shapes (run un-jitted on concrete arrays) ----
 
 @register(aten.nonzero.default, dynamic_shape=True)
