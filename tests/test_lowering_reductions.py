@@ -447,9 +447,5 @@ def test_det_backward_noncontiguous_view():
         torch.testing.assert_close(g, e)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug outside the lowerings: tensors with PyTorch's lazy conj bit are read without "
-    "the conjugation (executor/views/copy), so ifft/ihfft of a real input (r2c then .conj()) "
-    "and matmuls of .conj() views give wrong values"))
 def test_fft_of_real_input_through_conj_view():
     check(torch.fft.ifft, X, atol=1e-4, rtol=1e-4)

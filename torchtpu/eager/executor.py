@@ -325,7 +325,7 @@ def spec_for(t, arr):
     """(view spec, offset) of tensor ``t`` over a storage array (or its aval)."""
     shape = t.shape
     if t.storage_offset() == 0 and arr.shape == shape and _NP[t.dtype] == arr.dtype \
-            and t.is_contiguous():
+            and t.is_contiguous() and (arr.dtype.kind != "c" or not t.is_conj()):
         return None, None
     return views.spec_of(t, arr)
 
@@ -369,7 +369,7 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
         flat.append(arr)
         # spec_for's fast path, inlined: this loop runs for every tensor of every op
         if t.storage_offset() == 0 and arr.shape == t.shape and _NP[t.dtype] == arr.dtype \
-                and t.is_contiguous():
+                and t.is_contiguous() and (arr.dtype.kind != "c" or not t.is_conj()):
             specs.append(None)
             continue
         spec, off = views.spec_of(t, arr)

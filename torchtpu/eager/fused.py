@@ -129,7 +129,8 @@ def _on_device0(args, kwargs) -> bool:
 
 def record(lowering, kind, args, kwargs):
     """Record one op (the executor hands it over while the mode is DEFER_AND_FUSE)."""
-    if lowering.dynamic_shape:
+    dyn = lowering.dynamic_shape
+    if dyn and (dyn is True or dyn(args, kwargs)):
         flush("dynamic_shape")
         return executor.run_strict(lowering, kind, args, kwargs)
     if executor._multi_device() and not _on_device0(args, kwargs):

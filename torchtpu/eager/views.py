@@ -24,7 +24,19 @@ _NP = {k: np.dtype(v) for k, v in TORCH_TO_JAX.items()}
 
 
 def spec_of(t, arr):
-    """(spec, offset-or-None) of tensor ``t`` over storage array ``arr``."""
+    """(spec, offset-or-None) of tensor ``t`` over storage array ``arr``.
+
+    A tensor with PyTorch's lazy conjugate or negative bit set (``x.conj()``, its ``.imag``)
+    gets ("x", conj, neg, inner): the read applies them, a write stores their inverse.
+    """
+    conj, neg = t.is_conj(), t.is_neg()
+    if conj or neg:
+        inner, off = _spec_plain(t, arr)
+        return ("x", conj, neg, inner), off
+    return _spec_plain(t, arr)
+
+
+def _spec_plain(t, arr):
     shape = t.shape
     off = t.storage_offset()
     want = _NP.get(t.dtype)
@@ -96,6 +108,11 @@ def read(arr, spec, offset):
         return arr.reshape(spec[1])
     if spec[0] == "b":
         return read(bitcast_flat(arr, spec[1]), spec[2], spec[3])
+    if spec[0] == "x":
+        v = read(arr, spec[3], offset)
+        if spec[1]:
+            v = jnp.conj(v)
+        return -v if spec[2] else v
     _, shape, strides = spec
     flat = arr.reshape(-1)
     if 0 in shape:
@@ -108,6 +125,12 @@ def write(arr, spec, offset, value):
     if spec is not None and spec[0] == "b":
         new = write(bitcast_flat(arr, spec[1]), spec[2], spec[3], value)
         return bitcast_flat(new, arr.dtype).reshape(arr.shape)
+    if spec is not None and spec[0] == "x":
+        if spec[2]:
+            value = -value
+        if spec[1]:
+            value = jnp.conj(value)
+        return write(arr, spec[3], offset, value)
     value = value.astype(arr.dtype)
     if spec is None:
         return jnp.broadcast_to(value, arr.shape)
