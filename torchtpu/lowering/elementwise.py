@@ -6,6 +6,8 @@ default float dtype, as PyTorch does.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jsp
@@ -406,6 +408,30 @@ def digamma(self):
     return _digamma(cast(self, float_result_type(self)))
 
 
+def _polygamma_pos(n, x):
+    """psi^(n)(x) = (-1)^(n+1) n! zeta(n+1, x) for n >= 1, valid for every real x.
+
+    jax's Hurwitz zeta is only right for x > 0: shift x up with the recurrence
+    zeta(s, x) = x^-s + zeta(s, x + 1) (a loop whose trip count is the most negative input).
+    """
+    s = jnp.asarray(n + 1, x.dtype)
+
+    def cond(c):
+        return jnp.any(c[0] < 1)
+
+    def body(c):
+        q, acc = c
+        low = q < 1
+        return jnp.where(low, q + 1, q), acc + jnp.where(low, q ** -s, 0)
+
+    q, acc = lax.while_loop(cond, body, (jnp.where(jnp.isnan(x) | jnp.isinf(x), 1, x), jnp.zeros_like(x)))
+    z = acc + jsp.zeta(s, q)
+    sign = 1.0 if n % 2 else -1.0
+    r = sign * math.exp(math.lgamma(n + 1.0)) * z
+    r = jnp.where(jnp.isposinf(x), 0.0, r)
+    return jnp.where(jnp.isnan(x), x, jnp.where(jnp.isneginf(x), jnp.nan, r))
+
+
 @register(aten.polygamma.default)
 def polygamma(n, self):
     if n < 0:
@@ -413,9 +439,8 @@ def polygamma(n, self):
     x = cast(self, float_result_type(self))
     if n == 0:
         return _digamma(x)
-    if x.dtype in (jnp.float16, jnp.bfloat16):
-        return jsp.polygamma(jnp.full(x.shape, n, jnp.int32), x.astype(jnp.float32)).astype(x.dtype)
-    return jsp.polygamma(jnp.full(x.shape, n, jnp.int32), x)
+    # the shift recurrence sums many terms: accumulate in float64
+    return _polygamma_pos(n, x.astype(jnp.float64)).astype(x.dtype)
 
 
 @register(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar)
