@@ -274,6 +274,10 @@ def _move(x, device, memo):
         return tuple(_move(e, device, memo) for e in x)
     if isinstance(x, dict):
         return {k: _move(v, device, memo) for k, v in x.items()}
+    if device != "cpu" and ((isinstance(x, torch.device) and x.type == "cpu")
+                            or (isinstance(x, str) and x == "cpu")):
+        # a device argument (e.g. Tensor.to's target) is the device the sample was made for
+        return torch.device(device) if isinstance(x, torch.device) else device
     return x
 
 
@@ -697,6 +701,8 @@ def report(results: dict, meta: dict) -> str:
     L.append(f"- run: {meta.get('date', '?')}, torch {torch.__version__}, mode `{meta.get('mode')}` "
              f"(up to {meta.get('max_samples')} samples per op and dtype), "
              f"{meta.get('seconds', 0):.0f} s with {meta.get('jobs')} worker processes")
+    if meta.get("note"):
+        L.append(f"- note: {meta['note']}")
     L.append(f"- op_db: {len(db)} OpInfos; {len(na)} not applicable (listed at the end)\n")
     L.append("How to run:\n")
     L.append("- `python -m torchtpu.coverage` — this report (all ops, worker processes `-j N`, "
