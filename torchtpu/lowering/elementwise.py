@@ -432,6 +432,28 @@ def _polygamma_pos(n, x):
     return jnp.where(jnp.isnan(x), x, jnp.where(jnp.isneginf(x), jnp.nan, r))
 
 
+def _trigamma(x):
+    """PyTorch's CPU trigamma (reflection for x < 0.5, 6 recurrence steps, asymptotic series)."""
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(math.pi * x)
+    result = jnp.where(reflect, -(math.pi * math.pi) / (sin_pi_x * sin_pi_x), jnp.zeros_like(x))
+    x = jnp.where(reflect, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1.0 / 6 - ixx * (1.0 / 30 - ixx * (1.0 / 42)))) / x
+    return jnp.where(reflect, -result, result)
+
+
+@register(aten.frexp.Tensor)
+def frexp(self):
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        raise RuntimeError("torch.frexp() only supports floating-point dtypes")
+    m, e = jnp.frexp(self)
+    return m.astype(self.dtype), e.astype(jnp.int32)
+
+
 @register(aten.polygamma.default)
 def polygamma(n, self):
     if n < 0:
@@ -439,6 +461,8 @@ def polygamma(n, self):
     x = cast(self, float_result_type(self))
     if n == 0:
         return _digamma(x)
+    if n == 1:
+        return _upcast(_trigamma)(x)
     # the shift recurrence sums many terms: accumulate in float64
     return _polygamma_pos(n, x.astype(jnp.float64)).astype(x.dtype)
 

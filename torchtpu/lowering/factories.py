@@ -180,3 +180,9 @@ def tril_indices(row, col, offset=0, *, dtype=torch.int64, layout=None, device=N
 def triu_indices(row, col, offset=0, *, dtype=torch.int64, layout=None, device=None,
                  pin_memory=None):
     return _tri_indices(np.triu_indices, row, col, offset, dtype)
+
+
+@register(aten._efficientzerotensor.default)
+def efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    # a plain zero tensor: the ZeroTensor dispatch key is an optimisation, not a semantic
+    return jnp.zeros(tuple(size), to_jax(dtype or torch.get_default_dtype()))
