@@ -521,6 +521,10 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
     dt = self.dtype if dtype is None else dtype
     dev = self.device if device is None else torch.device(device)
     mf = torch.preserve_format if memory_format is None else memory_format
+    if dev.type == "tpu" and (dev.index is None or dev.index == self.device.index) \
+            and mf in (torch.preserve_format, torch.contiguous_format):
+        # same device: one cached dtype-conversion program, no allocate-then-copy
+        return torch.ops.prims.convert_element_type.default(self, dt)
     out = torch.empty_like(self, dtype=dt, device=dev, memory_format=mf)
     out.copy_(self)
     if pin_memory and dev.type == "cpu":

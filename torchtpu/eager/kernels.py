@@ -18,6 +18,7 @@ from .dynamo_skip import skip
 
 aten = torch.ops.aten
 _lib = torch.library.Library("aten", "IMPL")
+_libs = {"aten": _lib}  # one IMPL library per op namespace (aten, prims, ...)
 _bound: set = set()
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
@@ -30,7 +31,11 @@ def _qualname(op: OpOverload) -> str:
 def _bind(op: OpOverload, fn) -> None:
     if op in _bound:
         return
-    _lib.impl(_qualname(op), skip(fn), "PrivateUse1")
+    ns = op._schema.name.split("::", 1)[0]
+    lib = _libs.get(ns)
+    if lib is None:
+        lib = _libs[ns] = torch.library.Library(ns, "IMPL")
+    lib.impl(_qualname(op), skip(fn), "PrivateUse1")
     _bound.add(op)
 
 
@@ -41,16 +46,17 @@ def _arg_sig(args):
 def _siblings(op: OpOverload):
     """(inplace overload or None, [out overloads]) of a functional overload."""
     schema = op._schema
-    base = schema.name.split("::", 1)[1]
+    ns, base = schema.name.split("::", 1)
+    namespace = getattr(torch.ops, ns)
     sig = _arg_sig(schema.arguments)
     inplace = None
-    ip_packet = getattr(aten, base + "_", None)
+    ip_packet = getattr(namespace, base + "_", None)
     if ip_packet is not None:
         cand = getattr(ip_packet, op._overloadname, None)
         if cand is not None and _arg_sig(cand._schema.arguments) == sig:
             inplace = cand
     outs = []
-    packet = getattr(aten, base)
+    packet = getattr(namespace, base)
     for name in packet.overloads():
         cand = getattr(packet, name)
         cs = cand._schema

@@ -21,3 +21,14 @@ def copy_(self, src, non_blocking=False):
 @register(aten.copy.default)
 def copy(self, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)
+
+
+@register(torch.ops.prims.convert_element_type.default)
+def convert_element_type(a, dtype):
+    """A dtype conversion (``x.to(torch.bfloat16)`` on the same device is this one op)."""
+    from ._util import to_jax
+
+    jd = to_jax(dtype)
+    if jnp.issubdtype(a.dtype, jnp.complexfloating) and not jnp.issubdtype(jd, jnp.complexfloating):
+        a = jnp.real(a)
+    return a.astype(jd)
