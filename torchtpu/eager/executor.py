@@ -501,8 +501,8 @@ def _trace_error(lowering, tensors, e):
     if "Incompatible shapes for broadcasting" in msg or "incompatible shapes" in msg.lower():
         shapes = [tuple(t.shape) for t in tensors if isinstance(t, Tensor)]
         return RuntimeError(_broadcast_message(shapes) or f"{lowering.name}: {msg.splitlines()[0]}")
-    if isinstance(e, TypeError) and "dtype" not in msg:
-        return e
+    if isinstance(e, TypeError):
+        return e  # ours (an unsupported dtype) or PyTorch-style already
     return RuntimeError(f"{lowering.name} on device tpu: {msg.splitlines()[0]}")
 
 
