@@ -1,0 +1,143 @@
+"""Hugging Face transformers models (tiny configs, random weights, no downloads) on "tpu" vs CPU.
+
+Each model is built from a config object on CPU with a fixed seed, deep-copied and moved to
+"tpu"; forward logits, the loss, and a few SGD training steps (losses and final parameters) are
+compared with ``torch.testing.assert_close`` at its float32 defaults, in Strict eager and under
+``torch.compile(backend="tpu")`` (and Fused eager for one model). Greedy ``generate`` (KV cache)
+must produce CPU's tokens. SGD rather than Adam: attention key biases have an exactly-zero true
+gradient, and Adam would amplify its rounding noise into backend-dependent updates.
+
+``transformers`` is not a project dependency: without it this file is skipped.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face transformers is not installed (optional test dependency)")
+
+TPU = torch.device("tpu")
+VOCAB = 64
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
+
+
+def bert():
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0))
+
+
+def t5():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, num_heads=4, d_kv=8, d_ff=64,
+        vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1))
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5}
+
+
+def make_pair(name):
+    torch.manual_seed(0)
+    cpu_model = MODELS[name]()
+    tpu_model = copy.deepcopy(cpu_model).to(TPU)
+    return cpu_model, tpu_model
+
+
+def batches(n, seed=3):
+    """(input_ids, attention_mask, labels): right padding on the second row."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, VOCAB, (2, 8), generator=g)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 6:] = 0
+        labels = ids.clone()
+        labels[1, 6:] = -100
+        out.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return out
+
+
+def to(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def ctx(mode):
+    if mode == "fused":
+        return torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE)
+    return contextlib.nullcontext()
+
+
+def train(model, device, data, mode="strict"):
+    fn = model
+    if mode == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="tpu")
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, logits = [], None
+    with ctx(mode):
+        for batch in data:
+            opt.zero_grad(set_to_none=True)
+            out = fn(**to(batch, device))
+            if logits is None:
+                logits = out.logits.detach().cpu()
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(out.loss.detach().cpu())
+    return torch.stack(losses), logits
+
+
+def assert_params_close(cpu_model, tpu_model):
+    for (n, pc), (_, pt) in zip(cpu_model.named_parameters(), tpu_model.named_parameters()):
+        assert pt.device.type == "tpu", n
+        torch.testing.assert_close(pt.detach().cpu(), pc.detach(), msg=lambda m: f"{n}: {m}")
+
+
+CASES = [pytest.param(n, m, id=f"{n}-{m}") for n in MODELS for m in ("strict", "compile")]
+CASES.append(pytest.param("gpt2", "fused", id="gpt2-fused"))
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_forward_and_training(name, mode):
+    cpu_model, tpu_model = make_pair(name)
+    data = batches(2)
+    cl, clog = train(cpu_model, "cpu", data)
+    tl, tlog = train(tpu_model, TPU, data, mode)
+    torch.testing.assert_close(tlog, clog)
+    torch.testing.assert_close(tl, cl)
+    assert_params_close(cpu_model, tpu_model)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_greedy_generate(name):
+    cpu_model, tpu_model = make_pair(name)
+    ids = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for model, dev in ((cpu_model, "cpu"), (tpu_model, TPU)):
+        model.eval()
+        with torch.no_grad():
+            outs.append(model.generate(ids.to(dev), attention_mask=torch.ones_like(ids).to(dev),
+                                       max_new_tokens=4, do_sample=False, pad_token_id=0).cpu())
+    assert outs[1].shape == (1, 8)
+    torch.testing.assert_close(outs[1], outs[0])
