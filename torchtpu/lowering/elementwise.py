@@ -734,6 +734,9 @@ register(aten.fmin.default)(_minmax(jnp.fmin, "fmin"))
 
 
 def _lerp(a, b, w):
+    if a.dtype in (jnp.float16, jnp.bfloat16):  # opmath: compute in float32, round once
+        return _lerp(a.astype(jnp.float32), b.astype(jnp.float32),
+                     jnp.asarray(w).astype(jnp.float32)).astype(a.dtype)
     diff = b - a
     return jnp.where(jnp.abs(w) < 0.5, a + w * diff, b - diff * (1 - w))
 
@@ -762,6 +765,9 @@ def addcmul(self, tensor1, tensor2, *, value=1):
     s, t1, t2 = cast(self, dt), cast(tensor1, dt), cast(tensor2, dt)
     if dt == torch.bool:
         return s | (t1 & t2) if value else s
+    if dt in (torch.float16, torch.bfloat16):
+        f = jnp.float32
+        return (s.astype(f) + cast(value, torch.float32) * t1.astype(f) * t2.astype(f)).astype(s.dtype)
     return s + cast(value, dt) * t1 * t2
 
 
@@ -777,6 +783,9 @@ def addcdiv(self, tensor1, tensor2, *, value=1):
                            "inputs. The future addcdiv behavior is just the latter implementation: "
                            "(input + value * tensor1 / tensor2), for all dtypes.")
     s, t1, t2 = cast(self, dt), cast(tensor1, dt), cast(tensor2, dt)
+    if dt in (torch.float16, torch.bfloat16):
+        f = jnp.float32
+        return (s.astype(f) + cast(value, torch.float32) * (t1.astype(f) / t2.astype(f))).astype(s.dtype)
     return s + cast(value, dt) * (t1 / t2)
 
 
