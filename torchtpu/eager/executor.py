@@ -324,8 +324,8 @@ def cpu_scalar(t, lowering, tensors):
 def spec_for(t, arr):
     """(view spec, offset) of tensor ``t`` over a storage array (or its aval)."""
     shape = t.shape
-    if t.storage_offset() == 0 and arr.shape == shape and _NP[t.dtype] == arr.dtype \
-            and t.is_contiguous() and (arr.dtype.kind != "c" or not t.is_conj()):
+    if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
+            and arr.shape == shape and _NP[t.dtype] == arr.dtype:
         return None, None
     return views.spec_of(t, arr)
 
@@ -350,7 +350,14 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     if lowering.scalar_args:
         args, kwargs = _trace_scalars(lowering, args, kwargs)
     tensors: list = []
-    key_args = _key(args, tensors)
+    ka = []
+    for x in args:  # _key(args), with the common case (a plain tensor) inlined
+        if type(x) is Tensor:
+            tensors.append(x)
+            ka.append(Tensor)
+        else:
+            ka.append(_key(x, tensors))
+    key_args = tuple(ka)
     key_kwargs = tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
     flat = []
     specs = []
@@ -368,8 +375,8 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
             continue
         flat.append(arr)
         # spec_for's fast path, inlined: this loop runs for every tensor of every op
-        if t.storage_offset() == 0 and arr.shape == t.shape and _NP[t.dtype] == arr.dtype \
-                and t.is_contiguous() and (arr.dtype.kind != "c" or not t.is_conj()):
+        if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
+                and arr.shape == t.shape and _NP[t.dtype] == arr.dtype:
             specs.append(None)
             continue
         spec, off = views.spec_of(t, arr)
