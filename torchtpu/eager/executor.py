@@ -347,7 +347,9 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
-    if lowering.scalar_args:
+    traced_scalars = lowering.scalar_args and not lowering.meta.get("static_scalars")
+    if traced_scalars:
+        orig = (args, kwargs)
         args, kwargs = _trace_scalars(lowering, args, kwargs)
     tensors: list = []
     ka = []
@@ -408,6 +410,11 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     try:
         out = entry.jitted(*flat)
     except (TypeError, ValueError) as e:
+        if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
+            # the lowering branches on a scalar_args value: bake its scalars in from now on
+            lowering.meta["static_scalars"] = True
+            _CACHE.pop(key, None)
+            return run_strict(lowering, kind, orig[0], orig[1], mode)
         err = _trace_error(lowering, tensors, e)
         if err is e:
             raise

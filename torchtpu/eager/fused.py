@@ -142,7 +142,9 @@ def record(lowering, kind, args, kwargs):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
-    if lowering.scalar_args:
+    orig = (args, kwargs)
+    traced_scalars = lowering.scalar_args and not lowering.meta.get("static_scalars")
+    if traced_scalars:
         args, kwargs = executor._trace_scalars(lowering, args, kwargs)
     tensors: list = []
     key_args = executor._key(args, tensors)
@@ -193,7 +195,13 @@ def record(lowering, kind, args, kwargs):
     if hit is None:
         ws = executor._write_slots(kind, args, kwargs)
         traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws)
-        out_avals = jax.eval_shape(traced, *flat_avals)
+        try:
+            out_avals = jax.eval_shape(traced, *flat_avals)
+        except jax.errors.ConcretizationTypeError:
+            if not traced_scalars:
+                raise
+            lowering.meta["static_scalars"] = True  # it branches on a scalar: bake them in
+            return record(lowering, kind, orig[0], orig[1])
         hit = _AVALS[akey] = (traced, out_avals, ws)
         count("fused_op_traces", op=lowering.name)
     traced, out_avals, ws = hit

@@ -759,7 +759,7 @@ def lerp_tensor(self, end, weight):
     return _lerp(self, end, weight)
 
 
-@register(aten.addcmul.default)
+@register(aten.addcmul.default, scalar_args=("value",))
 def addcmul(self, tensor1, tensor2, *, value=1):
     dt = result_type(self, tensor1, tensor2)
     s, t1, t2 = cast(self, dt), cast(tensor1, dt), cast(tensor2, dt)
@@ -771,7 +771,7 @@ def addcmul(self, tensor1, tensor2, *, value=1):
     return s + cast(value, dt) * t1 * t2
 
 
-@register(aten.addcdiv.default)
+@register(aten.addcdiv.default, scalar_args=("value",))
 def addcdiv(self, tensor1, tensor2, *, value=1):
     dt = result_type(self, tensor1, tensor2)
     if _is_intlike(jdtype(tensor1)) and _is_intlike(jdtype(tensor2)):
