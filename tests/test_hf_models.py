@@ -141,3 +141,40 @@ def test_greedy_generate(name):
                                        max_new_tokens=4, do_sample=False, pad_token_id=0).cpu())
     assert outs[1].shape == (1, 8)
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_gpt2_autocast_bfloat16_matches_cpu_autocast():
+    """autocast("tpu", bfloat16): logits bf16 and loss fp32 as under CPU/CUDA autocast; values
+    agree with CPU autocast to bfloat16 precision; backward leaves fp32 grads."""
+    cpu_model, tpu_model = make_pair("gpt2")
+    batch = batches(1)[0]
+    outs = []
+    for model, dev in ((cpu_model, "cpu"), (tpu_model, TPU)):
+        with torch.autocast(dev if dev == "cpu" else "tpu", dtype=torch.bfloat16):
+            out = model(**to(batch, dev))
+        assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+        out.loss.backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters()
+                   if p.grad is not None)
+        outs.append((out.loss.detach().cpu(), out.logits.detach().float().cpu()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=2e-2, rtol=1.6e-2)
+
+
+def test_bert_sequence_classification_token_types():
+    torch.manual_seed(0)
+    cpu_model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3))
+    tpu_model = copy.deepcopy(cpu_model).to(TPU)
+    batch = batches(1)[0]
+    batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    batch["token_type_ids"][:, 4:] = 1
+    batch["labels"] = torch.tensor([0, 2])
+    oc, ot = cpu_model(**batch), tpu_model(**to(batch, TPU))
+    torch.testing.assert_close(ot.logits.cpu(), oc.logits)
+    torch.testing.assert_close(ot.loss.cpu(), oc.loss)
+    oc.loss.backward(), ot.loss.backward()
+    for (n, pc), (_, pt) in zip(cpu_model.named_parameters(), tpu_model.named_parameters()):
+        torch.testing.assert_close(pt.grad.cpu(), pc.grad, msg=lambda m: f"{n}: {m}")

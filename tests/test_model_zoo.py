@@ -604,6 +604,26 @@ def test_no_grad_eval_accuracy():
     torch.testing.assert_close(accs[1][1], accs[0][1])
 
 
+@pytest.mark.parametrize("cell", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                                            reason=RNN_XFAIL[c[:-4].upper()]))
+    for c in ("LSTMCell", "GRUCell")])
+def test_rnn_cells(cell):
+    """Minimal reproduction of the word-LM failure: one nn.LSTMCell / nn.GRUCell step."""
+    torch.manual_seed(0)
+    cpu_cell = getattr(nn, cell)(3, 4)
+    tpu_cell = copy.deepcopy(cpu_cell).to(TPU)
+    x = torch.randn(2, 3)
+    outs = []
+    for m, dev in ((cpu_cell, "cpu"), (tpu_cell, TPU)):
+        out = m(x.to(dev))
+        out = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in out).backward()
+        outs.append([o.detach().cpu() for o in out] + [m.weight_ih.grad.cpu()])
+    for a, b in zip(outs[1], outs[0]):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
     "module.cpu() of a tpu module whose autograd graph is still alive (a forward without "
     "no_grad, output still referenced) fails: torchtpu/device/module_apply.py forces "
