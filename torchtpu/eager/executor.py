@@ -247,7 +247,7 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
     is_random = lowering.random
     op_name = lowering.name
     n = len(tensors)
-    strided = [i for i, sp in enumerate(specs) if sp is not None and sp[0] == "s"]
+    strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
     functional = kind == FUNCTIONAL or kind == FUNCTIONAL_RAW
 
     def traced(*flat):

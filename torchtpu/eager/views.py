@@ -44,12 +44,61 @@ def _spec_plain(t, arr):
     if want is not have and want != have and want is not None:
         inner, ioff = _spec_flat(t, arr.size * have.itemsize // want.itemsize)
         return ("b", want, inner, ioff), None
-    if off == 0 and t.is_contiguous():
+    contiguous = t.is_contiguous()
+    if off == 0 and contiguous:
         if arr.shape == shape:
             return None, None
         if t.numel() == arr.size:
             return ("r", tuple(shape)), None
+    if contiguous and t.numel() > 0:
+        # a contiguous run (x[i], a narrow along dim 0): a dynamic slice at a traced offset
+        return ("c", tuple(shape)), off
+    plan = _box_plan(tuple(shape), tuple(t.stride()), off, arr.size)
+    if plan is not None:
+        return ("k", tuple(shape), tuple(t.stride()), off) + plan, None
     return ("s", tuple(shape), tuple(t.stride())), off
+
+
+def has_offset(spec) -> bool:
+    """Whether a spec reads at a traced storage offset (spec_of returned one with it)."""
+    if spec is None:
+        return False
+    if spec[0] == "x":
+        return has_offset(spec[3])
+    return spec[0] in ("s", "c")
+
+
+def _box_plan(shape, strides, off, n):
+    """Read a strided view as slices of the storage seen as a box, instead of a gather.
+
+    When the view's strides (sorted) divide each other, the padded flat storage reshaped to
+    (rows, s0/s1, ..., s_{k-2}/s_{k-1}, s_{k-1}) holds the view as a plain slice of that box,
+    then a transpose back to the view's dimension order and a broadcast for stride-0 dims.
+    Transposes, splits of a fused qkv projection and narrowed/step-sliced views all qualify.
+    The offset is baked into the plan (the view's place in its storage rarely varies).
+    Returns (box_shape, starts, limits, perm, inter_shape) or None.
+    """
+    dims = sorted(((st, m, i) for i, (m, st) in enumerate(zip(shape, strides))
+                   if m != 1 and st != 0), key=lambda d: -d[0])
+    if not dims:
+        return None
+    st = [d[0] for d in dims]
+    if any(a <= b or a % b for a, b in zip(st, st[1:])):
+        return None
+    rows = -(-n // st[0])
+    box = [rows] + [a // b for a, b in zip(st, st[1:])] + [st[-1]]
+    rem, starts = off, []
+    for s_ in st:
+        starts.append(rem // s_)
+        rem -= starts[-1] * s_
+    starts.append(rem)
+    limits = [c + d[1] for c, d in zip(starts, dims)] + [rem + 1]
+    if any(lim > b for lim, b in zip(limits, box)):
+        return None
+    order = [d[2] for d in dims]
+    perm = tuple(sorted(range(len(order)), key=lambda k: order[k]))
+    inter = tuple(m if (m != 1 and s_ != 0) else 1 for m, s_ in zip(shape, strides))
+    return tuple(box), tuple(starts), tuple(limits), perm, inter
 
 
 def _spec_flat(t, n):
@@ -108,6 +157,23 @@ def read(arr, spec, offset):
         return arr.reshape(spec[1])
     if spec[0] == "b":
         return read(bitcast_flat(arr, spec[1]), spec[2], spec[3])
+    if spec[0] == "c":
+        shape = spec[1]
+        size = 1
+        for m in shape:
+            size *= m
+        return lax.dynamic_slice(arr.reshape(-1), (offset,), (size,)).reshape(shape)
+    if spec[0] == "k":
+        shape, _, _, box, starts, limits, perm, inter = spec[1:]
+        flat = arr.reshape(-1)
+        total = 1
+        for b in box:
+            total *= b
+        if total != flat.shape[0]:
+            flat = jnp.pad(flat, (0, total - flat.shape[0]))
+        v = lax.slice(flat.reshape(box), starts, limits)
+        v = v.reshape(v.shape[:-1]).transpose(perm)
+        return jnp.broadcast_to(v.reshape(inter), shape)
     if spec[0] == "x":
         v = read(arr, spec[3], offset)
         if spec[1]:
@@ -136,6 +202,12 @@ def write(arr, spec, offset, value):
         return jnp.broadcast_to(value, arr.shape)
     if spec[0] == "r":
         return jnp.broadcast_to(value, spec[1]).reshape(arr.shape)
+    if spec[0] == "c":
+        shape = spec[1]
+        value = jnp.broadcast_to(value, shape).reshape(-1)
+        return lax.dynamic_update_slice(arr.reshape(-1), value, (offset,)).reshape(arr.shape)
+    if spec[0] == "k":  # writes scatter (the box plan serves reads)
+        return write(arr, ("s",) + spec[1:3], spec[3], value)
     _, shape, strides = spec
     if 0 in shape:
         return arr
