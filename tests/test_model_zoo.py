@@ -194,19 +194,7 @@ def bptt_batches(n, seq, bsz, seed=5):
     return [(src[i:i + seq], src[i + 1:i + 1 + seq]) for i in range(0, n * seq, seq)]
 
 
-RNN_XFAIL = {
-    "LSTM": "aten::_thnn_fused_lstm_cell (+ _thnn_fused_lstm_cell_backward_impl) has no "
-            "lowering: ATen's lstm picks the fused cell for privateuseone inputs, and the op has "
-            "no CPU kernel, so the CPU fallback raises NotImplementedError",
-    "GRU": "aten::_thnn_fused_gru_cell (+ _thnn_fused_gru_cell_backward) has no lowering: "
-           "ATen's gru picks the fused cell for privateuseone inputs, and the op has no CPU "
-           "kernel, so the CPU fallback raises NotImplementedError",
-}
-
-
-@pytest.mark.parametrize("rnn_type", [
-    pytest.param(r, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                            reason=RNN_XFAIL[r])) for r in ("LSTM", "GRU")])
+@pytest.mark.parametrize("rnn_type", ["LSTM", "GRU"])
 @pytest.mark.parametrize("mode", [STRICT, FUSED])
 def test_word_language_model(rnn_type, mode):
     cpu_model, tpu_model = make_pair(lambda: RNNModel(rnn_type))
@@ -604,10 +592,7 @@ def test_no_grad_eval_accuracy():
     torch.testing.assert_close(accs[1][1], accs[0][1])
 
 
-@pytest.mark.parametrize("cell", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                            reason=RNN_XFAIL[c[:-4].upper()]))
-    for c in ("LSTMCell", "GRUCell")])
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
 def test_rnn_cells(cell):
     """Minimal reproduction of the word-LM failure: one nn.LSTMCell / nn.GRUCell step."""
     torch.manual_seed(0)

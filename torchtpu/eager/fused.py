@@ -102,19 +102,34 @@ _flushing = [False]
 _AVAL_CACHE: dict = {}
 
 
-def _aval(shape, dtype):
-    """A cached ShapeDtypeStruct (hashable; constructing one costs microseconds)."""
-    a = _AVAL_CACHE.get((shape, dtype))
+def _aval(shape, dtype, weak=False):
+    """The canonical ShapeDtypeStruct for (shape, dtype, weak): one object each, so recording
+    keys on its id (constructing or hashing one costs microseconds)."""
+    a = _AVAL_CACHE.get((shape, dtype, weak))
     if a is None:
-        a = _AVAL_CACHE[(shape, dtype)] = jax.ShapeDtypeStruct(shape, dtype)
+        a = _AVAL_CACHE[(shape, dtype, weak)] = jax.ShapeDtypeStruct(shape, dtype,
+                                                                     weak_type=weak)
     return a
+
+
+_SCALAR_AVALS = {t: _aval((), np.dtype(jax.dtypes.canonicalize_dtype(t)), True)
+                 for t in (bool, int, float, complex)}
 
 
 def _scalar_aval(v):
     """The abstract value jit gives a scalar argument: Python numbers are weakly typed."""
-    if isinstance(v, (bool, int, float, complex)):
-        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(v)), weak_type=True)
-    return jax.ShapeDtypeStruct(np.shape(v), v.dtype)
+    a = _SCALAR_AVALS.get(type(v))
+    if a is not None:
+        return a
+    return _aval(np.shape(v), np.dtype(v.dtype))
+
+
+def _canonical(out):
+    if isinstance(out, jax.ShapeDtypeStruct):
+        return _aval(tuple(out.shape), np.dtype(out.dtype), bool(out.weak_type))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_canonical(o) for o in out)
+    return out
 
 
 def _on_device0(args, kwargs) -> bool:
@@ -190,13 +205,13 @@ def record(lowering, kind, args, kwargs):
         refs.append(g.input_ref(words))
         flat_avals.append(jax.ShapeDtypeStruct(words.shape, words.dtype))
     skey = (lowering, kind, key_args, key_kwargs, specs)
-    akey = (skey, tuple(flat_avals))
+    akey = (skey, tuple([id(a) for a in flat_avals]))
     hit = _AVALS.get(akey)
     if hit is None:
         ws = executor._write_slots(kind, args, kwargs)
         traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws)
         try:
-            out_avals = jax.eval_shape(traced, *flat_avals)
+            out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
         except jax.errors.ConcretizationTypeError:
             if not traced_scalars:
                 raise

@@ -17,6 +17,7 @@ from . import (  # noqa: F401
     nn,
     random,
     reductions,
+    rnn,
     shape,
 )
 
