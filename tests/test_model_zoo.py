@@ -609,12 +609,6 @@ def test_rnn_cells(cell):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "module.cpu() of a tpu module whose autograd graph is still alive (a forward without "
-    "no_grad, output still referenced) fails: torchtpu/device/module_apply.py forces "
-    "nn.Module._apply's swap_tensors path when crossing tpu, and swap_tensors refuses a "
-    "Parameter the graph saved (conv/lstm save the weight itself): 'Couldn't swap "
-    "Conv2d.weight' (use_count 3). Stock PyTorch (CUDA->CPU, no swap) succeeds"))
 def test_move_to_cpu_with_live_autograd_graph():
     torch.manual_seed(0)
     cpu_model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())

@@ -33,6 +33,13 @@ def _apply(self, fn, recurse=True):
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         return orig(self, fn, recurse)
+    except RuntimeError as e:
+        if "Couldn't swap" not in str(e):
+            raise
+        # swap_tensors refuses a Parameter that a live autograd graph saved: convert like
+        # PyTorch does without swapping (new Parameter objects, as stock PyTorch would give)
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        return orig(self, fn, recurse)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
         _state["active"] = False
