@@ -119,7 +119,18 @@ class CompiledGraph:
         if self.n_random:
             words = np.stack([_rng.next_state(None) for _ in range(self.n_random)])
             flat = arrays + [words]
-        outs, news = entry.compiled(*flat)
+        try:
+            outs, news = entry.compiled(*flat)
+        except jax.errors.JaxRuntimeError as e:
+            if "not found" not in str(e) or self.opts.get("persistent_cache") is False:
+                raise
+            # an executable loaded from the disk cache that XLA cannot run (seen once on
+            # XLA:CPU): never trust the disk for this graph again; rebuild and rerun
+            COUNTERS["compile_cache_corrupt"] += 1
+            self.opts = dict(self.opts, persistent_cache=False)
+            entry = self.entries[key] = self._compile(arrays, slots, statics, tuple(donate),
+                                                      key[0])
+            outs, news = entry.compiled(*flat)
         del flat
         # write back mutated inputs; CPU-side values come back in one transfer
         host_writes = []
