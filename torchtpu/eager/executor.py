@@ -295,11 +295,19 @@ def _write_slots(kind, args, kwargs):
     return ()
 
 
+def run_strict(lowering, kind, args, kwargs, mode=None):
+    """One op, now: the Strict (and Debug) executor, whatever the current mode."""
+    return run(lowering, kind, args, kwargs, _STRICT if mode is None else mode)
+
+
+_ArrayImpl = type(jax.numpy.zeros(()))
+
 # Set by the fused executor (eager/fused.py) when it is loaded: run(...) hands every op to it
 # while the mode is DEFER_AND_FUSE.
 fused_run = None
 _FUSED = modes.EagerMode.DEFER_AND_FUSE
 _DEBUG = modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+_STRICT = modes.EagerMode.DEFER_NEVER
 _mode_state = modes._state
 
 
@@ -330,16 +338,16 @@ def spec_for(t, arr):
     return views.spec_of(t, arr)
 
 
-def run(lowering, kind, args, kwargs):
-    """Execute one op eagerly. Returns what the aten kernel must return."""
-    mode = _mode_state["mode"]
-    if mode is _FUSED and fused_run is not None:
-        return fused_run(lowering, kind, args, kwargs)
-    return run_strict(lowering, kind, args, kwargs, mode)
+def run(lowering, kind, args, kwargs, mode=None):
+    """Execute one op eagerly. Returns what the aten kernel must return.
 
-
-def run_strict(lowering, kind, args, kwargs, mode=None):
-    """One op, now: the Strict (and Debug) executor."""
+    ``mode``: None reads the current eager mode (and hands the op to the Fused executor while
+    it records); the Fused executor passes its own to run an op now (Strict).
+    """
+    if mode is None:
+        mode = _mode_state["mode"]
+        if mode is _FUSED and fused_run is not None:
+            return fused_run(lowering, kind, args, kwargs)
     dyn = lowering.dynamic_shape
     if dyn and (dyn is True or dyn(args, kwargs)):
         return run_dynamic(lowering, kind, args, kwargs)
@@ -414,7 +422,7 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
             # the lowering branches on a scalar_args value: bake its scalars in from now on
             lowering.meta["static_scalars"] = True
             _CACHE.pop(key, None)
-            return run_strict(lowering, kind, orig[0], orig[1], mode)
+            return run(lowering, kind, orig[0], orig[1], mode)
         err = _trace_error(lowering, tensors, e)
         if err is e:
             raise
@@ -424,6 +432,8 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     if lowering.mutates:
         out = _write_mutated(lowering, args, kwargs, out)
     if kind == FUNCTIONAL:
+        if type(out) is _ArrayImpl:
+            return _wrap(out)
         if type(out) is tuple or type(out) is list:
             return type(out)(_result(o) for o in out)
         return _result(out)
@@ -449,6 +459,8 @@ def run_dynamic(lowering, kind, args, kwargs):
     count("host_syncs", op=lowering.name)
     out = lowering.fn(*a, **kw)
     if kind == FUNCTIONAL:
+        if type(out) is _ArrayImpl:
+            return _wrap(out)
         if type(out) is tuple or type(out) is list:
             return type(out)(_result(o) for o in out)
         return _result(out)

@@ -57,6 +57,7 @@ def _contiguous_strides(shape):
 
 
 _device_objects: dict = {}
+_TPU0 = torch.device("privateuseone", 0)
 
 
 def _torch_device(index: int) -> torch.device:
@@ -96,7 +97,9 @@ def wrap(array, dtype: torch.dtype | None = None) -> torch.Tensor:
         if t is not None:
             return t
     t = _create_empty(shape, dt)
-    st = _make_storage(_alloc_address(nbytes), _torch_device(0), nbytes)
+    addr = _next_free[0]  # _alloc_address, inlined
+    _next_free[0] = addr + (nbytes // _ALIGN + 1) * _ALIGN
+    st = _make_storage(addr, _TPU0, nbytes)
     _set_storage(_CPU_KEYS, t, st, 0, shape, strides)
     st._tpu_buffer = Buffer(array)
     return t
