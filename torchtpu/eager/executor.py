@@ -432,11 +432,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     if lowering.mutates:
         out = _write_mutated(lowering, args, kwargs, out)
     if kind == FUNCTIONAL:
-        if type(out) is _ArrayImpl:
-            return _wrap(out)
-        if type(out) is tuple or type(out) is list:
-            return type(out)(_result(o) for o in out)
-        return _result(out)
+        return _results(out)
     if kind == FUNCTIONAL_RAW:
         if type(out) is tuple or type(out) is list:
             return type(out)(o.value if type(o) is _Static else o for o in out)
@@ -444,6 +440,15 @@ def run(lowering, kind, args, kwargs, mode=None):
     for slot, new in zip(entry.writes, out):
         tensors[slot].untyped_storage()._tpu_buffer.array = new
     return args[0] if args else kwargs["self"]
+
+
+def _results(out):
+    """The tensors a functional kernel returns for the lowering's result(s)."""
+    if type(out) is _ArrayImpl:
+        return _wrap(out)
+    if type(out) is tuple or type(out) is list:
+        return type(out)(_result(o) for o in out)
+    return _result(out)
 
 
 def run_dynamic(lowering, kind, args, kwargs):
@@ -459,11 +464,7 @@ def run_dynamic(lowering, kind, args, kwargs):
     count("host_syncs", op=lowering.name)
     out = lowering.fn(*a, **kw)
     if kind == FUNCTIONAL:
-        if type(out) is _ArrayImpl:
-            return _wrap(out)
-        if type(out) is tuple or type(out) is list:
-            return type(out)(_result(o) for o in out)
-        return _result(out)
+        return _results(out)
     if kind == FUNCTIONAL_RAW:
         return out
     news = out if isinstance(out, (list, tuple)) else (out,)
