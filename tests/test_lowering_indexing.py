@@ -24,10 +24,7 @@ def _to(x, dev):
     return x
 
 
-def _flat(x):
-    if isinstance(x, (list, tuple)):
-        return [e for y in x for e in _flat(y)]
-    return [x]
+from helpers import flat as _flat  # noqa: E402
 
 
 def check(fn, *args, syncs=None, **kwargs):
