@@ -133,20 +133,6 @@ def test_resize_dtype_view():
 
 # ---------------------------------------------------------------- RNG
 
-def _has_random_lowerings():
-    from torchtpu.lowering import registry
-
-    aten = torch.ops.aten
-    return any(registry.get(o) is not None
-               for o in (aten.uniform_.default, aten.uniform.default, aten.normal_.default))
-
-
-needs_rng_lowerings = pytest.mark.skipif(
-    not _has_random_lowerings(),
-    reason="tpu random ops have no lowering yet (torchtpu/lowering/random.py); the CPU "
-           "fallback draws from the CPU generator, so tpu RNG state cannot steer it")
-
-
 def test_seed_state_api():
     tpu.manual_seed(1234)
     assert tpu.initial_seed() == 1234
@@ -174,7 +160,6 @@ def test_seed_state_api():
         torch.Generator(device=f"tpu:{tpu.device_count()}")
 
 
-@needs_rng_lowerings
 def test_seed_state_roundtrip():
     tpu.manual_seed(1234)
     assert tpu.initial_seed() == 1234
@@ -193,7 +178,6 @@ def test_seed_state_roundtrip():
         tpu.set_rng_state(torch.zeros(3, dtype=torch.uint8))
 
 
-@needs_rng_lowerings
 def test_torch_manual_seed_seeds_tpu():
     torch.manual_seed(7)
     assert tpu.initial_seed() == 7
@@ -214,7 +198,6 @@ def test_fork_rng_tpu():
     assert torch.equal(tpu.get_rng_state(), before)
 
 
-@needs_rng_lowerings
 def test_generator_tpu():
     g = torch.Generator(device="tpu")
     assert g.device == torch.device("tpu", 0)

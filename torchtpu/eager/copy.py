@@ -152,10 +152,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     if dst_tpu and src_tpu:
         if _recording() and (src.device.index or 0) == (dst.device.index or 0):
             from . import executor  # a recorded copy keeps the fused graph uncut
-            from ..lowering import registry
 
-            executor.run(registry.get(torch.ops.aten.copy_.default), executor.DIRECT_INPLACE,
-                         (dst, src), {})
+            executor.run(executor.copy_lowering(), executor.DIRECT_INPLACE, (dst, src), {})
             return dst
         v = value_of(src)
         if (src.device.index or 0) != (dst.device.index or 0):

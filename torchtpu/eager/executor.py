@@ -488,12 +488,17 @@ def run_out(lowering, args, kwargs, outs):
 _COPY = []
 
 
-def _run_out_recorded(lowering, args, kwargs, outs):
-    """out= while recording: the functional result, then a recorded copy_ into each out."""
+def copy_lowering():
+    """The table's copy_ lowering (a recorded tpu->tpu assignment), looked up once."""
     if not _COPY:
         from ..lowering import registry
 
         _COPY.append(registry.get(torch.ops.aten.copy_.default))
+    return _COPY[0]
+
+
+def _run_out_recorded(lowering, args, kwargs, outs):
+    """out= while recording: the functional result, then a recorded copy_ into each out."""
     res = run(lowering, FUNCTIONAL, args, kwargs)
     vals = res if isinstance(res, (list, tuple)) else (res,)
     for t, v in zip(outs, vals):
@@ -502,7 +507,7 @@ def _run_out_recorded(lowering, args, kwargs, outs):
                                f"output type {_copy._tname(t.dtype)}")
         if tuple(t.shape) != tuple(v.shape):
             _copy.resize(t, list(v.shape))
-        run(_COPY[0], DIRECT_INPLACE, (t, v), {})
+        run(copy_lowering(), DIRECT_INPLACE, (t, v), {})
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 

@@ -257,21 +257,14 @@ def _result(i, aval, pending):
     return _buffer.wrap_pending(aval, pending(i, aval))
 
 
-_COPY = []
-
-
 def _write_mutated(lowering, args, kwargs, news):
     """Registry flag ``mutates``: record a copy of each new value into its argument."""
-    if not _COPY:
-        from ..lowering import registry
-
-        _COPY.append(registry.get(torch.ops.aten.copy_.default))
     names = [a.name for a in lowering.op._schema.arguments]
     for name, new in zip(lowering.mutates, news):
         i = names.index(name)
         t = args[i] if i < len(args) else kwargs.get(name)
         if t is not None and new is not None:
-            record(_COPY[0], executor.DIRECT_INPLACE, (t, new), {})
+            record(executor.copy_lowering(), executor.DIRECT_INPLACE, (t, new), {})
 
 
 def _refcounts(inputs):
