@@ -8,7 +8,9 @@ Options (also settable by environment variable):
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 
@@ -24,6 +26,19 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     # test_opinfo.py reads the mode while it collects (parametrisation depends on it)
     os.environ["TORCHTPU_OPINFO"] = config.getoption("--opinfo")
+    # The suite's compiles go to a fresh persistent cache, not the user's: a run neither depends
+    # on nor pollutes what earlier runs left (tests of the cache itself use their own folders).
+    if "TORCHTPU_CACHE_DIR" not in os.environ:
+        _session_cache.append(tempfile.mkdtemp(prefix="torchtpu-test-cache-"))
+        os.environ["TORCHTPU_CACHE_DIR"] = _session_cache[0]
+
+
+_session_cache: list = []
+
+
+def pytest_unconfigure(config):
+    for d in _session_cache:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class OpTimeout(Exception):

@@ -258,13 +258,52 @@ def test_persistent_cache_across_processes(tmp_path):
         "f = torch.compile(lambda x: (x * 3).sin(), backend='tpu')\n"
         "print(float(f(torch.ones(3, device='tpu')).sum().cpu()))\n"
         "c = torch.tpu.metrics()['counters']\n"
-        "print(c.get('xla_compiles', 0), c.get('compile_disk_cache_hits', 0))\n")
+        "print(c.get('xla_compiles', 0), c.get('compile_disk_cache_hits', 0),\n"
+        "      c.get('compile_traces', 0))\n")
     env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "p"))
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            check=True).stdout.split("\n") for _ in range(2)]
     assert runs[0][0] == runs[1][0]
-    assert runs[0][1] == "1 0"
-    assert runs[1][1] == "0 1"
+    assert runs[0][1] == "1 0 1"
+    assert runs[1][1] == "0 1 0"  # the graph entry hit: no JAX trace, no XLA compile
+
+
+def test_graph_entry_written_from_a_disk_hit_runs_in_a_new_process(tmp_path):
+    """A graph entry written when only the program entry was on disk must still be complete.
+
+    XLA:CPU drops kernels when an executable that was deserialized is serialized again; the
+    copy then fails in another process with "Function ... not found". The cache must copy the
+    program's original bytes instead.
+    """
+    code = (
+        "import torch\n"
+        "def f(x, y):\n"
+        "    return (x @ y.T + 1).tanh().sum(0) * 3 + (x * 2 - y).exp().mean()\n"
+        "torch.manual_seed(0)\n"
+        "x, y = torch.randn(16, 8), torch.randn(16, 8)\n"
+        "out = torch.compile(f, backend='tpu')(x.to('tpu'), y.to('tpu')).cpu()\n"
+        "torch.testing.assert_close(out, f(x, y), rtol=1e-5, atol=1e-5)\n"
+        "c = torch.tpu.metrics()['counters']\n"
+        "print(c.get('xla_compiles', 0), c.get('compile_disk_cache_hits', 0))\n")
+    cache = tmp_path / "p"
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(cache))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    def graph_entries():
+        return [p for p in cache.rglob("*.xla") if p.name.startswith("g")]
+
+    assert run() == "1 0"  # compiled; program and graph entries written
+    for p in graph_entries():
+        p.unlink()
+    assert run() == "0 1"  # the program entry is a hit; the graph entry is rewritten from it
+    assert len(graph_entries()) == 1
+    assert run() == "0 1"  # the rewritten graph entry loads and runs
+    assert len(graph_entries()) == 1  # ... under the same key (the key is stable across processes)
 
 
 def test_custom_compiler_options():

@@ -263,8 +263,8 @@ class CompiledGraph:
             if key is not None:
                 _cache.store(key, compiled)
         if gkey is not None and key is not None:
-            _cache.store_graph(gkey, compiled, {"in_tree": lowered.in_tree,
-                                                "out_tree": lowered.out_tree, "consts": consts})
+            _cache.store_graph(gkey, key, {"in_tree": lowered.in_tree,
+                                           "out_tree": lowered.out_tree, "consts": consts})
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
         return _Entry(compiled, consts, donate)
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import types
 import warnings
 
 import jax
 
 from ..runtime.metrics import count
 
-_MAGIC = b"TORCHTPU-XLA-CACHE-1\n"
+_MAGIC = b"TORCHTPU-XLA-CACHE-2\n"
+_MAGIC_G = b"TORCHTPU-XLA-GRAPH-2\n"
 _warned = [False]
 
 
@@ -61,26 +63,24 @@ def _path(key: str) -> str | None:
     return None if d is None else os.path.join(d, key[:2], key + ".xla")
 
 
-# Executables loaded or stored in this process, by key: a payload is deserialized at most once
-# per process (XLA:CPU failed with "Function ... not found" when the same large executable was
-# deserialized twice and both copies were alive), and a recompile after torch._dynamo.reset()
-# reuses the executable.
+# Executables loaded or stored in this process, by key, so a payload is deserialized at most once
+# per process and a recompile after torch._dynamo.reset() reuses the executable.
 _MEMO: dict = {}
+# The serialized bytes behind each executable in _MEMO (keyed like it). A graph entry copies the
+# payload of its program entry from here: XLA:CPU (jaxlib 0.10) drops kernels when an executable
+# that was itself deserialized is serialized again ("Function ... not found" when the copy runs in
+# another process), so an executable is serialized once, right after XLA compiled it.
+_PAYLOADS: dict = {}
 
 
-def load(key: str, lowered):
-    """The compiled executable for ``key`` (this process's, else from disk), or None (a miss)."""
-    hit = _MEMO.get(key)
-    if hit is not None:
-        count("compile_process_cache_hits")
-        return hit
-    compiled = _load(key, lowered)
-    if compiled is not None:
-        _MEMO[key] = compiled
-    return compiled
+def _warn_once(msg: str) -> None:
+    if not _warned[0]:
+        _warned[0] = True
+        warnings.warn(msg, stacklevel=4)
 
 
-def _load(key: str, lowered):
+def _read(key: str, magic: bytes) -> bytes | None:
+    """The body of the entry for ``key`` (after its header), or None (a miss, counted)."""
     path = _path(key)
     if path is None:
         return None
@@ -90,51 +90,85 @@ def _load(key: str, lowered):
     except OSError:
         count("compile_disk_cache_misses")
         return None
+    head = magic + key.encode() + b"\n"
+    if data.startswith(head):
+        return data[len(head):]
+    _discard(path, ValueError("foreign or corrupt cache entry"))
+    return None
+
+
+def _discard(path: str, err: Exception) -> None:
+    """An unusable entry is a miss: counted, warned about once, removed so it is rewritten."""
+    count("compile_disk_cache_errors")
+    count("compile_disk_cache_misses")
+    _warn_once(f"torchtpu.compile: ignoring unusable compile-cache entry {path} "
+               f"({type(err).__name__}: {err}); recompiling")
     try:
-        head = _MAGIC + key.encode() + b"\n"
-        if not data.startswith(head):
-            raise ValueError("foreign or corrupt cache entry")
-        from jax.experimental.serialize_executable import deserialize_and_load
-
-        compiled = deserialize_and_load(data[len(head):], lowered.in_tree, lowered.out_tree)
-    except Exception as e:  # noqa: BLE001 - any bad entry is just a miss
-        count("compile_disk_cache_errors")
-        count("compile_disk_cache_misses")
-        if not _warned[0]:
-            _warned[0] = True
-            warnings.warn(f"torchtpu.compile: ignoring unusable compile-cache entry {path} "
-                          f"({type(e).__name__}: {e}); recompiling", stacklevel=3)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return None
-    count("compile_disk_cache_hits")
-    return compiled
+        os.unlink(path)
+    except OSError:
+        pass
 
 
-def store(key: str, compiled) -> None:
-    _MEMO[key] = compiled
+def _write(key: str, magic: bytes, *parts: bytes) -> None:
+    """Atomically write an entry (header, then ``parts``); an unwritable cache is not an error."""
     path = _path(key)
     if path is None:
         return
     try:
-        from jax.experimental.serialize_executable import serialize
-
-        payload = serialize(compiled)[0]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + key.encode() + b"\n")
-            f.write(payload)
+            f.write(magic + key.encode() + b"\n")
+            for p in parts:
+                f.write(p)
         os.replace(tmp, path)
         count("compile_disk_cache_writes")
-    except Exception as e:  # noqa: BLE001 - an unwritable cache is not an error
+    except Exception as e:  # noqa: BLE001
         count("compile_disk_cache_write_errors")
-        if not _warned[0]:
-            _warned[0] = True
-            warnings.warn(f"torchtpu.compile: could not write compile-cache entry ({e})",
-                          stacklevel=3)
+        _warn_once(f"torchtpu.compile: could not write compile-cache entry ({e})")
+
+
+def _deserialize(key: str, payload: bytes, in_tree, out_tree):
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        compiled = deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:  # noqa: BLE001 - any bad entry is just a miss
+        _discard(_path(key), e)
+        return None
+    count("compile_disk_cache_hits")
+    _PAYLOADS[key] = payload
+    return compiled
+
+
+def load(key: str, lowered):
+    """The compiled executable for ``key`` (this process's, else from disk), or None (a miss)."""
+    hit = _MEMO.get(key)
+    if hit is not None:
+        count("compile_process_cache_hits")
+        return hit
+    body = _read(key, _MAGIC)
+    compiled = None if body is None else _deserialize(key, body, lowered.in_tree,
+                                                      lowered.out_tree)
+    if compiled is not None:
+        _MEMO[key] = compiled
+    return compiled
+
+
+def store(key: str, compiled) -> None:
+    """Keep a freshly compiled executable, and write it to disk (serialized once, here)."""
+    _MEMO[key] = compiled
+    if _path(key) is None:
+        return
+    try:
+        from jax.experimental.serialize_executable import serialize
+
+        _PAYLOADS[key] = serialize(compiled)[0]
+    except Exception as e:  # noqa: BLE001 - an unserializable executable is just not cached
+        count("compile_disk_cache_write_errors")
+        _warn_once(f"torchtpu.compile: could not serialize an executable for the cache ({e})")
+        return
+    _write(key, _MAGIC, _PAYLOADS[key])
 
 
 # ---- graph-level entries: skip tracing and lowering on a warm start ----
@@ -144,7 +178,6 @@ def store(key: str, compiled) -> None:
 # the graph uses. A hit gives the executable plus what the trace would have recorded (the
 # pytree structures and the non-array outputs), so no JAX tracing happens at all.
 
-_MAGIC_G = b"TORCHTPU-XLA-GRAPH-1\n"
 _src_hash = []
 
 
@@ -175,89 +208,57 @@ def graph_key(code: str, constants: list, signature, donate, n_random, compiler_
     for c in constants:
         h.update(c)
     for fn in lowerings:
-        code_obj = getattr(fn, "__code__", None)
         h.update(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}".encode())
+        code_obj = getattr(fn, "__code__", None)
         if code_obj is not None:
-            h.update(code_obj.co_code)
-            h.update(repr(code_obj.co_consts).encode())
+            _hash_code(h, code_obj)
     return "g" + h.hexdigest()
+
+
+def _hash_code(h, code_obj) -> None:
+    """Hash a function's bytecode and constants, recursing into nested code objects (whose repr
+    holds a memory address, which would make the key differ in every process)."""
+    h.update(code_obj.co_code)
+    for c in code_obj.co_consts:
+        if isinstance(c, types.CodeType):
+            _hash_code(h, c)
+        else:
+            h.update(repr(c).encode())
 
 
 def load_graph(key: str):
     """(compiled, meta) for a graph key (this process's, else from disk), or None."""
+    import pickle
+    import struct
+
     hit = _MEMO.get(key)
     if hit is not None:
         count("compile_process_cache_hits")
         return hit
-    got = _load_graph(key)
-    if got is not None:
-        _MEMO[key] = got
-    return got
-
-
-def _load_graph(key: str):
-    import pickle
-    import struct
-
-    path = _path(key)
-    if path is None:
+    body = _read(key, _MAGIC_G)
+    if body is None:
         return None
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        count("compile_disk_cache_misses")
+        (n,) = struct.unpack("<Q", body[:8])
+        meta = pickle.loads(body[8:8 + n])
+    except Exception as e:  # noqa: BLE001
+        _discard(_path(key), e)
         return None
-    try:
-        head = _MAGIC_G + key.encode() + b"\n"
-        if not data.startswith(head):
-            raise ValueError("foreign or corrupt cache entry")
-        (n,) = struct.unpack("<Q", data[len(head):len(head) + 8])
-        meta = pickle.loads(data[len(head) + 8:len(head) + 8 + n])
-        from jax.experimental.serialize_executable import deserialize_and_load
-
-        compiled = deserialize_and_load(data[len(head) + 8 + n:], meta["in_tree"], meta["out_tree"])
-    except Exception as e:  # noqa: BLE001 - any bad entry is just a miss
-        count("compile_disk_cache_errors")
-        count("compile_disk_cache_misses")
-        if not _warned[0]:
-            _warned[0] = True
-            warnings.warn(f"torchtpu.compile: ignoring unusable compile-cache entry {path} "
-                          f"({type(e).__name__}: {e}); recompiling", stacklevel=3)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    compiled = _deserialize(key, body[8 + n:], meta["in_tree"], meta["out_tree"])
+    if compiled is None:
         return None
-    count("compile_disk_cache_hits")
+    _MEMO[key] = (compiled, meta)
     return compiled, meta
 
 
-def store_graph(key: str, compiled, meta: dict) -> None:
+def store_graph(key: str, program_key: str, meta: dict) -> None:
+    """Write a graph entry for the executable stored or loaded under ``program_key``."""
     import pickle
     import struct
 
-    _MEMO[key] = (compiled, meta)
-    path = _path(key)
-    if path is None:
+    _MEMO[key] = (_MEMO[program_key], meta)
+    payload = _PAYLOADS.get(program_key)
+    if payload is None or _path(key) is None:
         return
-    try:
-        from jax.experimental.serialize_executable import serialize
-
-        payload = serialize(compiled)[0]
-        m = pickle.dumps(meta)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC_G + key.encode() + b"\n")
-            f.write(struct.pack("<Q", len(m)))
-            f.write(m)
-            f.write(payload)
-        os.replace(tmp, path)
-        count("compile_disk_cache_writes")
-    except Exception as e:  # noqa: BLE001
-        count("compile_disk_cache_write_errors")
-        if not _warned[0]:
-            _warned[0] = True
-            warnings.warn(f"torchtpu.compile: could not write compile-cache entry ({e})",
-                          stacklevel=3)
+    m = pickle.dumps(meta)
+    _write(key, _MAGIC_G, struct.pack("<Q", len(m)), m, payload)
