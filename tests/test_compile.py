@@ -382,3 +382,33 @@ def test_op_without_lowering_runs_on_cpu_inside_the_program():
             torch.compile(f, backend="tpu")(x.to(TPU))
     finally:
         torch.tpu.enable_cpu_fallback = True
+
+
+def test_compiled_adamw_updates_cpu_step_counts_on_host_without_a_sync():
+    """A non-capturable optimizer keeps ``step`` on the CPU; the compiled step must update it
+    on the host (no device round trip, no host sync) and match CPU eager."""
+    cpu, tpu = _pair(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                                 torch.nn.Linear(8, 4)))
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, foreach=True) for m in (cpu, tpu)]
+
+    def step(m, opt, x):
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    cstep = torch.compile(step, backend="tpu")
+    x = torch.randn(16, 8)
+    for _ in range(2):
+        step(cpu, opts[0], x)
+        cstep(tpu, opts[1], x.to(TPU))
+    syncs = COUNTERS["host_syncs"]
+    for _ in range(3):
+        step(cpu, opts[0], x)
+        cstep(tpu, opts[1], x.to(TPU))
+    assert COUNTERS["host_syncs"] == syncs  # nothing waited for the device
+    for pc, pt in zip(cpu.parameters(), tpu.parameters()):
+        st = opts[1].state[pt]["step"]
+        assert st.device.type == "cpu" and float(st) == 5.0
+        _close(pc, pt, atol=1e-5, rtol=1e-4)

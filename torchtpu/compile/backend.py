@@ -132,14 +132,18 @@ class CompiledGraph:
                                                       key[0])
             outs, news = entry.compiled(*flat)
         del flat
-        # write back mutated inputs; CPU-side values come back in one transfer
+        # write back mutated inputs; CPU-side values are recomputed on the host when the graph
+        # allows it (no sync), else they come back in one transfer
         host_writes = []
+        host_mutated = self.low.host_mutated
         for i, new in zip(self.mutated, news):
             t = args[i]
             if t.device.type == "tpu":
                 _copy.assign(t, new)
-            else:
+            elif i not in host_mutated:
                 host_writes.append((t, new))
+        if host_mutated:
+            self.low.replay_on_host(args)
         consts, is_seq = entry.consts
         devs = self.out_devices
         host_outs = [outs[v] for j, (kind, v) in enumerate(consts)

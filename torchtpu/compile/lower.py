@@ -105,6 +105,7 @@ class GraphLowering:
                 else:
                     raise Unsupported(f"{op_name(n.target)} writes to a non-input value")
         self.random_index = {n: i for i, n in enumerate(self.random_nodes)}
+        self.host_plan, self.host_mutated = self._host_plan()
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.out_node = out_node
         # outputs that are graph inputs unchanged: the runtime returns the input itself
@@ -115,6 +116,63 @@ class GraphLowering:
                 if isinstance(o, torch.fx.Node) and o.op == "placeholder" \
                         and self.ph_index[o] not in self.mutated:
                     self.out_is_input[j] = self.ph_index[o]
+
+    # ---- mutations of CPU inputs, replayed on the host ----
+
+    def _host_plan(self):
+        """The nodes that recompute every mutated CPU input on the host, or ([], ()).
+
+        A CPU input the graph overwrites (an optimizer's ``step`` count when not capturable)
+        would otherwise come back from the device after the program ran: a host sync per call.
+        When each such write depends only on CPU inputs, the runtime replays those nodes with
+        PyTorch's CPU kernels on the real tensors instead (the device program still computes
+        its own copy of the values it needs), and the call stays asynchronous.
+        """
+        def on_cpu(n):
+            v = n.meta.get("val")
+            vals = v if isinstance(v, (list, tuple)) else (v,)
+            return all(x.device.type == "cpu" for x in vals if isinstance(x, torch.Tensor))
+
+        cpu_mutated = {i for i in self.mutated if on_cpu(self.placeholders[i])
+                       and isinstance(self.placeholders[i].meta.get("val"), torch.Tensor)}
+        if not cpu_mutated:
+            return [], ()
+        host_ok = {}
+        writers = []
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                host_ok[n] = on_cpu(n)
+            elif n.op == "call_function" and (isinstance(n.target, OpOverload)
+                                              or n.target is operator.getitem):
+                host_ok[n] = (on_cpu(n) and n not in self.random_index
+                              and all(host_ok.get(a, False) for a in n.all_input_nodes))
+                dst = n.args[0] if n.args else None
+                if isinstance(n.target, OpOverload) and (_is_inplace(n.target) or n.target is aten.copy_.default) \
+                        and isinstance(dst, torch.fx.Node) and dst.op == "placeholder" \
+                        and self.ph_index[dst] in cpu_mutated:
+                    if not host_ok[n]:
+                        return [], ()  # some CPU input's new value needs the device
+                    writers.append(n)
+            else:
+                host_ok[n] = False
+        needed = set()
+        stack = list(writers)
+        while stack:
+            n = stack.pop()
+            if n in needed or n.op == "placeholder":
+                continue
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+        plan = [n for n in self.gm.graph.nodes if n in needed]
+        return plan, tuple(sorted(cpu_mutated))
+
+    def replay_on_host(self, args) -> None:
+        """Run ``host_plan`` on the call's real inputs (writing the mutated CPU tensors)."""
+        env = {p: args[i] for i, p in enumerate(self.placeholders)}
+        with torch.no_grad():
+            for n in self.host_plan:
+                env[n] = n.target(*torch.fx.node.map_arg(n.args, env.__getitem__),
+                                  **torch.fx.node.map_arg(n.kwargs, env.__getitem__))
 
     # ---- tracing ----
 
