@@ -93,6 +93,14 @@ def _read(key: str, magic: bytes) -> bytes | None:
     head = magic + key.encode() + b"\n"
     if data.startswith(head):
         return data[len(head):]
+    if data.startswith(b"TORCHTPU-XLA-") and not data.startswith(magic):
+        # written by an older torchtpu (another entry format): replaced without a warning
+        count("compile_disk_cache_misses")
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
     _discard(path, ValueError("foreign or corrupt cache entry"))
     return None
 
