@@ -124,8 +124,9 @@ class CompiledGraph:
         except jax.errors.JaxRuntimeError as e:
             if "not found" not in str(e) or self.opts.get("persistent_cache") is False:
                 raise
-            # an executable loaded from the disk cache that XLA cannot run (seen once on
-            # XLA:CPU): never trust the disk for this graph again; rebuild and rerun
+            # a disk-cache executable that XLA cannot run ("Function ... not found", the
+            # symptom of an incomplete XLA:CPU serialization, see cache.py), when XLA reports it
+            # at dispatch: never trust the disk for this graph again; rebuild and rerun
             COUNTERS["compile_cache_corrupt"] += 1
             self.opts = dict(self.opts, persistent_cache=False)
             entry = self.entries[key] = self._compile(arrays, slots, statics, tuple(donate),
