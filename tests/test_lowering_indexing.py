@@ -319,3 +319,64 @@ def test_embedding_bag_forward_backward(mode, variant):
     (ref * torch.arange(1.0, 4.0)).sum().backward()
     torch.testing.assert_close(out.cpu(), ref.detach())
     torch.testing.assert_close(gw.cpu(), wr.grad)
+
+
+# ---------------------------------------------------------------- out-of-range indices
+
+_OOB_CASES = [
+    # (name, op on a (5, 3) tensor x, CPU's exception type)
+    ("index_select", lambda x, t: torch.index_select(x, 0, t([1, 7])), IndexError),
+    ("getitem", lambda x, t: x[t([0, 5])], IndexError),
+    ("gather", lambda x, t: torch.gather(x, 1, t([[0, 3]] * 5)), RuntimeError),
+    ("embedding", lambda x, t: F.embedding(t([2, 5]), x), IndexError),
+    ("take", lambda x, t: x.take(t([15])), IndexError),
+    ("scatter_add", lambda x, t: x.scatter_add(0, t([[6, 0, 0]]), torch.ones_like(x[:1])),
+     RuntimeError),
+    ("setitem", lambda x, t: x.clone().index_put_((t([9]),), torch.ones_like(x[0])), IndexError),
+]
+
+
+@pytest.mark.parametrize("name,op,exc", _OOB_CASES, ids=[c[0] for c in _OOB_CASES])
+def test_out_of_range_index_raises_like_cpu_at_the_next_sync(name, op, exc):
+    x = torch.randn(5, 3)
+    with pytest.raises(exc):  # PyTorch's own error on CPU
+        op(x, lambda v: torch.tensor(v))
+    xt = x.to(DEV)
+    out = op(xt, lambda v: torch.tensor(v, device=DEV))  # asynchronous: no error yet
+    with pytest.raises(exc, match="on device tpu.*TORCH_TPU_LAUNCH_BLOCKING"):
+        out.sum().item()
+    out.sum().item()  # reported once; later syncs are clean
+
+
+@pytest.mark.parametrize("name,op,exc", _OOB_CASES, ids=[c[0] for c in _OOB_CASES])
+def test_out_of_range_index_raises_at_the_op_in_debug_mode(name, op, exc):
+    xt = torch.randn(5, 3, device=DEV)
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        with pytest.raises(exc, match="on device tpu"):
+            op(xt, lambda v: torch.tensor(v, device=DEV))
+
+
+def test_in_range_indices_pass_the_checks_without_syncing():
+    x = torch.randn(5, 3)
+    xt = x.to(DEV)
+    idx = torch.tensor([-5, 4, 0])
+    syncs = COUNTERS["host_syncs"]
+    got = [xt[idx.to(DEV)] for _ in range(150)]  # more than the pending list holds unfolded
+    assert COUNTERS["host_syncs"] == syncs
+    torch.tpu.synchronize()  # reads the pending checks: all valid
+    torch.testing.assert_close(got[-1].cpu(), x[idx])
+    bad = torch.index_select(xt, 0, torch.tensor([5], device=DEV))
+    with pytest.raises(IndexError, match="index_select"):
+        torch.tpu.synchronize()
+    del bad
+
+
+@pytest.mark.parametrize("name,op,exc", _OOB_CASES, ids=[c[0] for c in _OOB_CASES])
+def test_out_of_range_index_raises_at_the_next_sync_in_fused_mode(name, op, exc):
+    xt = torch.randn(5, 3, device=DEV)
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        out = op(xt, lambda v: torch.tensor(v, device=DEV)) * 2  # recorded, not run
+        with pytest.raises(exc, match="on device tpu"):
+            out.sum().item()
+        ok = torch.index_select(xt, 0, torch.tensor([4, -0], device=DEV)).sum()
+        ok.item()  # valid indices: no error, and the graph ran once

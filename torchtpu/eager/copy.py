@@ -16,6 +16,7 @@ from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.dtypes import to_jax, to_torch
 from ..runtime.metrics import count
+from . import checks as _checks
 from . import views
 
 
@@ -125,8 +126,10 @@ def host_to_device(src: torch.Tensor, device_index: int = 0):
 
 
 def device_to_host(value) -> torch.Tensor:
-    """A CPU tensor holding a jax array's value (blocks: a host sync)."""
+    """A CPU tensor holding a jax array's value (blocks: a host sync). Raises for a failed
+    pending input check (eager/checks.py) first: the value may depend on the bad op."""
     host = np.asarray(value)
+    _checks.raise_pending()
     count("host_syncs")
     count("bytes_device_to_host", host.nbytes)
     dt = to_torch(host.dtype)

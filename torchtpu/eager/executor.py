@@ -16,6 +16,7 @@ from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
 from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
+from . import checks as _checks
 from . import modes, views
 from . import rng as _rng
 
@@ -200,7 +201,8 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=Non
     """The jitted program for one cache key (see make_traced). ``device``: pin the outputs
     there (with several devices, an output that does not depend on an input would otherwise
     land on JAX's default device)."""
-    traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots)
+    traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots,
+                         with_check=True)
     name = lowering.name
 
     def compiled(*flat):
@@ -233,13 +235,33 @@ def _device_of_inputs(flat):
     return None
 
 
-def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots):
+def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_check=False):
     """The pure function of one op application, shared by the Strict and Fused executors.
 
     It takes flat positional arguments: one storage array per tensor, then the traced storage
     offsets of strided views, then the RNG words for a random op (no pytrees on the hot path).
-    It returns the op's outputs, or the new storage arrays of the tensors it writes.
+    It returns the op's outputs, or the new storage arrays of the tensors it writes; with
+    ``with_check`` and a lowering that has a ``check``, the pair (that, inputs-valid flag).
     """
+    if with_check and lowering.check is not None:
+        plain = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots)
+        check_fn = lowering.check[0]
+        counter = [0]
+        sk_args = _skeleton(args, counter)
+        sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
+        n = len(tensors)
+        strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
+
+        def checked(*flat):
+            offsets = [None] * n
+            for j, i in enumerate(strided):
+                offsets[i] = flat[n + j]
+            vals = [views.read(a, s, o) for a, s, o in zip(flat[:n], specs, offsets)]
+            ok = check_fn(*_fill(sk_args, vals), **{k: _fill(v, vals) for k, v in sk_kwargs.items()})
+            return plain(*flat), jnp.asarray(ok, jnp.bool_)
+
+        return checked
+
     counter = [0]
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
@@ -417,6 +439,12 @@ def run(lowering, kind, args, kwargs, mode=None):
         flat.append(_rng.next_state(gen))
     try:
         out = entry.jitted(*flat)
+        if lowering.check is not None:
+            out, ok = out
+            if mode is _DEBUG:
+                _checks.check_now(ok, lowering.name, *lowering.check[1:])
+            else:
+                _checks.add(ok, lowering.name, *lowering.check[1:])
     except (TypeError, ValueError) as e:
         if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
             # the lowering branches on a scalar_args value: bake its scalars in from now on
@@ -462,6 +490,8 @@ def run_dynamic(lowering, kind, args, kwargs):
     a = _fill(_skeleton(args, counter), vals)
     kw = {k: _fill(_skeleton(v, counter), vals) for k, v in kwargs.items()}
     count("host_syncs", op=lowering.name)
+    if lowering.check is not None:
+        _checks.check_now(lowering.check[0](*a, **kw), lowering.name, *lowering.check[1:])
     out = lowering.fn(*a, **kw)
     if kind == FUNCTIONAL:
         return _results(out)

@@ -28,6 +28,7 @@ import torch
 from ..runtime import buffer as _buffer
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
+from . import checks as _checks
 from . import executor, modes
 
 Tensor = torch.Tensor
@@ -209,7 +210,9 @@ def record(lowering, kind, args, kwargs):
     hit = _AVALS.get(akey)
     if hit is None:
         ws = executor._write_slots(kind, args, kwargs)
-        traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws)
+        checked = lowering.check is not None
+        traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
+                                      with_check=checked)
         try:
             out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
         except jax.errors.ConcretizationTypeError:
@@ -217,13 +220,17 @@ def record(lowering, kind, args, kwargs):
                 raise
             lowering.meta["static_scalars"] = True  # it branches on a scalar: bake them in
             return record(lowering, kind, orig[0], orig[1])
-        hit = _AVALS[akey] = (traced, out_avals, ws)
+        check_aval = None
+        if checked:  # (outputs, inputs-valid flag): the flag is the node's last output
+            out_avals, check_aval = out_avals
+            traced = _flat_checked(traced)
+        hit = _AVALS[akey] = (traced, out_avals, ws, check_aval)
         count("fused_op_traces", op=lowering.name)
-    traced, out_avals, ws = hit
+    traced, out_avals, ws, check_aval = hit
     node_index = len(g.nodes)
     is_seq = isinstance(out_avals, (tuple, list))
     outs = out_avals if is_seq else (out_avals,)
-    g.nodes.append(_Node(akey, traced, tuple(refs), len(outs)))
+    g.nodes.append(_Node(akey, traced, tuple(refs), len(outs) + (check_aval is not None)))
     COUNTERS["fused_ops_recorded"] += 1
 
     def pending(i, aval):
@@ -244,9 +251,20 @@ def record(lowering, kind, args, kwargs):
         for i, (slot, aval) in enumerate(zip(ws, outs)):
             tensors[slot].untyped_storage()._tpu_buffer = pending(i, aval)
         res = args[0] if args else kwargs["self"]
+    if check_aval is not None:
+        _checks.add(pending(len(outs), check_aval), lowering.name, *lowering.check[1:])
     if len(g.nodes) >= MAX_NODES:
         flush("size_limit")
     return res
+
+
+def _flat_checked(traced):
+    """A checked op's function with its flag appended to its flat outputs."""
+    def flat(*args):
+        out, ok = traced(*args)
+        return (tuple(out) if isinstance(out, (tuple, list)) else (out,)) + (ok,)
+
+    return flat
 
 
 def _result(i, aval, pending):

@@ -2,9 +2,12 @@
 whose output shape depends on data (nonzero, masked_select, unique: registry flag
 ``dynamic_shape``; they run un-jitted on concrete arrays and count as host syncs).
 
-Out-of-range indices cannot be checked without a host sync, so they do not raise as on CPU:
-reads give clamped or filled (NaN / extreme) values, writes are dropped (JAX's gather/scatter
-modes). Negative indices wrap, as in PyTorch's advanced indexing.
+Index bounds need the data, so they are not checked before the op as on CPU: the gathers and
+scatters below carry a ``check`` (registry.py), computed inside the op's program and raised at
+the next host sync, like CUDA's device-side asserts (eager/checks.py; Strict and Debug modes).
+The value computed with a bad index is JAX's (clamped or filled reads, dropped writes), and is
+never returned without the error being raised at that sync. Negative indices wrap, as in
+PyTorch's advanced indexing.
 """
 from __future__ import annotations
 
@@ -43,9 +46,57 @@ def _at(arr, tup, src, how, mode=None):
     return getattr(arr.at[tup], how)(src, mode=mode)
 
 
+# ---- bounds checks (registry ``check``: True when every index is in range) ----
+
+def _in_range(index, size, negative_ok=False):
+    index = jnp.asarray(index)
+    lo = -size if negative_ok else 0
+    return jnp.all((index >= lo) & (index < size))
+
+
+def _size_along(self, dim):
+    return 1 if self.ndim == 0 else self.shape[_dim(dim, self.ndim)]
+
+
+def _dim_index_ok(self, dim, index, *args, **kwargs):
+    return _in_range(index, _size_along(self, dim))
+
+
+def _take_ok(self, index):
+    return _in_range(index, max(self.size, 0), negative_ok=True)
+
+
+def _embedding_ok(weight, indices, *args, **kwargs):
+    return _in_range(indices, weight.shape[0])
+
+
+def _index_ok(self, indices, *args, **kwargs):
+    """Advanced indexing: each integer index tensor within its dim (negatives allowed)."""
+    ok = jnp.asarray(True)
+    d = 0
+    for ix in indices:
+        if ix is None:
+            d += 1
+        elif ix.dtype in (jnp.bool_, jnp.uint8):
+            d += ix.ndim
+        else:
+            if d < self.ndim:
+                ok = ok & _in_range(ix, self.shape[d], negative_ok=True)
+            d += 1
+    return ok
+
+
+_OUT_OF_RANGE = (_dim_index_ok, IndexError, "index out of range in self")
+_GATHER_BOUNDS = (_dim_index_ok, RuntimeError, "gather(): index out of bounds for the gathered "
+                  "dimension")
+_SCATTER_BOUNDS = (_dim_index_ok, RuntimeError, "scatter(): index out of bounds for the "
+                   "scattered dimension")
+_INDEX_BOUNDS = (_index_ok, IndexError, "index is out of bounds for the indexed dimension")
+
+
 # ---- index_select / gather / take ----
 
-@register(aten.index_select.default)
+@register(aten.index_select.default, check=_OUT_OF_RANGE)
 def index_select(self, dim, index):
     if index.ndim > 1:
         raise IndexError("index_select(): Index is supposed to be a vector")
@@ -68,12 +119,13 @@ def _gather_along(self, dim, index):
     return jnp.take_along_axis(part, index, axis=d)
 
 
-@register(aten.gather.default)
+@register(aten.gather.default, check=_GATHER_BOUNDS)
 def gather(self, dim, index, *, sparse_grad=False):
     return _gather_along(self, dim, index)
 
 
-@register(aten.take.default)
+@register(aten.take.default,
+          check=(_take_ok, IndexError, "take(): index out of range for the tensor's elements"))
 def take(self, index):
     return self.reshape(-1)[index]
 
@@ -161,24 +213,24 @@ def _scatter(self, dim, index, src, reduce=None, include_self=True):
     return _reduce_at(self, tup, part, reduce, include_self)
 
 
-@register(aten.scatter.src, aten.scatter.value)
+@register(aten.scatter.src, aten.scatter.value, check=_SCATTER_BOUNDS)
 def scatter(self, dim, index, src):
     return _scatter(self, dim, index, src)
 
 
-@register(aten.scatter.reduce, aten.scatter.value_reduce)
+@register(aten.scatter.reduce, aten.scatter.value_reduce, check=_SCATTER_BOUNDS)
 def scatter_reduce_legacy(self, dim, index, src, *, reduce):
     if reduce not in ("add", "multiply"):
         raise RuntimeError(f"reduce argument must be either add or multiply, got {reduce}")
     return _scatter(self, dim, index, src, reduce)
 
 
-@register(aten.scatter_add.default)
+@register(aten.scatter_add.default, check=_SCATTER_BOUNDS)
 def scatter_add(self, dim, index, src):
     return _scatter(self, dim, index, src, "sum")
 
 
-@register(aten.scatter_reduce.two)
+@register(aten.scatter_reduce.two, check=_SCATTER_BOUNDS)
 def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     return _scatter(self, dim, index, src, reduce, include_self)
 
@@ -306,7 +358,7 @@ def _index(self, indices):
     return self[tup]
 
 
-@register(aten.index.Tensor, dynamic_shape=_index_dynamic)
+@register(aten.index.Tensor, dynamic_shape=_index_dynamic, check=_INDEX_BOUNDS)
 def index(self, indices):
     return _index(self, indices)
 
@@ -327,12 +379,13 @@ def _index_put(self, indices, values, accumulate):
     return _at(self, tup, values, "add" if accumulate else "set", mode)
 
 
-@register(aten.index_put.default, dynamic_shape=_index_put_dynamic)
+@register(aten.index_put.default, dynamic_shape=_index_put_dynamic, check=_INDEX_BOUNDS)
 def index_put(self, indices, values, accumulate=False):
     return _index_put(self, indices, values, accumulate)
 
 
-@register(aten._index_put_impl.default, dynamic_shape=_index_put_dynamic)
+@register(aten._index_put_impl.default, dynamic_shape=_index_put_dynamic,
+          check=_INDEX_BOUNDS)
 def index_put_impl(self, indices, values, accumulate=False, unsafe=False):
     return _index_put(self, indices, values, accumulate)
 
@@ -373,7 +426,8 @@ def where(condition, self, other):
 
 # ---- embeddings ----
 
-@register(aten.embedding.default)
+@register(aten.embedding.default,
+          check=(_embedding_ok, IndexError, "index out of range in self"))
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
 

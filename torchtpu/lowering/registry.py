@@ -33,6 +33,12 @@ Flags (the executors read them; no op is special-cased inside an executor):
   results followed by the new value of each named argument (``None``: leave it as is); the
   executors write those values back and return only the op's results.
 
+- ``check``: ``(fn, exception type, message)``. ``fn`` takes the lowering's arguments and returns
+  a boolean 0-d array, True when the inputs are valid (indices in range): a condition that PyTorch
+  checks on the host but that needs the data. The Strict executor computes it in the op's own
+  program and raises at the next host sync (at once in Debug mode), as CUDA reports a
+  device-side assert; see ``eager/checks.py``.
+
 Non-array results (a ``SymInt`` return such as ``max_q`` of the fused attention ops) are Python
 values computed from static information (shapes): the lowering returns them as Python ints.
 """
@@ -53,6 +59,7 @@ class Lowering:
     dynamic_shape: object = False  # bool, or a predicate (args, kwargs) -> bool
     scalar_args: tuple = ()
     mutates: tuple = ()
+    check: tuple | None = None  # (fn, exception type, message), see the module docstring
     meta: dict = field(default_factory=dict)
 
     @property
@@ -78,7 +85,8 @@ def _overloads(op) -> list[OpOverload]:
     raise TypeError(f"cannot register a lowering for {op!r}")
 
 
-def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=()):
+def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=(),
+             check=None):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
@@ -89,7 +97,7 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mu
         for op in ops:
             for ov in _overloads(op):
                 LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
-                                         tuple(mutates))
+                                         tuple(mutates), check)
         return fn
 
     return deco

@@ -33,6 +33,14 @@ def on_synchronize(fn) -> None:
     _sync_hooks.append(fn)
 
 
+_done_hooks: list = []
+
+
+def on_synchronized(fn) -> None:
+    """Call ``fn`` after ``synchronize`` has waited (the eager checks raise from there)."""
+    _done_hooks.append(fn)
+
+
 def _flush() -> None:
     for fn in _sync_hooks:
         fn()
@@ -90,6 +98,8 @@ def synchronize(device=None) -> None:
     from . import memory
 
     memory.sample_peak(idx)
+    for fn in _done_hooks:
+        fn()
 
 
 class Event(_BaseEvent):
