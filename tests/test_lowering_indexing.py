@@ -380,3 +380,25 @@ def test_out_of_range_index_raises_at_the_next_sync_in_fused_mode(name, op, exc)
             out.sum().item()
         ok = torch.index_select(xt, 0, torch.tensor([4, -0], device=DEV)).sum()
         ok.item()  # valid indices: no error, and the graph ran once
+
+
+def test_pending_checks_stay_bounded_and_keep_the_failing_op():
+    from torchtpu.eager import checks, fused
+
+    xt = torch.randn(5, 3, device=DEV)
+    good = torch.tensor([0, 4], device=DEV)
+    for mode in (torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_AND_FUSE):
+        with torch.tpu.set_eager_mode(mode):
+            outs = []
+            for i in range(300):
+                outs.append(xt[good])
+                if i % 50 == 49:
+                    torch.tpu.synchronize() if mode == torch.tpu.EagerMode.DEFER_NEVER else None
+            bad = torch.index_select(xt, 0, torch.tensor([7], device=DEV))
+            outs += [F.embedding(good, xt) for _ in range(100)]
+            # computed flags fold; a Fused graph not run yet keeps one flag per checked op
+            unrun = fused.MAX_NODES if mode == torch.tpu.EagerMode.DEFER_AND_FUSE else 0
+            assert len(checks._pending) <= 2 * checks._FOLD_AT + 2 + unrun
+            with pytest.raises(IndexError, match="index_select"):
+                torch.tpu.synchronize()
+            del bad, outs

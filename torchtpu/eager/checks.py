@@ -28,36 +28,45 @@ def _all(flags):
 def add(ok, name: str, exc: type, message: str) -> None:
     _pending.append((ok, name, exc, message))
     count("device_checks")
-    if len(_pending) >= _FOLD_AT:
+    if len(_pending) >= _FOLD_AT and len(_pending) % _FOLD_AT == 0:
         _fold()
 
 
 def _fold() -> None:
-    """Replace the computed flags of one (op, error) by one flag computed on device, so a long
-    asynchronous stretch keeps a short list (and the sync reads a few scalars). Flags of a
-    Fused graph not run yet (pending buffers) stay as they are: reading them would cut it."""
-    global _FOLD_AT
-    groups: dict = {}
-    keep = []
-    for ok, name, exc, msg in _pending:
-        if isinstance(ok, jax.Array):
-            groups.setdefault((name, exc, msg), []).append(ok)
+    """Replace the oldest ``_FOLD_AT`` computed flags by one flag computed on device (always
+    that many, so the fold compiles once), so a long asynchronous stretch keeps a short list
+    and the sync reads a few scalars. Flags of a Fused graph not run yet (pending buffers) are
+    left alone: reading them would cut the graph."""
+    ready = []
+    rest = []
+    for it in _pending:
+        v = _computed(it[0])
+        if v is not None and len(ready) < _FOLD_AT:
+            ready.append((v,) + it[1:])
         else:
-            keep.append((ok, name, exc, msg))
-    _pending[:] = keep
-    for (name, exc, msg), oks in groups.items():
-        _pending.append((_all(oks) if len(oks) > 1 else oks[0], name, exc, msg))
-    _FOLD_AT = max(64, 2 * len(_pending))
+            rest.append(it)
+    if len(ready) < _FOLD_AT:
+        return
+    names = sorted({it[1] for it in ready})
+    kinds = {(it[2], it[3]) for it in ready}
+    exc, msg = kinds.pop() if len(kinds) == 1 else (RuntimeError, "index out of range")
+    name = names[0] if len(names) == 1 else "one of " + ", ".join(names)
+    _pending[:] = [(_all([it[0] for it in ready]), name, exc, msg)] + rest
+
+
+def _computed(ok):
+    """The flag's array, or None while it is a Fused graph's pending (not yet run) value."""
+    if isinstance(ok, jax.Array):
+        return ok
+    return None if ok.pending else ok.array
 
 
 def raise_pending() -> None:
     """Read every pending flag (one transfer) and raise for the first failed check."""
     if not _pending:
         return
-    global _FOLD_AT
     items = list(_pending)
     _pending.clear()
-    _FOLD_AT = 64
     # a Fused graph's flag is a pending buffer: reading it runs the graph (at a sync, it has run)
     values = jax.device_get([ok if isinstance(ok, jax.Array) else ok.array for ok, *_ in items])
     for v, (_, name, exc, msg) in zip(values, items):
