@@ -402,3 +402,23 @@ def test_pending_checks_stay_bounded_and_keep_the_failing_op():
             with pytest.raises(IndexError, match="index_select"):
                 torch.tpu.synchronize()
             del bad, outs
+
+
+@pytest.mark.parametrize("name,op,exc", _OOB_CASES, ids=[c[0] for c in _OOB_CASES])
+def test_out_of_range_index_raises_at_the_next_sync_when_compiled(name, op, exc):
+    torch._dynamo.reset()
+    xt = torch.randn(5, 3, device=DEV)
+
+    def f(x, i):
+        return op(x, lambda v: i) * 2
+
+    cf = torch.compile(f, backend="tpu")
+    idx = {"index_select": [1, 4], "getitem": [0, 4], "gather": [[0, 2]] * 5,
+           "embedding": [2, 4], "take": [14], "scatter_add": [[4, 0, 0]], "setitem": [4]}[name]
+    good = cf(xt, torch.tensor(idx, device=DEV))
+    torch.testing.assert_close(good.cpu(), f(xt.cpu(), torch.tensor(idx)))
+    bad_idx = {"index_select": [1, 7], "getitem": [0, 5], "gather": [[0, 3]] * 5,
+               "embedding": [2, 5], "take": [15], "scatter_add": [[6, 0, 0]], "setitem": [9]}[name]
+    out = cf(xt, torch.tensor(bad_idx, device=DEV))  # same shapes: the same program
+    with pytest.raises(exc, match="on device tpu"):
+        out.sum().item()

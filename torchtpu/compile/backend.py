@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import torch
 
+from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
 from ..runtime import buffer as _buffer
@@ -33,12 +34,13 @@ _wrap = _buffer.wrap
 
 
 class _Entry:
-    __slots__ = ("compiled", "consts", "donate")
+    __slots__ = ("compiled", "consts", "donate", "checks")
 
-    def __init__(self, compiled, consts, donate):
+    def __init__(self, compiled, consts, donate, checks=()):
         self.compiled = compiled
         self.consts = consts
         self.donate = donate
+        self.checks = checks  # (op name, exception type, message) per input-check flag
 
 
 # refcount of a jax.Array held only by its Buffer, while it sits in our list and is passed to
@@ -120,7 +122,7 @@ class CompiledGraph:
             words = np.stack([_rng.next_state(None) for _ in range(self.n_random)])
             flat = arrays + [words]
         try:
-            outs, news = entry.compiled(*flat)
+            outs, news, flags = entry.compiled(*flat)
         except jax.errors.JaxRuntimeError as e:
             if "not found" not in str(e) or self.opts.get("persistent_cache") is False:
                 raise
@@ -131,8 +133,10 @@ class CompiledGraph:
             self.opts = dict(self.opts, persistent_cache=False)
             entry = self.entries[key] = self._compile(arrays, slots, statics, tuple(donate),
                                                       key[0])
-            outs, news = entry.compiled(*flat)
+            outs, news, flags = entry.compiled(*flat)
         del flat
+        for ok, info in zip(flags, entry.checks):
+            _checks.add(ok, *info)
         # write back mutated inputs; CPU-side values are recomputed on the host when the graph
         # allows it (no sync), else they come back in one transfer
         host_writes = []
@@ -240,7 +244,7 @@ class CompiledGraph:
                 hit = None
             if hit is not None:
                 count("compile_ms", int((time.perf_counter() - t0) * 1000))
-                return _Entry(hit[0], hit[1]["consts"], donate)
+                return _Entry(hit[0], hit[1]["consts"], donate, hit[1].get("checks", ()))
         fn = self.low.trace_fn(slots, statics, self.out_devices)
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                        sharding=jax.sharding.SingleDeviceSharding(_dev_of(a)))
@@ -269,9 +273,10 @@ class CompiledGraph:
                 _cache.store(key, compiled)
         if gkey is not None and key is not None:
             _cache.store_graph(gkey, key, {"in_tree": lowered.in_tree,
-                                           "out_tree": lowered.out_tree, "consts": consts})
+                                           "out_tree": lowered.out_tree, "consts": consts,
+                                           "checks": self.low.check_info})
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
-        return _Entry(compiled, consts, donate)
+        return _Entry(compiled, consts, donate, self.low.check_info)
 
 
 def _dev_of(a):

@@ -79,6 +79,8 @@ class GraphLowering:
         self.ph_index = {n: i for i, n in enumerate(self.placeholders)}
         self.random_nodes = []
         self.mutated = []  # placeholder indices whose value the graph overwrites
+        self._checks_acc = None  # while tracing: the checked ops' flags (eager/checks.py)
+        self.check_info = ()
         self.fallback_ops = set()
         for n in gm.graph.nodes:
             if n.op != "call_function" or not isinstance(n.target, OpOverload):
@@ -177,7 +179,9 @@ class GraphLowering:
     # ---- tracing ----
 
     def trace_fn(self, tensor_slots, statics, out_devices):
-        """A function ``f(*arrays[, rng_words]) -> (outputs, new_values_of_mutated_inputs)``.
+        """A function ``f(*arrays[, rng_words]) -> (outputs, new_values_of_mutated_inputs,
+        input-check flags)`` (the flags of ops with a registry ``check``, described by
+        ``self.check_info`` after the trace).
 
         ``tensor_slots``: placeholder indices fed by arrays, in order; ``statics``: placeholder
         index -> concrete non-tensor value. The outputs that are not arrays (ints, None) are
@@ -191,6 +195,7 @@ class GraphLowering:
 
         def f(*flat):
             env = {}
+            lowering._checks_acc = checks = []  # (flag, check info) of checked ops, this trace
             for j, i in enumerate(tensor_slots):
                 env[self.placeholders[i]] = flat[j]
             for i, v in statics.items():
@@ -225,8 +230,10 @@ class GraphLowering:
                 else:
                     const_outs.append(("const", v))
             lowering.const_outputs = (const_outs, isinstance(outs, (list, tuple)))
+            lowering.check_info = tuple(info for _, info in checks)
+            lowering._checks_acc = None
             new_vals = [mutated_vals[i] for i in lowering.mutated]
-            return tuple(flat_outs), tuple(new_vals)
+            return tuple(flat_outs), tuple(new_vals), tuple(ok for ok, _ in checks)
 
         return f
 
@@ -297,6 +304,9 @@ class GraphLowering:
         if dyn and dyn is not True:
             dyn = dyn(args, kwargs)  # a per-call predicate (e.g. boolean-mask indexing)
         if low is not None and not dyn:
+            if low.check is not None and self._checks_acc is not None:
+                ok = jnp.asarray(low.check[0](*args, **kwargs), jnp.bool_)
+                self._checks_acc.append((ok, (op_name(op),) + tuple(low.check[1:])))
             if low.random:
                 kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
                 i = self.random_index.get(n)

@@ -35,9 +35,9 @@ Flags (the executors read them; no op is special-cased inside an executor):
 
 - ``check``: ``(fn, exception type, message)``. ``fn`` takes the lowering's arguments and returns
   a boolean 0-d array, True when the inputs are valid (indices in range): a condition that PyTorch
-  checks on the host but that needs the data. The Strict executor computes it in the op's own
-  program and raises at the next host sync (at once in Debug mode), as CUDA reports a
-  device-side assert; see ``eager/checks.py``.
+  checks on the host but that needs the data. Every executor computes it in the op's program
+  (Strict: the op's own; Fused and compiled: the graph's) and raises at the next host sync (at
+  once in Debug mode), as CUDA reports a device-side assert; see ``eager/checks.py``.
 
 Non-array results (a ``SymInt`` return such as ``max_q`` of the fused attention ops) are Python
 values computed from static information (shapes): the lowering returns them as Python ints.
