@@ -422,3 +422,17 @@ def test_out_of_range_index_raises_at_the_next_sync_when_compiled(name, op, exc)
     out = cf(xt, torch.tensor(bad_idx, device=DEV))  # same shapes: the same program
     with pytest.raises(exc, match="on device tpu"):
         out.sum().item()
+
+
+@pytest.mark.parametrize("shape,target", [((3, 4), [0, 4, 1]), ((2, 4, 3), [[0, 1, -1]] * 2)])
+def test_out_of_range_loss_target_raises_like_cpu(shape, target):
+    x = torch.randn(*shape)
+    with pytest.raises(IndexError, match="Target .*out of bounds"):
+        F.cross_entropy(x, torch.tensor(target))
+    loss = F.cross_entropy(x.to(DEV), torch.tensor(target, device=DEV))
+    with pytest.raises(IndexError, match="Target is out of bounds.*nll_loss"):
+        loss.item()
+    ok = torch.tensor(target).clamp(0, shape[1] - 1)
+    ok[..., 0] = -100  # ignore_index is a valid target
+    torch.testing.assert_close(F.cross_entropy(x.to(DEV), ok.to(DEV)).cpu(),
+                               F.cross_entropy(x, ok))

@@ -83,7 +83,15 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
     return jnp.where(onehot, jnp.expand_dims(contrib, cdim), jnp.zeros((), self.dtype))
 
 
-@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _targets_ok(self, target, weight, reduction, ignore_index, *args):
+    """Every target a class index or ignore_index (the registry ``check``)."""
+    c = self.shape[1 if self.ndim >= 2 else 0]
+    t = target.astype(jnp.int64)
+    return jnp.all((t == ignore_index) | ((t >= 0) & (t < c)))
+
+
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
+          check=(_targets_ok, IndexError, "Target is out of bounds."))
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
     return _nll_forward(self, target, weight, reduction, ignore_index)
 
