@@ -1,9 +1,28 @@
 """Small helpers shared by the test modules."""
 from __future__ import annotations
 
+import torch
+
 
 def flat(x):
     """A nested list/tuple of results as a flat list."""
     if isinstance(x, (list, tuple)):
         return [e for y in x for e in flat(y)]
     return [x]
+
+
+def classification_batches(n, batch, in_shape, classes, seed=1):
+    """``n`` (inputs of ``in_shape``, class labels) batches from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, *in_shape, generator=g),
+             torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+
+
+def token_batches(n, batch, seq_len, vocab, seed=2):
+    """``n`` (tokens, next tokens) language-model batches from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out

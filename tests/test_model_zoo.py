@@ -116,19 +116,7 @@ def compare_training(build, make_opt, batches, loss_fn, mode="strict", clip=None
     return cpu_model, tpu_model, cl
 
 
-def token_batches(n, batch, seq_len, vocab, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
-
-
-def image_batches(n, batch, shape, classes, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, *shape, generator=g),
-             torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
+from helpers import classification_batches, token_batches  # noqa: E402
 
 
 def ce_loss(model, x, y):
@@ -312,7 +300,7 @@ class ResNet(nn.Module):
 
 @pytest.mark.parametrize("mode", [STRICT, FUSED, COMPILE])
 def test_resnet_train_then_eval(mode):
-    batches = image_batches(2, 4, (3, 8, 8), 5, seed=3)
+    batches = classification_batches(2, 4, (3, 8, 8), 5, seed=3)
     cpu_model, tpu_model, _ = compare_training(
         ResNet, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
                                           weight_decay=5e-4),
@@ -320,7 +308,7 @@ def test_resnet_train_then_eval(mode):
     # running stats moved (they were compared with the parameters); now evaluation
     assert not torch.equal(cpu_model.stem[1].running_mean, torch.zeros(8))
     assert cpu_model.stem[1].num_batches_tracked.item() == 2
-    (x, y), = image_batches(1, 6, (3, 8, 8), 5, seed=4)
+    (x, y), = classification_batches(1, 6, (3, 8, 8), 5, seed=4)
     res = []
     for model, dev in ((cpu_model, "cpu"), (tpu_model, TPU)):
         model.eval()
@@ -501,7 +489,7 @@ def mlp():
 
 @pytest.mark.parametrize("mode", [STRICT, FUSED, COMPILE])
 def test_step_lr_with_clipping(mode):
-    batches = image_batches(4, 8, (12,), 5, seed=12)
+    batches = classification_batches(4, 8, (12,), 5, seed=12)
     compare_training(mlp, lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9),
                      batches, ce_loss, mode=mode, clip=0.5,
                      make_sched=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5))
@@ -509,7 +497,7 @@ def test_step_lr_with_clipping(mode):
 
 @pytest.mark.parametrize("mode", [STRICT, FUSED])
 def test_one_cycle_lr(mode):
-    batches = image_batches(4, 8, (12,), 5, seed=13)
+    batches = classification_batches(4, 8, (12,), 5, seed=13)
     compare_training(mlp, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
                      batches, ce_loss, mode=mode,
                      make_sched=lambda o: torch.optim.lr_scheduler.OneCycleLR(
@@ -518,7 +506,7 @@ def test_one_cycle_lr(mode):
 
 @pytest.mark.parametrize("mode", [STRICT, FUSED])
 def test_gradient_accumulation(mode):
-    batches = image_batches(6, 4, (12,), 5, seed=14)
+    batches = classification_batches(6, 4, (12,), 5, seed=14)
     accum = 3
     cpu_model, tpu_model = make_pair(mlp)
     losses = []
@@ -578,7 +566,7 @@ def test_autocast_bfloat16_dtypes_as_on_cuda():
 
 def test_no_grad_eval_accuracy():
     cpu_model, tpu_model = make_pair(mlp)
-    (x, y), = image_batches(1, 64, (12,), 5, seed=15)
+    (x, y), = classification_batches(1, 64, (12,), 5, seed=15)
     accs = []
     for model, dev in ((cpu_model, "cpu"), (tpu_model, TPU)):
         model.eval()

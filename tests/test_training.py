@@ -68,19 +68,7 @@ def make_pair(build, seed=0):
     return cpu_model, tpu_model
 
 
-def classification_batches(n, batch, in_shape, classes, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, *in_shape, generator=g),
-             torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
-
-
-def token_batches(n, batch, seq_len, vocab, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
+from helpers import classification_batches, token_batches  # noqa: E402
 
 
 def ce_loss(model, x, y):

@@ -243,25 +243,6 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
     It returns the op's outputs, or the new storage arrays of the tensors it writes; with
     ``with_check`` and a lowering that has a ``check``, the pair (that, inputs-valid flag).
     """
-    if with_check and lowering.check is not None:
-        plain = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots)
-        check_fn = lowering.check[0]
-        counter = [0]
-        sk_args = _skeleton(args, counter)
-        sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
-        n = len(tensors)
-        strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
-
-        def checked(*flat):
-            offsets = [None] * n
-            for j, i in enumerate(strided):
-                offsets[i] = flat[n + j]
-            vals = [views.read(a, s, o) for a, s, o in zip(flat[:n], specs, offsets)]
-            ok = check_fn(*_fill(sk_args, vals), **{k: _fill(v, vals) for k, v in sk_kwargs.items()})
-            return plain(*flat), jnp.asarray(ok, jnp.bool_)
-
-        return checked
-
     counter = [0]
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
@@ -271,6 +252,7 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
     n = len(tensors)
     strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
     functional = kind == FUNCTIONAL or kind == FUNCTIONAL_RAW
+    check_fn = lowering.check[0] if with_check and lowering.check is not None else None
 
     def traced(*flat):
         arrays = flat[:n]
@@ -280,6 +262,12 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
         vals = [views.read(a, s, o) for a, s, o in zip(arrays, specs, offsets)]
         a = _fill(sk_args, vals)
         kw = {k: _fill(v, vals) for k, v in sk_kwargs.items()}
+        out = apply(flat, arrays, offsets, vals, a, kw)
+        if check_fn is None:
+            return out
+        return out, jnp.asarray(check_fn(*a, **kw), jnp.bool_)
+
+    def apply(flat, arrays, offsets, vals, a, kw):
         if is_random:
             out = fn(_rng.key_from(flat[-1]), *a, **kw)
         else:
