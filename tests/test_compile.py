@@ -16,6 +16,12 @@ from torchtpu.runtime.metrics import COUNTERS
 TPU = torch.device("tpu")
 
 
+def _files(root, aot: bool):
+    """Cache files: XLA entries, or (``aot``) AOTAutogradCache entries."""
+    return [os.path.join(d, n) for d, _, ns in os.walk(root) for n in ns
+            if (os.sep + "aot" + os.sep in d + os.sep) == aot]
+
+
 def _new_process():
     """Forget this process's compiled graphs, as a new process would."""
     from torchtpu.compile import cache
@@ -212,12 +218,15 @@ def test_default_backend_is_tpu_for_tpu_inputs():
     x = torch.randn(3, 8)
     before = COUNTERS["compile_graphs"]
     _close(cpu(x), torch.compile(tpu)(x.to(TPU)))  # a module on tpu
+    # its forward and (compiled eagerly, for the AOTAutograd cache) its backward
+    assert COUNTERS["compile_graphs"] - before == 2
 
     def f(a):
         return a.exp() + 1
 
+    before = COUNTERS["compile_graphs"]
     _close(f(x), torch.compile(f)(x.to(TPU)))  # a function with tpu inputs
-    assert COUNTERS["compile_graphs"] - before == 2
+    assert COUNTERS["compile_graphs"] - before == 1  # inference graph
 
 
 def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
@@ -229,8 +238,9 @@ def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
     x = torch.randn(4, 4)
     ref = f(x)
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
-    files = [os.path.join(d, n) for d, _, ns in os.walk(tmp_path / "c") for n in ns]
+    files = _files(tmp_path / "c", aot=False)
     assert len(files) == 2  # the executable under its graph key and under its HLO key
+    assert len(_files(tmp_path / "c", aot=True)) == 1  # aot_autograd's result
     _new_process()
     hits, compiles = COUNTERS["compile_disk_cache_hits"], COUNTERS["xla_compiles"]
     _close(ref, torch.compile(f, backend="tpu")(x.to(TPU)))
@@ -259,13 +269,48 @@ def test_persistent_cache_across_processes(tmp_path):
         "print(float(f(torch.ones(3, device='tpu')).sum().cpu()))\n"
         "c = torch.tpu.metrics()['counters']\n"
         "print(c.get('xla_compiles', 0), c.get('compile_disk_cache_hits', 0),\n"
-        "      c.get('compile_traces', 0))\n")
+        "      c.get('compile_traces', 0), c.get('aot_cache_hits', 0))\n")
     env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "p"))
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            check=True).stdout.split("\n") for _ in range(2)]
     assert runs[0][0] == runs[1][0]
-    assert runs[0][1] == "1 0 1"
-    assert runs[1][1] == "0 1 0"  # the graph entry hit: no JAX trace, no XLA compile
+    assert runs[0][1] == "1 0 1 0"
+    # aot_autograd's result and the graph entry hit: no aot trace, no JAX trace, no XLA compile
+    assert runs[1][1] == "0 1 0 1"
+
+
+def test_warm_start_of_a_training_step_skips_aot_autograd(tmp_path):
+    """A second process loads forward and backward from AOTAutogradCache and their programs
+    from the XLA cache: same losses, nothing traced or compiled, and the optimizer's CPU step
+    counts still update on the host (no sync per step)."""
+    code = (
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),\n"
+        "                        torch.nn.Linear(16, 4)).to('tpu')\n"
+        "opt = torch.optim.AdamW(m.parameters(), lr=0.05, foreach=True)\n"
+        "x, y = torch.randn(32, 8).to('tpu'), torch.randn(32, 4).to('tpu')\n"
+        "@torch.compile(backend='tpu')\n"
+        "def step(x, y):\n"
+        "    opt.zero_grad(set_to_none=True)\n"
+        "    loss = torch.nn.functional.mse_loss(m(x), y)\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    return loss.detach()\n"
+        "losses = [step(x, y) for _ in range(4)]\n"
+        "c = torch.tpu.metrics()['counters']\n"
+        "syncs = c.get('host_syncs', 0)\n"
+        "print([round(float(l), 6) for l in losses])\n"
+        "print(c.get('aot_cache_hits', 0), c.get('compile_traces', 0), c.get('xla_compiles', 0),\n"
+        "      syncs, float(opt.state[m[0].weight]['step']))\n")
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "t"))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split("\n") for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    cold, warm = runs[0][1].split(), runs[1][1].split()
+    assert cold[0] == "0" and int(cold[1]) > 0
+    assert int(warm[0]) >= 2 and warm[1:3] == ["0", "0"]  # forward+backward, optimizer
+    assert warm[3] == cold[3] == "0" and warm[4] == "4.0"
 
 
 def test_graph_entry_written_from_a_disk_hit_runs_in_a_new_process(tmp_path):

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -22,9 +23,11 @@ import torch
 from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
+from ..lowering import registry as _registry
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
+from . import aot_cache as _aot_cache
 from . import cache as _cache
 from . import lower as _lower
 from . import options as _options
@@ -310,6 +313,31 @@ def _decompositions():
     return table
 
 
+class _LazyDecompositions(Mapping):
+    """``_decompositions()``, built on first read and kept while the lowering table is
+    unchanged. Building it costs ~0.5 s; a warm start whose graphs all come from
+    AOTAutogradCache never traces, so never reads it."""
+
+    _built: dict = {}
+
+    def _table(self) -> dict:
+        n = len(_registry.LOWERINGS)
+        t = self._built.get(n)
+        if t is None:
+            t = _LazyDecompositions._built = {n: _decompositions()}
+            t = t[n]
+        return t
+
+    def __getitem__(self, op):
+        return self._table()[op]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self):
+        return len(self._table())
+
+
 def _is_view(op) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
@@ -317,20 +345,22 @@ def _is_view(op) -> bool:
 _graph_counter = [0]
 
 
-def _compiler(kind: str, opts: dict):
+def _compiler(kind: str, opts: dict, serializable: bool):
+    """aot_autograd's compiler for one kind of graph; ``serializable``: its results go into
+    AOTAutogradCache (``aot_cache.GraphCode``)."""
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         _graph_counter[0] += 1
         count("compile_graphs")
-        cg = CompiledGraph(gm, example_inputs, f"{kind}{_graph_counter[0]}", opts)
-        _make_boxed(cg)
-        return cg
+        name = f"{kind}{_graph_counter[0]}"
+        if serializable:
+            return _aot_cache.GraphCode(gm, name, opts)
+        return CompiledGraph(gm, example_inputs, name, opts)
 
+    if serializable:
+        from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
+
+        return SerializableAOTDispatchCompiler(_aot_cache.GraphCode, compile_graph)
     return compile_graph
-
-
-def _make_boxed(fn):
-    fn._boxed_call = True
-    return fn
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None, **kwargs):
@@ -339,12 +369,13 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=Non
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     opts = _options.resolve(mode, options, kwargs)
-    backend = aot_autograd(
-        fw_compiler=_compiler("forward", opts),
-        bw_compiler=_compiler("backward", opts),
-        inference_compiler=_compiler("inference", opts),
-        partition_fn=min_cut_rematerialization_partition,
-        decompositions=_decompositions(),
-        keep_inference_input_mutations=True,
-    )
-    return backend(gm, example_inputs)
+    with _aot_cache.enabled(opts) as serializable:
+        backend = aot_autograd(
+            fw_compiler=_compiler("forward", opts, serializable),
+            bw_compiler=_compiler("backward", opts, serializable),
+            inference_compiler=_compiler("inference", opts, serializable),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=_LazyDecompositions(),
+            keep_inference_input_mutations=True,
+        )
+        return backend(gm, example_inputs)

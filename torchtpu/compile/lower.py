@@ -131,7 +131,9 @@ class GraphLowering:
         its own copy of the values it needs), and the call stays asynchronous.
         """
         def on_cpu(n):
-            v = n.meta.get("val")
+            if "val" not in n.meta:  # unknown (e.g. stripped by aot_cache): not a host value
+                return False
+            v = n.meta["val"]
             vals = v if isinstance(v, (list, tuple)) else (v,)
             return all(x.device.type == "cpu" for x in vals if isinstance(x, torch.Tensor))
 

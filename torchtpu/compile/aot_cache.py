@@ -1,0 +1,149 @@
+"""Warm starts skip aot_autograd: PyTorch's AOTAutogradCache, holding our graphs.
+
+A warm start that hits every XLA cache entry still spends most of its time in aot_autograd
+(functionalising and tracing the joint forward+backward graph, then partitioning it). PyTorch
+caches aot_autograd's result (the partitioned graphs plus the metadata its runtime wrappers need)
+in AOTAutogradCache, keyed by Dynamo's graph and the example inputs' metadata, but only for
+backends whose compiled graphs are ``OutputCode`` objects it can pickle. ``GraphCode`` is ours:
+it pickles the aten graph (``GraphPickler``, which keeps the FakeTensor metadata the lowering
+reads) and rebuilds a ``CompiledGraph`` from it on load; that graph then finds its XLA executable
+through the graph-level entry of ``cache.py``, so a warm start neither traces nor compiles.
+
+The entries live in ``<cache dir>/aot/<fingerprint>``: the fingerprint covers torchtpu's own
+source (the decompositions and lowerings that shaped the cached graphs) and the backend
+options, so a changed torchtpu or option set never reads an older entry. PyTorch's cache
+checks what else matters (torch version, the graph, input metadata, configs).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from unittest import mock
+
+import torch
+from torch._inductor.output_code import OutputCode
+
+from ..runtime.metrics import count
+from . import cache as _cache
+
+_source_fp: list[str] = []
+
+
+def _source_fingerprint() -> str:
+    if not _source_fp:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        h = hashlib.sha256()
+        for d, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(d, f), "rb") as fh:
+                        h.update(f.encode() + b"\0" + fh.read())
+        _source_fp.append(h.hexdigest()[:16])
+    return _source_fp[0]
+
+
+def entry_dir(opts: dict) -> str | None:
+    """Where AOTAutogradCache keeps this option set's entries; None when caching is off."""
+    base = _cache.cache_dir()
+    if not base or opts.get("persistent_cache", True) is False:
+        return None
+    h = hashlib.sha256(_source_fingerprint().encode())
+    h.update(repr(sorted((str(k), repr(v)) for k, v in opts.items())).encode())
+    return os.path.join(base, "aot", h.hexdigest()[:16])
+
+
+class GraphCode(OutputCode):
+    """One forward/backward/inference graph as AOTAutogradCache stores it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, opts: dict):
+        super().__init__()
+        from .backend import CompiledGraph
+
+        self._graph = CompiledGraph(gm, None, name, opts)
+        self._name = name
+        self._opts = opts
+        self._pickled_gm: bytes | None = None
+        self._boxed_call = True
+
+    def __call__(self, inputs):
+        return self._graph(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        # called on a shallow copy that is about to be pickled: keep the graph, drop the rest
+        if self._graph is not None:
+            self._pickled_gm = _dump_graph(self._graph.low.gm)
+            self._graph = None
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        if self._graph is not None:
+            return
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+
+        from .backend import CompiledGraph
+
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+        gm = GraphPickler.loads(self._pickled_gm, fake_mode)
+        gm.recompile()
+        self._graph = CompiledGraph(gm, None, self._name, self._opts)
+        count("aot_cache_loads")
+
+    def set_triton_bundle(self, triton_bundle) -> None:
+        pass
+
+
+def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
+    """The graph with only the node metadata our lowering reads: every placeholder's "val",
+    and "val" of nodes that hold no device tensor (host-side values, which ``host_plan``
+    looks for; a node without "val" counts as a device node). Recreating the FakeTensor of
+    every device node would cost more than the rest of a warm start's load."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    saved = {}
+    for n in gm.graph.nodes:
+        saved[n] = n.meta
+        v = n.meta.get("val")
+        keep = "val" in n.meta and (n.op == "placeholder" or not _holds_device_tensor(v))
+        n.meta = {"val": v} if keep else {}
+    try:
+        return GraphPickler.dumps(gm, options=Options(node_metadata_key_filter=None))
+    finally:
+        for n, m in saved.items():
+            n.meta = m
+
+
+def _holds_device_tensor(v) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type != "cpu"
+               for x in torch.utils._pytree.tree_leaves(v))
+
+
+def _counters():
+    from torch._dynamo.utils import counters
+
+    c = counters["aot_autograd"]
+    return c["autograd_cache_hit"], c["autograd_cache_miss"], c["autograd_cache_bypass"]
+
+
+@contextlib.contextmanager
+def enabled(opts: dict):
+    """Around one aot_autograd call: PyTorch's cache in bundled mode, in our folder."""
+    d = entry_dir(opts)
+    if d is None:
+        yield False
+        return
+    from torch._functorch import config as functorch_config
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
+    before = _counters()
+    with functorch_config.patch(enable_autograd_cache=True, bundled_autograd_cache=True,
+                                force_non_lazy_backward_lowering=True), \
+            mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: d)):
+        yield True
+    after = _counters()
+    for name, b, a in zip(("aot_cache_hits", "aot_cache_misses", "aot_cache_bypasses"),
+                          before, after):
+        if a > b:
+            count(name, a - b)
