@@ -371,6 +371,46 @@ def test_matmul_precision_is_full_float32():
     torch.testing.assert_close((a.to(DEV) @ b.to(DEV)).cpu(), ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+def test_matmul_precision_change_applies_to_cached_programs(mode, monkeypatch):
+    """Changing the float32 matmul precision mid-process reaches ops whose programs are
+    already cached (the precision is part of every cache key), in each executor."""
+    from jax import lax
+
+    from torchtpu.lowering import linalg
+
+    seen = []
+    orig = linalg._precision
+    monkeypatch.setattr(linalg, "_precision", lambda dt: seen.append(orig(dt)) or seen[-1])
+    a, b = torch.randn(7, 13, device=DEV), torch.randn(13, 5, device=DEV)
+    ref = (a.cpu().double() @ b.cpu().double()).float()
+    f = (lambda x, y: x @ y) if mode != "compiled" else torch.compile(lambda x, y: x @ y,
+                                                                       backend="tpu")
+    def run():
+        if mode != "fused":
+            return f(a, b).cpu()
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            return f(a, b).cpu()
+
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.testing.assert_close(run(), ref, atol=1e-4, rtol=1e-5)
+        assert seen and seen[-1] == lax.Precision.HIGHEST
+        torch.set_float32_matmul_precision("high")
+        n = len(seen)
+        torch.testing.assert_close(run(), ref, atol=1e-2, rtol=1e-2)
+        assert len(seen) > n and seen[-1] == lax.Precision.HIGH  # traced again, with "high"
+        torch.set_float32_matmul_precision("highest")
+        with torch.tpu.precision(torch.tpu.Precision.DEFAULT):
+            run()
+            assert seen[-1] == lax.Precision.DEFAULT
+        n = len(seen)
+        torch.testing.assert_close(run(), ref, atol=1e-4, rtol=1e-5)
+        assert len(seen) == n  # the "highest" program is still cached
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
 def _grads(fn, args, dev):
     ins = [a.detach().to(dev).requires_grad_(a.is_floating_point()) for a in args]
     outs = _flat(fn(*ins))

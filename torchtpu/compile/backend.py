@@ -24,6 +24,7 @@ from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
 from ..lowering import registry as _registry
+from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
@@ -107,7 +108,8 @@ class CompiledGraph:
         donate = self._donatable(args, arrays, slots) if self.mutated else ()
         if donate:
             COUNTERS["compile_donated_buffers"] += len(donate)
-        key = (tuple(sig), tuple(donate))
+        # the matmul precision lowerings read at trace time (it is part of the graph key too)
+        key = (tuple(sig) + (("precision", matmul_precision()),), tuple(donate))
         entry = self.entries.get(key)
         if entry is None:
             with self._lock:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
@@ -409,6 +410,8 @@ def run(lowering, kind, args, kwargs, mode=None):
         flat.extend(offs)
     specs = tuple(specs)
     key = (lowering, kind, key_args, key_kwargs, specs)
+    if lowering.reads_precision:
+        key = key + (matmul_precision(),)
     dev = None
     if not tensors:  # a factory: its program is bound to the current device
         key = key + (_device_index(None),)

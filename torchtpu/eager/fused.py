@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import torch
 
+from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
@@ -206,6 +207,8 @@ def record(lowering, kind, args, kwargs):
         refs.append(g.input_ref(words))
         flat_avals.append(jax.ShapeDtypeStruct(words.shape, words.dtype))
     skey = (lowering, kind, key_args, key_kwargs, specs)
+    if lowering.reads_precision:
+        skey = skey + (matmul_precision(),)
     akey = (skey, tuple([id(a) for a in flat_avals]))
     hit = _AVALS.get(akey)
     if hit is None:

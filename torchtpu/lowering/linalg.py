@@ -1,8 +1,10 @@
 """Linear algebra lowerings: matmul family and LAPACK-style factorizations (PyTorch semantics).
 
 Matmul precision: float32 products use ``lax.Precision.HIGHEST`` (true float32, matching CPU)
-unless ``torch.get_float32_matmul_precision()`` asks for "high" (Precision.HIGH) or "medium"
-(Precision.DEFAULT). Half-precision inputs accumulate in float32. Integer matmuls stay integer.
+unless ``registry.matmul_precision()`` says otherwise (``torch.set_float32_matmul_precision``
+"high"/"medium", or ``torch.tpu.precision``); those lowerings are registered with
+``reads_precision``, so every cache is keyed by it. Half-precision inputs accumulate in float32.
+Integer matmuls stay integer.
 
 Factorizations return what PyTorch's kernels return, including LAPACK-style ``LU`` / 1-based
 int32 ``pivots`` / int32 ``info`` (autograd formulas consume them). ``info`` is computed on the
@@ -18,7 +20,7 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim, to_jax
-from .registry import register
+from .registry import matmul_precision, register
 
 aten = torch.ops.aten
 
@@ -30,12 +32,12 @@ _I32 = jnp.int32
 
 def _precision(dtype):
     if np.dtype(dtype) in (np.dtype(jnp.float32), np.dtype(jnp.complex64)):
-        p = torch.get_float32_matmul_precision()
-        if p == "high":
-            return lax.Precision.HIGH
-        if p == "medium":
-            return lax.Precision.DEFAULT
+        return _PRECISIONS[matmul_precision()]
     return lax.Precision.HIGHEST
+
+
+_PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH,
+               "default": lax.Precision.DEFAULT}
 
 
 def _tname(dt) -> str:
@@ -151,7 +153,7 @@ def _mm_shapes(a, b):
 
 # ---------------------------------------------------------------- matmul family
 
-@register(aten.mm.default)
+@register(aten.mm.default, reads_precision=True)
 def mm(self, mat2):
     _no_bool(self, "addmm_impl_cpu_")
     _mm_shapes(self, mat2)
@@ -159,7 +161,7 @@ def mm(self, mat2):
     return _matmul(self, mat2)
 
 
-@register(aten.mm.dtype)
+@register(aten.mm.dtype, reads_precision=True)
 def mm_dtype(self, mat2, out_dtype):
     _no_bool(self, "addmm_impl_cpu_")
     _mm_shapes(self, mat2)
@@ -177,7 +179,7 @@ def _bmm_shapes(a, b):
                            f"[{a.shape[0]}, {a.shape[2]}] but got: [{b.shape[0]}, {b.shape[1]}].")
 
 
-@register(aten.bmm.default)
+@register(aten.bmm.default, reads_precision=True)
 def bmm(self, mat2):
     _no_bool(self, "bmm")
     _bmm_shapes(self, mat2)
@@ -185,7 +187,7 @@ def bmm(self, mat2):
     return _matmul(self, mat2)
 
 
-@register(aten.bmm.dtype)
+@register(aten.bmm.dtype, reads_precision=True)
 def bmm_dtype(self, mat2, out_dtype):
     _no_bool(self, "bmm")
     _bmm_shapes(self, mat2)
@@ -193,7 +195,7 @@ def bmm_dtype(self, mat2, out_dtype):
     return _matmul(self, mat2, _check_out_dtype(self, out_dtype, "bmm"))
 
 
-@register(aten.addmm.default)
+@register(aten.addmm.default, reads_precision=True)
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     _no_bool(mat1, "addmm_impl_cpu_")
     _mm_shapes(mat1, mat2)
@@ -201,7 +203,7 @@ def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     return _addmm_like(self, mat1, mat2, beta, alpha)
 
 
-@register(aten.addmm.dtype)
+@register(aten.addmm.dtype, reads_precision=True)
 def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
     _no_bool(mat1, "addmm_impl_cpu_")
     _mm_shapes(mat1, mat2)
@@ -210,7 +212,7 @@ def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
     return _addmm_like(self, mat1, mat2, beta, alpha, od)
 
 
-@register(aten.baddbmm.default)
+@register(aten.baddbmm.default, reads_precision=True)
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     _no_bool(batch1, "baddbmm")
     _bmm_shapes(batch1, batch2)
@@ -219,7 +221,7 @@ def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return _addmm_like(self, batch1, batch2, beta, alpha)
 
 
-@register(aten.baddbmm.dtype)
+@register(aten.baddbmm.dtype, reads_precision=True)
 def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
     _no_bool(batch1, "baddbmm")
     _bmm_shapes(batch1, batch2)
@@ -227,7 +229,7 @@ def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
     return _addmm_like(self, batch1, batch2, beta, alpha, od)
 
 
-@register(aten.addbmm.default)
+@register(aten.addbmm.default, reads_precision=True)
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     _no_bool(batch1, "addmm_impl_cpu_")
     _bmm_shapes(batch1, batch2)
@@ -245,7 +247,7 @@ def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return _add_scaled(self, prod, beta, alpha)
 
 
-@register(aten.mv.default)
+@register(aten.mv.default, reads_precision=True)
 def mv(self, vec):
     _no_bool(self, "addmv_impl_cpu")
     if self.ndim != 2 or vec.ndim != 1 or self.shape[1] != vec.shape[0]:
@@ -255,7 +257,7 @@ def mv(self, vec):
     return _matmul(self, vec)
 
 
-@register(aten.addmv.default)
+@register(aten.addmv.default, reads_precision=True)
 def addmv(self, mat, vec, *, beta=1, alpha=1):
     _no_bool(mat, "addmv_impl_cpu")
     if mat.ndim != 2 or vec.ndim != 1 or mat.shape[1] != vec.shape[0]:
@@ -286,14 +288,14 @@ def _torch_name(dt):
         to_torch(np.dtype(dt)), str(dt))
 
 
-@register(aten.dot.default)
+@register(aten.dot.default, reads_precision=True)
 def dot(self, tensor):
     _no_bool(self, "dot")
     _dot_check(self, tensor, "dot")
     return _matmul(self, tensor)
 
 
-@register(aten.vdot.default)
+@register(aten.vdot.default, reads_precision=True)
 def vdot(self, other):
     _no_bool(self, "dot")
     _dot_check(self, other, "vdot")

@@ -60,6 +60,7 @@ class Lowering:
     scalar_args: tuple = ()
     mutates: tuple = ()
     check: tuple | None = None  # (fn, exception type, message), see the module docstring
+    reads_precision: bool = False  # traces differently per ``matmul_precision()``: in the keys
     meta: dict = field(default_factory=dict)
 
     @property
@@ -86,7 +87,7 @@ def _overloads(op) -> list[OpOverload]:
 
 
 def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=(),
-             check=None):
+             check=None, reads_precision=False):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
@@ -97,10 +98,29 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mu
         for op in ops:
             for ov in _overloads(op):
                 LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
-                                         tuple(mutates), check)
+                                         tuple(mutates), check, reads_precision)
         return fn
 
     return deco
+
+
+def matmul_precision() -> str:
+    """The float32 matmul precision lowerings use now: "highest", "high" or "default".
+
+    ``torch.set_float32_matmul_precision("high"/"medium")`` asks for "high"/"default" (as
+    CUDA allows TF32 for them); else ``torch.tpu.precision(p)`` (JAX's default matmul
+    precision) decides; else "highest", true float32 like PyTorch's CPU kernels. Lowerings
+    registered with ``reads_precision`` are cached per value, so a change applies to the
+    next op, fused graph or compiled call.
+    """
+    p = torch.get_float32_matmul_precision()
+    if p != "highest":
+        return "high" if p == "high" else "default"
+    import jax
+
+    j = jax.config.jax_default_matmul_precision
+    j = str(j).lower() if j is not None else "highest"
+    return j if j in ("highest", "high", "default") else "highest"
 
 
 def get(op: OpOverload) -> Lowering | None:
