@@ -172,3 +172,35 @@ def test_random_ops_have_lowerings():
     x.cpu()
     per_op = torch.tpu.metrics()["per_op"]
     assert not per_op.get("cpu_fallbacks"), per_op
+
+
+_FACTORIES = {
+    "randn": lambda x: x + torch.randn(4, 3, device=x.device),
+    "randn_bf16": lambda x: x + torch.randn(4, 3, device=x.device, dtype=torch.bfloat16).float(),
+    "rand": lambda x: x + torch.rand(4, 3, device=x.device),
+    "randint_low": lambda x: x + torch.randint(2, 5, (4, 3), device=x.device),
+    "randint": lambda x: x + torch.randint(9, (4, 3), device=x.device),
+    "randn_like": lambda x: x + torch.randn_like(x),
+    "rand_like": lambda x: x + torch.rand_like(x),
+    "randint_like": lambda x: x + torch.randint_like(x, 7),
+    "randint_like_low": lambda x: x + torch.randint_like(x, 3, 7),
+}
+
+
+@pytest.mark.parametrize("name", list(_FACTORIES))
+def test_compiled_random_factories_match_eager_on_device(name):
+    """torch.randn & co. inside torch.compile draw from the device generator exactly what
+    eager draws (before their lowerings, aot_autograd's decompositions ran them on the CPU
+    with the CPU generator)."""
+    f = _FACTORIES[name]
+    x = torch.zeros(4, 3, device=D)
+    torch.manual_seed(0)
+    eager = f(x).cpu()
+    torch._dynamo.reset()
+    torch.tpu.reset_metrics()
+    torch.manual_seed(0)
+    compiled = torch.compile(f, backend="tpu")(x).cpu()
+    assert torch.equal(compiled, eager)
+    assert not torch.tpu.metrics()["per_op"].get("compile_cpu_fallbacks")
+    torch.manual_seed(1)
+    assert not torch.equal(torch.compile(f, backend="tpu")(x).cpu(), eager)

@@ -216,6 +216,68 @@ def normal_float_float(key, mean, std, size, *, dtype=None, layout=None, device=
     return (z * std + mean).astype(dt)
 
 
+# ---------------------------------------------------------------- factories
+# One op each, drawing exactly what eager's ``empty`` + in-place sampler draws from the same key,
+# so a compiled graph's random factories (which aot_autograd would otherwise decompose to prims
+# that run on the CPU) give the values eager gives.
+
+def _fdtype(dtype, default=None):
+    return to_jax(dtype if dtype is not None else (default or torch.get_default_dtype()))
+
+
+def _like(self, dtype):
+    return self.shape, (to_jax(dtype) if dtype is not None else self.dtype)
+
+
+@register(aten.randn.default, aten.randn.generator, random=True)
+def randn(key, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return normal_(key, jnp.zeros(tuple(size), _fdtype(dtype)))
+
+
+@register(aten.rand.default, aten.rand.generator, random=True)
+def rand(key, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return uniform_(key, jnp.zeros(tuple(size), _fdtype(dtype)))
+
+
+@register(aten.randint.default, aten.randint.generator, random=True)
+def randint(key, high, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return random_from(key, jnp.zeros(tuple(size), _fdtype(dtype, torch.int64)), 0, high)
+
+
+@register(aten.randint.low, aten.randint.low_generator, random=True)
+def randint_low(key, low, high, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return random_from(key, jnp.zeros(tuple(size), _fdtype(dtype, torch.int64)), low, high)
+
+
+@register(aten.randn_like.default, random=True)
+def randn_like(key, self, *, dtype=None, layout=None, device=None, pin_memory=None,
+               memory_format=None):
+    return normal_(key, jnp.zeros(*_like(self, dtype)))
+
+
+@register(aten.rand_like.default, random=True)
+def rand_like(key, self, *, dtype=None, layout=None, device=None, pin_memory=None,
+              memory_format=None):
+    return uniform_(key, jnp.zeros(*_like(self, dtype)))
+
+
+@register(aten.randint_like.default, random=True)
+def randint_like(key, self, high, *, dtype=None, layout=None, device=None, pin_memory=None,
+                 memory_format=None):
+    return random_from(key, jnp.zeros(*_like(self, dtype)), 0, high)
+
+
+@register(aten.randint_like.low_dtype, random=True)
+def randint_like_low(key, self, low, high, *, dtype=None, layout=None, device=None,
+                     pin_memory=None, memory_format=None):
+    return random_from(key, jnp.zeros(*_like(self, dtype)), low, high)
+
+
+@register(torch.ops.prims.normal.default, random=True)
+def prims_normal(key, shape, *, mean, std, dtype, device=None, requires_grad=False):
+    return normal_(key, jnp.zeros(tuple(shape), to_jax(dtype)), mean, std)
+
+
 @register(aten.randperm.default, random=True)
 def randperm(key, n, *, dtype=torch.int64, layout=None, device=None, pin_memory=None):
     dt = to_jax(dtype if dtype is not None else torch.int64)
