@@ -313,6 +313,34 @@ def test_warm_start_of_a_training_step_skips_aot_autograd(tmp_path):
     assert warm[3] == cold[3] == "0" and warm[4] == "4.0"
 
 
+def test_warm_start_of_graphs_with_constants_rng_and_batchnorm(tmp_path):
+    """Graphs holding a tensor constant, random ops (dropout, randn) and BatchNorm's
+    running-stat updates load from AOTAutogradCache in a new process and give the same
+    values (the RNG draws from the same seed), with nothing traced or compiled."""
+    code = (
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "bn = torch.nn.BatchNorm1d(3).to('tpu')\n"
+        "def f(x):\n"
+        "    y = bn(x * torch.tensor([1., 2., 3.], device=x.device))\n"
+        "    y = torch.nn.functional.dropout(y, 0.5, training=True)\n"
+        "    return (y + torch.randn(4, 3, device=x.device)).sum()\n"
+        "x = torch.randn(4, 3, device='tpu', requires_grad=True)\n"
+        "torch.manual_seed(1)\n"
+        "out = torch.compile(f, backend='tpu')(x)\n"
+        "out.backward()\n"
+        "print(float(out), x.grad.cpu().tolist(), bn.running_mean.cpu().tolist())\n"
+        "c = torch.tpu.metrics()['counters']\n"
+        "print(c.get('aot_cache_hits', 0), c.get('compile_traces', 0),\n"
+        "      c.get('compile_cpu_fallbacks', 0))\n")
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "r"))
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split("\n") for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == "0 2 0"
+    assert runs[1][1] == "1 0 0"
+
+
 def test_graph_entry_written_from_a_disk_hit_runs_in_a_new_process(tmp_path):
     """A graph entry written when only the program entry was on disk must still be complete.
 

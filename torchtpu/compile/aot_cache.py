@@ -108,8 +108,16 @@ def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
         v = n.meta.get("val")
         keep = "val" in n.meta and (n.op == "placeholder" or not _holds_device_tensor(v))
         n.meta = {"val": v} if keep else {}
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     try:
-        return GraphPickler.dumps(gm, options=Options(node_metadata_key_filter=None))
+        # every op: our graphs hold prims (prims.normal from dropout) and custom ops too; an
+        # op missing when an entry is loaded fails the load, which PyTorch treats as a miss
+        # constants (get_attr tensors on "tpu") are saved by value: outside the fake mode
+        # aot_autograd is in, so reading them gives real tensors
+        with unset_fake_temporarily():
+            return GraphPickler.dumps(gm, options=Options(ops_filter=None,
+                                                          node_metadata_key_filter=None))
     finally:
         for n, m in saved.items():
             n.meta = m

@@ -209,6 +209,8 @@ def graph_key(code: str, constants: list, signature, donate, n_random, compiler_
     if not _fp:
         _fp.append(_env_fingerprint())
     h = hashlib.sha256()
+    # comments are node metadata (source lines), absent from graphs aot_cache.py reloads
+    code = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith("#"))
     for part in (_fp[0], _sources_hash(), code, repr(signature), repr(donate), repr(n_random),
                  repr(sorted((str(k), str(v)) for k, v in compiler_options.items()))):
         h.update(part.encode())
