@@ -204,3 +204,35 @@ def test_compiled_random_factories_match_eager_on_device(name):
     assert not torch.tpu.metrics()["per_op"].get("compile_cpu_fallbacks")
     torch.manual_seed(1)
     assert not torch.equal(torch.compile(f, backend="tpu")(x).cpu(), eager)
+
+
+_BAD_PROBABILITIES = {
+    "multinomial_negative": lambda d: torch.multinomial(torch.tensor([[0.5, -0.1, 0.6]], device=d), 1),
+    "multinomial_nan": lambda d: torch.multinomial(torch.tensor([float("nan"), 1.0], device=d), 1),
+    "multinomial_zero_sum": lambda d: torch.multinomial(torch.zeros(2, 3, device=d), 1),
+    "bernoulli": lambda d: torch.bernoulli(torch.tensor([1.5, 0.2], device=d)),
+    "bernoulli_": lambda d: torch.empty(2, device=d).bernoulli_(torch.tensor([-0.5, 0.2],
+                                                                             device=d)),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("name", list(_BAD_PROBABILITIES))
+def test_invalid_probabilities_raise_like_cpu(name, mode):
+    """Invalid probabilities raise CPU's exception type at the next sync instead of sampling."""
+    f = _BAD_PROBABILITIES[name]
+    with pytest.raises(RuntimeError) as cpu_err:
+        f("cpu")
+    assert cpu_err.type is RuntimeError
+    if mode == "compiled":
+        torch._dynamo.reset()
+        g = torch.compile(lambda: f(D).float().sum(), backend="tpu")
+    else:
+        g = lambda: f(D)  # noqa: E731
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx, pytest.raises(RuntimeError, match="multinomial|p_in"):
+        g().cpu()
+    # valid probabilities in the same program shapes run and do not raise
+    assert torch.multinomial(torch.tensor([[0.0, 1.0, 0.0]], device=D), 1).item() == 1
+    assert torch.bernoulli(torch.tensor([1.0, 0.0], device=D)).cpu().tolist() == [1.0, 0.0]

@@ -109,7 +109,19 @@ def bernoulli_float_(key, self, p=0.5):
     return (jax.random.uniform(key, self.shape, jnp.float64) < p).astype(self.dtype)
 
 
-@register(aten.bernoulli_.Tensor, random=True)
+def _p_in_unit_ok(self, p=None, **_):
+    """Data-dependent check (registry ``check``): probabilities in [0, 1], as CPU asserts."""
+    p = self if p is None else p
+    if not jnp.issubdtype(p.dtype, jnp.floating):
+        return jnp.asarray(True)
+    return jnp.all((p >= 0) & (p <= 1))
+
+
+_P_IN_UNIT = (_p_in_unit_ok, RuntimeError,
+              "Expected p_in >= 0 && p_in <= 1 to be true, but got false.")
+
+
+@register(aten.bernoulli_.Tensor, random=True, check=_P_IN_UNIT)
 def bernoulli_tensor_(key, self, p):
     pb = jnp.broadcast_to(p, self.shape)
     u = jax.random.uniform(key, self.shape, _fdt(pb.dtype) if jnp.issubdtype(pb.dtype, jnp.floating)
@@ -170,7 +182,7 @@ def random_from(key, self, from_, to=None):
 
 # ---------------------------------------------------------------- functional samplers
 
-@register(aten.bernoulli.default, random=True)
+@register(aten.bernoulli.default, random=True, check=_P_IN_UNIT)
 def bernoulli(key, self):
     u = jax.random.uniform(key, self.shape, _fdt(self.dtype))
     return (u < self).astype(self.dtype)
@@ -181,7 +193,7 @@ def bernoulli_p(key, self, p):
     return bernoulli_float_(key, self, p)
 
 
-@register(aten.bernoulli.Tensor, random=True)
+@register(aten.bernoulli.Tensor, random=True, check=_P_IN_UNIT)
 def bernoulli_t(key, self, p):
     return bernoulli_tensor_(key, self, p)
 
@@ -284,7 +296,17 @@ def randperm(key, n, *, dtype=torch.int64, layout=None, device=None, pin_memory=
     return jax.random.permutation(key, n).astype(dt)
 
 
-@register(aten.multinomial.default, random=True)
+def _multinomial_ok(self, num_samples, replacement=False, **_):
+    """Data-dependent check: finite, non-negative probabilities with a positive sum per row."""
+    if not jnp.issubdtype(self.dtype, jnp.floating):
+        return jnp.asarray(True)
+    p = self.astype(jnp.float32) if self.dtype in _LOW else self
+    return jnp.all(jnp.isfinite(p) & (p >= 0)) & jnp.all(jnp.sum(p, axis=-1) > 0)
+
+
+@register(aten.multinomial.default, random=True, check=(
+    _multinomial_ok, RuntimeError, "probability tensor contains either `inf`, `nan` or "
+    "element < 0, or invalid multinomial distribution (sum of probabilities <= 0)"))
 def multinomial(key, self, num_samples, replacement=False):
     if self.ndim not in (1, 2):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
