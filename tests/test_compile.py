@@ -201,6 +201,31 @@ def test_mark_dynamic_is_specialised_with_a_message():
     assert any("specialised" in str(m.message) for m in w)
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_dynamic_training_graph_runs_backward(cache, monkeypatch):
+    """A graph with symbolic sizes saves SymInts for its backward, so aot_autograd compiles
+    the backward right away and wraps it in Dynamo's disable(): the wrapper must still call it
+    with the boxed convention (with and without the persistent cache)."""
+    if not cache:
+        monkeypatch.setenv("TORCHTPU_CACHE_DIR", "")
+    torch.manual_seed(0)
+    cpu, tpu = _pair(_mlp)
+    f = torch.compile(lambda x: tpu(x).relu().sum(), backend="tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (3, 5):
+            x = torch.randn(n, 8)
+            xt = x.to(TPU)
+            torch._dynamo.mark_dynamic(xt, 0)
+            ref = cpu(x).relu().sum()
+            out = f(xt)
+            _close(ref, out)
+            ref.backward()
+            out.backward()
+    for p_cpu, p_tpu in zip(cpu.parameters(), tpu.parameters()):
+        _close(p_cpu.grad, p_tpu.grad)
+
+
 def test_mode_and_unknown_options_are_ignored_with_warning():
     cpu, tpu = _pair(_mlp)
     x = torch.randn(2, 8)

@@ -64,6 +64,8 @@ class CompiledGraph:
     _boxed_call = True
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str, opts: dict):
+        # an instance attribute: wrappers (Dynamo's disable() around a backward) copy __dict__
+        self._boxed_call = True
         self.low = _lower.GraphLowering(gm, name)
         self.name = name
         self.opts = opts
