@@ -304,6 +304,19 @@ def test_persistent_cache_across_processes(tmp_path):
     assert runs[1][1] == "0 1 0 1"
 
 
+def test_aot_cache_folder_depends_on_options_and_can_be_off(tmp_path, monkeypatch):
+    from torchtpu.compile import aot_cache
+
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "c"))
+    a = aot_cache.entry_dir({})
+    assert a.startswith(str(tmp_path / "c" / "aot"))
+    assert aot_cache.entry_dir({}) == a
+    assert aot_cache.entry_dir({"donate": False}) != a  # other options: other entries
+    assert aot_cache.entry_dir({"persistent_cache": False}) is None
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", "")
+    assert aot_cache.entry_dir({}) is None
+
+
 def test_warm_start_of_a_training_step_skips_aot_autograd(tmp_path):
     """A second process loads forward and backward from AOTAutogradCache and their programs
     from the XLA cache: same losses, nothing traced or compiled, and the optimizer's CPU step
