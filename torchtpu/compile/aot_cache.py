@@ -5,8 +5,8 @@ A warm start that hits every XLA cache entry still spends most of its time in ao
 caches aot_autograd's result (the partitioned graphs plus the metadata its runtime wrappers need)
 in AOTAutogradCache, keyed by Dynamo's graph and the example inputs' metadata, but only for
 backends whose compiled graphs are ``OutputCode`` objects it can pickle. ``GraphCode`` is ours:
-it pickles the aten graph (``GraphPickler``, which keeps the FakeTensor metadata the lowering
-reads) and rebuilds a ``CompiledGraph`` from it on load; that graph then finds its XLA executable
+it pickles the aten graph (``GraphPickler``, with the FakeTensor metadata the lowering reads)
+and rebuilds a ``CompiledGraph`` from it on load; that graph then finds its XLA executable
 through the graph-level entry of ``cache.py``, so a warm start neither traces nor compiles.
 
 The entries live in ``<cache dir>/aot/<fingerprint>``: the fingerprint covers torchtpu's own
@@ -100,6 +100,7 @@ def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
     and "val" of nodes that hold no device tensor (host-side values, which ``host_plan``
     looks for; a node without "val" counts as a device node). Recreating the FakeTensor of
     every device node would cost more than the rest of a warm start's load."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx._graph_pickler import GraphPickler, Options
 
     saved = {}
@@ -108,13 +109,10 @@ def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
         v = n.meta.get("val")
         keep = "val" in n.meta and (n.op == "placeholder" or not _holds_device_tensor(v))
         n.meta = {"val": v} if keep else {}
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     try:
-        # every op: our graphs hold prims (prims.normal from dropout) and custom ops too; an
-        # op missing when an entry is loaded fails the load, which PyTorch treats as a miss
-        # constants (get_attr tensors on "tpu") are saved by value: outside the fake mode
-        # aot_autograd is in, so reading them gives real tensors
+        # every op: graphs may hold prims and custom ops (an op missing when an entry is loaded
+        # fails the load, which PyTorch counts as a bypass and recompiles). Constants (get_attr
+        # tensors on "tpu") are saved by value, read outside aot_autograd's fake mode.
         with unset_fake_temporarily():
             return GraphPickler.dumps(gm, options=Options(ops_filter=None,
                                                           node_metadata_key_filter=None))
