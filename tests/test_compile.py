@@ -22,6 +22,13 @@ def _files(root, aot: bool):
             if (os.sep + "aot" + os.sep in d + os.sep) == aot]
 
 
+def _run_twice(code: str, cache_dir):
+    """Run ``code`` in two fresh processes sharing one cache folder; each run's stdout lines."""
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(cache_dir))
+    return [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split("\n") for _ in range(2)]
+
+
 def _new_process():
     """Forget this process's compiled graphs, as a new process would."""
     from torchtpu.compile import cache
@@ -295,9 +302,7 @@ def test_persistent_cache_across_processes(tmp_path):
         "c = torch.tpu.metrics()['counters']\n"
         "print(c.get('xla_compiles', 0), c.get('compile_disk_cache_hits', 0),\n"
         "      c.get('compile_traces', 0), c.get('aot_cache_hits', 0))\n")
-    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "p"))
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.split("\n") for _ in range(2)]
+    runs = _run_twice(code, tmp_path / "p")
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] == "1 0 1 0"
     # aot_autograd's result and the graph entry hit: no aot trace, no JAX trace, no XLA compile
@@ -341,9 +346,7 @@ def test_warm_start_of_a_training_step_skips_aot_autograd(tmp_path):
         "print([round(float(l), 6) for l in losses])\n"
         "print(c.get('aot_cache_hits', 0), c.get('compile_traces', 0), c.get('xla_compiles', 0),\n"
         "      syncs, float(opt.state[m[0].weight]['step']))\n")
-    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "t"))
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.split("\n") for _ in range(2)]
+    runs = _run_twice(code, tmp_path / "t")
     assert runs[0][0] == runs[1][0]
     cold, warm = runs[0][1].split(), runs[1][1].split()
     assert cold[0] == "0" and int(cold[1]) > 0
@@ -371,9 +374,7 @@ def test_warm_start_of_graphs_with_constants_rng_and_batchnorm(tmp_path):
         "c = torch.tpu.metrics()['counters']\n"
         "print(c.get('aot_cache_hits', 0), c.get('compile_traces', 0),\n"
         "      c.get('compile_cpu_fallbacks', 0))\n")
-    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "r"))
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.split("\n") for _ in range(2)]
+    runs = _run_twice(code, tmp_path / "r")
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] == "0 2 0"
     assert runs[1][1] == "1 0 0"

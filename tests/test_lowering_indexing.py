@@ -404,6 +404,23 @@ def test_pending_checks_stay_bounded_and_keep_the_failing_op():
             del bad, outs
 
 
+def test_folded_checks_of_different_kinds_name_every_kind():
+    """A fold of flags from different checks (an index check and a probability check) must not
+    report one kind's message for the other's failure."""
+    from torchtpu.eager import checks
+
+    torch.tpu.synchronize()
+    xt = torch.randn(5, 3, device=DEV)
+    p = torch.tensor([[0.5, 0.5]], device=DEV)
+    outs = [torch.index_select(xt, 0, torch.tensor([1], device=DEV)) for _ in range(40)]
+    outs.append(torch.multinomial(torch.tensor([[0.5, -0.5]], device=DEV), 1))  # bad
+    outs += [torch.multinomial(p, 1) for _ in range(checks._FOLD_AT)]
+    with pytest.raises(RuntimeError) as err:
+        torch.tpu.synchronize()
+    assert "multinomial" in str(err.value) and "probability" in str(err.value)
+    del outs
+
+
 @pytest.mark.parametrize("name,op,exc", _OOB_CASES, ids=[c[0] for c in _OOB_CASES])
 def test_out_of_range_index_raises_at_the_next_sync_when_compiled(name, op, exc):
     torch._dynamo.reset()

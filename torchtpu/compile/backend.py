@@ -24,7 +24,6 @@ from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
 from ..lowering import registry as _registry
-from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
@@ -61,10 +60,9 @@ _BASE_REFS = _baseline_refcount()
 class CompiledGraph:
     """One aten graph: a callable taking aot_autograd's boxed list of inputs."""
 
-    _boxed_call = True
-
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, name: str, opts: dict):
-        # an instance attribute: wrappers (Dynamo's disable() around a backward) copy __dict__
+        # aot_autograd's boxed calling convention; an instance attribute because wrappers
+        # (Dynamo's disable() around a backward) copy only __dict__
         self._boxed_call = True
         self.low = _lower.GraphLowering(gm, name)
         self.name = name
@@ -111,7 +109,7 @@ class CompiledGraph:
         if donate:
             COUNTERS["compile_donated_buffers"] += len(donate)
         # the matmul precision lowerings read at trace time (it is part of the graph key too)
-        key = (tuple(sig) + (("precision", matmul_precision()),), tuple(donate))
+        key = (tuple(sig) + (("precision", _registry.matmul_precision()),), tuple(donate))
         entry = self.entries.get(key)
         if entry is None:
             with self._lock:
@@ -322,15 +320,13 @@ class _LazyDecompositions(Mapping):
     unchanged. Building it costs ~0.5 s; a warm start whose graphs all come from
     AOTAutogradCache never traces, so never reads it."""
 
-    _built: dict = {}
+    _built: tuple = (None, None)  # (size of the lowering table, decompositions for it)
 
     def _table(self) -> dict:
         n = len(_registry.LOWERINGS)
-        t = self._built.get(n)
-        if t is None:
-            t = _LazyDecompositions._built = {n: _decompositions()}
-            t = t[n]
-        return t
+        if _LazyDecompositions._built[0] != n:
+            _LazyDecompositions._built = (n, _decompositions())
+        return _LazyDecompositions._built[1]
 
     def __getitem__(self, op):
         return self._table()[op]

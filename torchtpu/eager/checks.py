@@ -1,6 +1,7 @@
-"""Data-dependent input checks (indices in range), reported like CUDA's device-side asserts.
+"""Data-dependent input checks (indices in range, valid probabilities), reported like CUDA's
+device-side asserts.
 
-PyTorch checks index bounds on the host before a CPU kernel runs; checking them here before
+PyTorch checks such conditions on the host before a CPU kernel runs; checking them here before
 dispatch would need a host sync per op. Instead, a lowering with a ``check`` (registry.py)
 computes "inputs valid" inside the op's own XLA program, the flag joins a pending list, and the
 next host sync (``.item()``, ``.cpu()``, printing, ``torch.tpu.synchronize()``) reads all pending
@@ -48,8 +49,12 @@ def _fold() -> None:
     if len(ready) < _FOLD_AT:
         return
     names = sorted({it[1] for it in ready})
-    kinds = {(it[2], it[3]) for it in ready}
-    exc, msg = kinds.pop() if len(kinds) == 1 else (RuntimeError, "index out of range")
+    kinds = sorted({(it[2], it[3]) for it in ready}, key=lambda k: k[1])
+    if len(kinds) == 1:
+        exc, msg = kinds[0]
+    else:  # folded checks of different kinds: one of them failed
+        exc = kinds[0][0] if len({k[0] for k in kinds}) == 1 else RuntimeError
+        msg = "one of these input checks failed: " + "; ".join(k[1] for k in kinds)
     name = names[0] if len(names) == 1 else "one of " + ", ".join(names)
     _pending[:] = [(_all([it[0] for it in ready]), name, exc, msg)] + rest
 

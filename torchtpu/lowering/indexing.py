@@ -4,7 +4,7 @@ whose output shape depends on data (nonzero, masked_select, unique: registry fla
 
 Index bounds need the data, so they are not checked before the op as on CPU: the gathers and
 scatters below carry a ``check`` (registry.py), computed inside the op's program and raised at
-the next host sync, like CUDA's device-side asserts (eager/checks.py; Strict and Debug modes).
+the next host sync, like CUDA's device-side asserts (eager/checks.py; every executor).
 The value computed with a bad index is JAX's (clamped or filled reads, dropped writes), and is
 never returned without the error being raised at that sync. Negative indices wrap, as in
 PyTorch's advanced indexing.

@@ -223,7 +223,7 @@ def normal_tensor_tensor(key, mean, std):
 @register(aten.normal.float_float, random=True)
 def normal_float_float(key, mean, std, size, *, dtype=None, layout=None, device=None,
                        pin_memory=None):
-    dt = to_jax(dtype or torch.get_default_dtype())
+    dt = _fdtype(dtype)
     z = jax.random.normal(key, tuple(size), _fdt(dt))
     return (z * std + mean).astype(dt)
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import jax
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
@@ -116,8 +117,6 @@ def matmul_precision() -> str:
     p = torch.get_float32_matmul_precision()
     if p != "highest":
         return "high" if p == "high" else "default"
-    import jax
-
     j = jax.config.jax_default_matmul_precision
     j = str(j).lower() if j is not None else "highest"
     return j if j in ("highest", "high", "default") else "highest"
