@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-import weakref
 
 import jax
 import numpy as np
@@ -30,7 +29,8 @@ from ..runtime import buffer as _buffer
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
-from . import executor, modes
+from . import executor, modes, views
+from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _key, _NP
 
 Tensor = torch.Tensor
 MAX_NODES = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
@@ -48,7 +48,7 @@ class PendingBuffer(_buffer.Buffer):
 
     def __init__(self, ref, aval):
         self._value = None
-        self.ref = ref  # (node index, output index) in the current graph
+        self.ref = ref  # ("n", node index, output index) in the current graph
         self.aval = aval
 
     @property
@@ -70,22 +70,19 @@ class PendingBuffer(_buffer.Buffer):
         return f"PendingBuffer({self.aval}, ref={self.ref})"
 
 
-class _Node:
-    __slots__ = ("key", "traced", "refs", "n_out")
-
-    def __init__(self, key, traced, refs, n_out):
-        self.key = key
-        self.traced = traced
-        self.refs = refs  # per flat argument: ("i", input index) or ("n", node, output)
-        self.n_out = n_out
-
-
 class _Graph:
+    """The ops recorded since the last cut. A node is (abstract key, pure function, refs): per
+    flat argument of the function, ``("i", input index)`` or ``("n", node, output)``."""
+
+    __slots__ = ("nodes", "inputs", "input_ids", "pending")
+
     def __init__(self):
-        self.nodes: list[_Node] = []
+        self.nodes: list = []
         self.inputs: list = []
         self.input_ids: dict = {}
-        self.pending: list = []  # weakrefs to PendingBuffers, in creation order
+        # every PendingBuffer made, in creation order; at the cut, those nothing else refers to
+        # any more (their tensors died) are dead values and are not materialised
+        self.pending: list = []
 
     def input_ref(self, arr):
         i = self.input_ids.get(id(arr))
@@ -95,6 +92,8 @@ class _Graph:
         return ("i", i)
 
 
+_ShapeDtype = jax.ShapeDtypeStruct
+_wrap_pending = _buffer.wrap_pending
 _graph = [_Graph()]
 _AVALS: dict = {}  # per-op abstract evaluation: (strict key, input avals) -> (traced, out avals)
 _PROGRAMS: dict = {}  # fingerprint -> jitted program
@@ -164,101 +163,146 @@ def record(lowering, kind, args, kwargs):
     if traced_scalars:
         args, kwargs = executor._trace_scalars(lowering, args, kwargs)
     tensors: list = []
-    key_args = executor._key(args, tensors)
-    key_kwargs = tuple([(k, executor._key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
+    ka = []
+    for x in args:  # executor._key(args), with the common case (a plain tensor) inlined
+        if type(x) is Tensor:
+            tensors.append(x)
+            ka.append(Tensor)
+        else:
+            ka.append(_key(x, tensors))
+    key_args = tuple(ka)
+    key_kwargs = tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
     refs = []
+    aval_ids = []
     flat_avals = []
     specs = []
-    offs = []
+    offs = None
+    input_ids = g.input_ids
     for t in tensors:
-        if type(t) is executor.Traced:
+        if type(t) is Traced:
             v = t.flat()
-            refs.append(g.input_ref(v))
-            flat_avals.append(_scalar_aval(v))
-            specs.append(None)
-            continue
-        try:
-            buf = t.untyped_storage()._tpu_buffer
-        except AttributeError:
-            v = executor.cpu_scalar(t, lowering, tensors)
-            refs.append(g.input_ref(v))
-            flat_avals.append(_scalar_aval(v))
-            specs.append(None)
-            continue
-        if type(buf) is PendingBuffer and buf.pending:
-            refs.append(("n",) + buf.ref)
-            aval = buf.aval
+            aval = _scalar_aval(v)
+            spec = None
         else:
-            arr = buf.array
-            refs.append(g.input_ref(arr))
-            aval = _aval(arr.shape, arr.dtype)
+            try:
+                buf = t.untyped_storage()._tpu_buffer
+            except AttributeError:
+                v = executor.cpu_scalar(t, lowering, tensors)
+                aval = _scalar_aval(v)
+                spec = None
+            else:
+                if type(buf) is PendingBuffer and buf._value is None:
+                    v = None
+                    refs.append(buf.ref)
+                    aval = buf.aval
+                else:
+                    v = buf.array
+                    aval = _aval(v.shape, v.dtype)
+                # executor.spec_for, inlined
+                if t.storage_offset() == 0 and t.is_contiguous() and aval.shape == t.shape \
+                        and not t.is_conj() and _NP[t.dtype] == aval.dtype:
+                    spec = None
+                else:
+                    spec, off = views.spec_of(t, aval)
+                    if off is not None:
+                        if offs is None:
+                            offs = []
+                        offs.append(off)
+        if v is not None:  # a graph input (g.input_ref, inlined)
+            i = input_ids.get(id(v))
+            if i is None:
+                i = input_ids[id(v)] = len(g.inputs)
+                g.inputs.append(v)
+            refs.append(("i", i))
         flat_avals.append(aval)
-        spec, off = executor.spec_for(t, aval)
+        aval_ids.append(id(aval))
         specs.append(spec)
-        if off is not None:
-            offs.append(off)
     specs = tuple(specs)
-    for off in offs:
-        a = np.asarray(off, dtype=np.int64)
-        refs.append(g.input_ref(a))
-        flat_avals.append(_aval((), np.dtype(np.int64)))
+    if offs is not None:
+        off_aval = _aval((), np.dtype(np.int64))
+        for off in offs:
+            refs.append(g.input_ref(np.asarray(off, dtype=np.int64)))
+            flat_avals.append(off_aval)
+            aval_ids.append(id(off_aval))
     if lowering.random:
         words = executor._rng.next_state(gen)
         refs.append(g.input_ref(words))
-        flat_avals.append(jax.ShapeDtypeStruct(words.shape, words.dtype))
+        words_aval = _aval(words.shape, np.dtype(words.dtype))
+        flat_avals.append(words_aval)
+        aval_ids.append(id(words_aval))
     skey = (lowering, kind, key_args, key_kwargs, specs)
     if lowering.reads_precision:
         skey = skey + (matmul_precision(),)
-    akey = (skey, tuple([id(a) for a in flat_avals]))
+    akey = (skey, tuple(aval_ids))
     hit = _AVALS.get(akey)
     if hit is None:
-        ws = executor._write_slots(kind, args, kwargs)
-        checked = lowering.check is not None
-        traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
-                                      with_check=checked)
-        try:
-            out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
-        except jax.errors.ConcretizationTypeError:
-            if not traced_scalars:
-                raise
-            lowering.meta["static_scalars"] = True  # it branches on a scalar: bake them in
+        hit = _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals,
+                          traced_scalars)
+        if hit is None:  # it branches on a scalar: its scalars are baked in from now on
             return record(lowering, kind, orig[0], orig[1])
-        check_aval = None
-        if checked:  # (outputs, inputs-valid flag): the flag is the node's last output
-            out_avals, check_aval = out_avals
-            traced = _flat_checked(traced)
-        hit = _AVALS[akey] = (traced, out_avals, ws, check_aval)
-        count("fused_op_traces", op=lowering.name)
+        _AVALS[akey] = hit
     traced, out_avals, ws, check_aval = hit
-    node_index = len(g.nodes)
-    is_seq = isinstance(out_avals, (tuple, list))
-    outs = out_avals if is_seq else (out_avals,)
-    g.nodes.append(_Node(akey, traced, tuple(refs), len(outs) + (check_aval is not None)))
+    nodes = g.nodes
+    node_index = len(nodes)
+    nodes.append((akey, traced, tuple(refs)))
     COUNTERS["fused_ops_recorded"] += 1
-
-    def pending(i, aval):
-        pb = PendingBuffer((node_index, i), aval)
-        g.pending.append(weakref.ref(pb))
-        return pb
-
-    if kind == executor.FUNCTIONAL or kind == executor.FUNCTIONAL_RAW:
-        results = [_result(i, aval, pending) for i, aval in enumerate(outs)]
-        if lowering.mutates:
-            n = len(lowering.mutates)
-            _write_mutated(lowering, args, kwargs, results[-n:])
-            results = results[:-n]
-            res = results[0] if len(results) == 1 else tuple(results)
+    pending = g.pending
+    if kind == FUNCTIONAL or kind == FUNCTIONAL_RAW:
+        if type(out_avals) is _ShapeDtype and not lowering.mutates:  # the common case
+            pb = PendingBuffer(("n", node_index, 0), out_avals)
+            pending.append(pb)
+            res = _wrap_pending(out_avals, pb)
         else:
-            res = type(out_avals)(results) if is_seq else results[0]
+            is_seq = isinstance(out_avals, (tuple, list))
+            outs = out_avals if is_seq else (out_avals,)
+            results = [_result(node_index, i, aval, pending) for i, aval in enumerate(outs)]
+            if lowering.mutates:
+                n = len(lowering.mutates)
+                _write_mutated(lowering, args, kwargs, results[-n:])
+                results = results[:-n]
+                res = results[0] if len(results) == 1 else tuple(results)
+            else:
+                res = type(out_avals)(results) if is_seq else results[0]
     else:
+        outs = out_avals if isinstance(out_avals, (tuple, list)) else (out_avals,)
         for i, (slot, aval) in enumerate(zip(ws, outs)):
-            tensors[slot].untyped_storage()._tpu_buffer = pending(i, aval)
+            pb = PendingBuffer(("n", node_index, i), aval)
+            pending.append(pb)
+            tensors[slot].untyped_storage()._tpu_buffer = pb
         res = args[0] if args else kwargs["self"]
     if check_aval is not None:
-        _checks.add(pending(len(outs), check_aval), lowering.name, *lowering.check[1:])
-    if len(g.nodes) >= MAX_NODES:
+        n_out = len(out_avals) if isinstance(out_avals, (tuple, list)) else 1
+        pb = PendingBuffer(("n", node_index, n_out), check_aval)
+        pending.append(pb)
+        _checks.add(pb, lowering.name, *lowering.check[1:])
+    if node_index + 1 >= MAX_NODES:
         flush("size_limit")
     return res
+
+
+def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced_scalars):
+    """A new node kind: its pure function and abstract outputs (None: retry with static
+    scalars)."""
+    ws = executor._write_slots(kind, args, kwargs)
+    checked = lowering.check is not None
+    traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
+                                  with_check=checked)
+    try:
+        out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
+    except (TypeError, ValueError) as e:
+        if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
+            lowering.meta["static_scalars"] = True
+            return None
+        err = executor._trace_error(lowering, tensors, e)  # PyTorch's exception, as Strict
+        if err is e:
+            raise
+        raise err from e
+    check_aval = None
+    if checked:  # (outputs, inputs-valid flag): the flag is the node's last output
+        out_avals, check_aval = out_avals
+        traced = _flat_checked(traced)
+    count("fused_op_traces", op=lowering.name)
+    return traced, out_avals, ws, check_aval
 
 
 def _flat_checked(traced):
@@ -270,12 +314,14 @@ def _flat_checked(traced):
     return flat
 
 
-def _result(i, aval, pending):
+def _result(node_index, i, aval, pending):
     if aval is None:
         return None
     if type(aval) is executor._Static:
         return aval.value
-    return _buffer.wrap_pending(aval, pending(i, aval))
+    pb = PendingBuffer(("n", node_index, i), aval)
+    pending.append(pb)
+    return _wrap_pending(aval, pb)
 
 
 def _write_mutated(lowering, args, kwargs, news):
@@ -308,12 +354,11 @@ def _unreferenced(inputs):
 
 
 def _fingerprint(g, live, donate):
-    return (tuple(n.key for n in g.nodes), tuple(n.refs for n in g.nodes),
-            tuple(pb.ref for pb in live), donate)
+    return (tuple([(n[0], n[2]) for n in g.nodes]), tuple([pb.ref for pb in live]), donate)
 
 
-def _make_program(nodes, out_refs, donate=()):
-    nodes = [(n.traced, n.refs) for n in nodes]
+def _make_program(g, out_refs, donate=()):
+    nodes = [(n[1], n[2]) for n in g.nodes]
 
     def program(*inputs):
         env = []
@@ -321,9 +366,17 @@ def _make_program(nodes, out_refs, donate=()):
             args = [inputs[r[1]] if r[0] == "i" else env[r[1]][r[2]] for r in refs]
             out = traced(*args)
             env.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
-        return tuple(env[n][i] for n, i in out_refs)
+        return tuple(env[r[1]][r[2]] for r in out_refs)
 
     return jax.jit(program, donate_argnums=donate)
+
+
+def _live(pending):
+    """The pending buffers still referenced outside the graph (by a storage, a check), once
+    each, in creation order."""
+    counts = _refcounts(pending)
+    return [pb for pb, n in zip(pending, counts)
+            if n > _BASE and pb._value is None and pb.ref is not None]
 
 
 def flush(reason: str = "explicit") -> None:
@@ -334,15 +387,13 @@ def flush(reason: str = "explicit") -> None:
     _flushing[0] = True
     try:
         _graph[0] = _Graph()
-        live = []
-        seen = set()
-        for w in g.pending:
-            pb = w()
-            if pb is not None and pb._value is None and pb.ref is not None and id(pb) not in seen:
-                seen.add(id(pb))
-                live.append(pb)
+        pending = g.pending
+        g.pending = None
+        live = _live(pending)
+        del pending
         count("fused_graph_cuts", op=reason)
-        COUNTERS["fused_ops_executed"] += len(g.nodes)
+        n_nodes = len(g.nodes)
+        COUNTERS["fused_ops_executed"] += n_nodes
         if not live:
             return
         inputs = g.inputs
@@ -353,7 +404,7 @@ def flush(reason: str = "explicit") -> None:
         prog = _PROGRAMS.get(fp)
         if prog is None:
             count("fused_graph_compiles")
-            prog = _PROGRAMS[fp] = _make_program(g.nodes, [pb.ref for pb in live], donate)
+            prog = _PROGRAMS[fp] = _make_program(g, [pb.ref for pb in live], donate)
         else:
             count("fused_graph_cache_hits")
         if donate:
@@ -363,8 +414,8 @@ def flush(reason: str = "explicit") -> None:
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
                 results = prog(*inputs)
         except Exception as e:  # name the user's ops, as Debug mode would
-            ops = sorted({str(n.key[0][0].op) for n in g.nodes})
-            raise RuntimeError(f"torchtpu fused graph of {len(g.nodes)} ops failed "
+            ops = sorted({str(n[0][0][0].op) for n in g.nodes})
+            raise RuntimeError(f"torchtpu fused graph of {n_nodes} ops failed "
                                f"(ops: {', '.join(ops[:20])}): {e}") from e
         if modes.get_eager_mode() is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             jax.block_until_ready(results)

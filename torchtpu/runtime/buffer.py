@@ -105,12 +105,20 @@ def wrap(array, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t
 
 
+_pending_meta: dict = {}
+
+
 def wrap_pending(aval, buf: Buffer) -> torch.Tensor:
     """A new tpu tensor of ``aval``'s shape and dtype whose storage holds ``buf`` (a buffer
-    whose value is not computed yet: the fused executor's)."""
-    shape, dt, strides, nbytes = _meta(tuple(aval.shape), aval.dtype)
+    whose value is not computed yet: the fused executor's, which passes canonical avals)."""
+    m = _pending_meta.get(id(aval))
+    if m is None or m[0] is not aval:
+        m = _pending_meta[id(aval)] = (aval,) + _meta(tuple(aval.shape), aval.dtype)
+    _, shape, dt, strides, nbytes = m
     t = _create_empty(shape, dt)
-    st = _make_storage(_alloc_address(nbytes), _torch_device(0), nbytes)
+    addr = _next_free[0]  # _alloc_address, inlined
+    _next_free[0] = addr + (nbytes // _ALIGN + 1) * _ALIGN
+    st = _make_storage(addr, _TPU0, nbytes)
     _set_storage(_CPU_KEYS, t, st, 0, shape, strides)
     st._tpu_buffer = buf
     return t
