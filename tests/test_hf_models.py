@@ -7,7 +7,8 @@ compared with ``torch.testing.assert_close`` at its float32 defaults, in Strict 
 must produce CPU's tokens. SGD rather than Adam: attention key biases have an exactly-zero true
 gradient, and Adam would amplify its rounding noise into backend-dependent updates.
 
-``transformers`` is not a project dependency: without it this file is skipped.
+``transformers`` comes with the ``test`` extra (``make test`` installs it); without it this file
+is skipped.
 """
 from __future__ import annotations
 
