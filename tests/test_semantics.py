@@ -550,9 +550,49 @@ def test_mixing_devices_raises():
         torch.ones(3, 3, device=TPU) @ torch.ones(3, 3)
 
 
-def test_cpu_zero_dim_tensor_is_a_scalar():
-    # PyTorch allows a 0-dim CPU tensor with a device tensor (it is treated as a scalar)
+def test_cpu_zero_dim_tensor_operand():
+    # PyTorch allows a 0-dim CPU tensor with a device tensor; it promotes as a 0-dim tensor
+    # (a float64 one makes an int tensor float64), unlike a Python number
     check(lambda t: t * torch.tensor(2.0), _make(torch.float32, (3,)))
+    check(lambda t: t * torch.tensor(2.5, dtype=torch.float64), _make(torch.int64, (3,)))
+    check(lambda t: t * 2.5, _make(torch.int64, (3,)))
+    check(lambda t: t + torch.tensor(3), _make(torch.int32, (3,)))
+    check(lambda t: t * torch.tensor(1 + 2j), _make(torch.float32, (3,)))
+    check(lambda t: t * torch.tensor(2.5, dtype=torch.float64), _make(torch.bfloat16, (3,)))
+
+
+# One sequence in one process: each case follows one whose scalar compares equal (1 == 1.0 ==
+# True, 0.0 == -0.0), so a cache keyed on the scalar's value would hand it the wrong program.
+SCALAR_SEQUENCE = [
+    (torch.int64, lambda t: t + 1), (torch.int64, lambda t: t + 1.0),
+    (torch.int64, lambda t: t * 1.0), (torch.int64, lambda t: t * 1),
+    (torch.bool, lambda t: t + True), (torch.bool, lambda t: t + 1), (torch.bool, lambda t: t + 1.0),
+    (torch.int32, lambda t: t.clamp(0, 3)), (torch.int32, lambda t: t.clamp(0.0, 3.0)),
+    (torch.int64, lambda t: torch.pow(t, 2)), (torch.int64, lambda t: torch.pow(t, 2.0)),
+    (torch.float32, lambda t: 1 / (t * 0.0)), (torch.float32, lambda t: 1 / (t * -0.0)),
+    (torch.float32, lambda t: t.add(1, alpha=2)), (torch.float32, lambda t: t.add(1, alpha=2.0)),
+    (torch.int64, lambda t: torch.full_like(t, 2)), (torch.int64, lambda t: torch.full_like(t, 2.0)),
+]
+
+
+def test_python_scalars_promote_by_kind_not_value():
+    for dtype, fn in SCALAR_SEQUENCE:
+        check(fn, _make(dtype, (4,), seed=1))
+
+
+def test_default_dtype_reaches_cached_ops():
+    t = torch.tensor([1, 2, 3])
+    check(lambda x: x * 2.5, t)
+    check(lambda x: torch.ones(2, device=x.device), t)
+    torch.set_default_dtype(torch.float64)
+    try:
+        check(lambda x: x * 2.5, t)
+        check(lambda x: torch.ones(2, device=x.device), t)
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            check(lambda x: x * 2.5, t)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    check(lambda x: x * 2.5, t)
 
 
 # ----------------------------------------------------------------------------- metrics

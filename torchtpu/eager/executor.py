@@ -24,6 +24,7 @@ from . import rng as _rng
 Tensor = torch.Tensor
 _NP = {k: np.dtype(v) for k, v in _T2J.items()}
 _wrap = _buffer.wrap
+_default_dtype = torch.get_default_dtype
 
 # kinds of kernel, derived from the schema at registration
 FUNCTIONAL, INPLACE, OUT, DIRECT_INPLACE, FUNCTIONAL_RAW = range(5)
@@ -83,7 +84,8 @@ def _key(x, tensors):
     if tx is int or x is None or tx is str:
         return x
     if tx is float:
-        return (float, x) if x == x else (float, "nan")
+        # nan != nan and 0.0 == -0.0: key those by their spelling (x * -0.0 is not x * 0.0)
+        return (float, x) if x == x and x != 0.0 else (float, repr(x))
     if tx is bool:
         return (bool, x)
     if isinstance(x, Tensor):
@@ -322,20 +324,12 @@ _STRICT = modes.EagerMode.DEFER_NEVER
 _mode_state = modes._state
 
 
-# PyTorch wraps a Python number operand (``x * 0.5``) in a 0-dim CPU tensor of one of these
-# dtypes; Python gives no way to ask whether a tensor is such a "wrapped number", so any 0-dim
-# CPU tensor of these dtypes is passed as a weakly typed scalar (promotes like the number).
-_WRAPPED_DTYPES = {torch.float64: float, torch.int64: int, torch.bool: bool,
-                   torch.complex128: complex}
-
-
 def cpu_scalar(t, lowering, tensors):
-    """A 0-dim CPU tensor operand of a tpu op (CUDA accepts these too), as a jit argument;
-    PyTorch's device-mismatch error for any other non-tpu tensor."""
+    """A 0-dim CPU tensor operand of a tpu op (CUDA accepts these too), as a jit argument; it
+    promotes as a 0-dim tensor. (A Python number operand never arrives here: PyTorch hands
+    wrapped numbers to Python kernels as Python scalars.) PyTorch's device-mismatch error for
+    any other non-tpu tensor."""
     if t.device.type == "cpu" and t.dim() == 0:
-        conv = _WRAPPED_DTYPES.get(t.dtype)
-        if conv is not None and not t.requires_grad:
-            return conv(t.item())
         return _copy.host_to_device(t)
     raise _device_error(lowering, tensors)
 
@@ -409,7 +403,8 @@ def run(lowering, kind, args, kwargs, mode=None):
     if offs is not None:
         flat.extend(offs)
     specs = tuple(specs)
-    key = (lowering, kind, key_args, key_kwargs, specs)
+    # the default dtype decides factories' and int-tensor-with-Python-float results: keyed
+    key = (lowering, kind, key_args, key_kwargs, specs, _default_dtype())
     if lowering.reads_precision:
         key = key + (matmul_precision(),)
     dev = None

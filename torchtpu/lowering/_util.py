@@ -23,22 +23,40 @@ def jdtype(x):
     return to_torch(x.dtype)
 
 
+# A Python scalar promotes by its category only (bool, int, float, complex), never its value.
+# The key names the category, not a proxy value: True == 1 == 1.0 as dict keys.
+_PROXY = {"b": True, "i": 1, "u": 1, "f": 1.0, "c": 1j}
+_CATEGORY = {bool: "b", int: "i", float: "f", complex: "c"}
+
+
 @functools.lru_cache(maxsize=4096)
-def _result_type_key(key):
+def _result_type_key(key, default_dtype):
     import torch._prims_common as pc
 
-    operands = [torch.empty(() if v[1] else (0,), dtype=v[0], device="meta") if kind == "t" else v
-                for kind, v in key]
+    operands = [torch.empty(() if v[1] else (0,), dtype=v[0], device="meta") if kind == "t"
+                else _PROXY[v] for kind, v in key]
     return pc.elementwise_dtypes(
         *operands, type_promotion_kind=pc.ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
-
-
-_WEAK_PROXY = {"b": True, "i": 1, "u": 1, "f": 1.0, "c": 1j}
 
 
 def _weak(a) -> bool:
     aval = getattr(a, "aval", None)
     return bool(getattr(aval if aval is not None else a, "weak_type", False))
+
+
+def _scalar_category(a) -> str:
+    c = _CATEGORY.get(type(a))
+    if c is not None:
+        return c
+    if isinstance(a, (bool, np.bool_)):
+        return "b"
+    if isinstance(a, (int, np.integer)):
+        return "i"
+    if isinstance(a, (float, np.floating)):
+        return "f"
+    if isinstance(a, (complex, np.complexfloating)):
+        return "c"
+    raise TypeError(f"unsupported scalar operand of type {type(a).__name__}")
 
 
 def result_type(*args) -> torch.dtype:
@@ -50,12 +68,13 @@ def result_type(*args) -> torch.dtype:
         if is_array(a):
             if a.ndim == 0 and _weak(a):
                 # a traced Python number (a wrapped-number operand or a scalar_args value)
-                key.append(("s", _WEAK_PROXY[jnp.dtype(a.dtype).kind]))
+                key.append(("s", jnp.dtype(a.dtype).kind))
                 continue
             key.append(("t", (to_torch(a.dtype), a.ndim == 0)))
         else:
-            key.append(("s", a))
-    return _result_type_key(tuple(key))
+            key.append(("s", _scalar_category(a)))
+    # the default dtype decides int tensor + float scalar: part of the key
+    return _result_type_key(tuple(key), torch.get_default_dtype())
 
 
 def float_result_type(*args) -> torch.dtype:
