@@ -229,3 +229,17 @@ def test_error_in_a_recorded_op_names_the_op():
             a + b
         c = a * 2  # the graph keeps recording after the error
         assert c.cpu().tolist() == [[2.0] * 3] * 2
+
+
+def test_backward_starts_a_new_program(monkeypatch):
+    """With TORCHTPU_FUSED_CUT_AT_BACKWARD, the forward and its backward are recorded into
+    different programs (one cut where each backward pass starts; the optimizer joins the
+    backward's program); the losses do not change."""
+    monkeypatch.setattr(fused, "CUT_AT_BACKWARD", False)
+    whole, _ = _train(FUSE, steps=4, dropout=0.0)
+    assert "backward_boundary" not in _cuts()
+    torch.tpu.reset_metrics()
+    monkeypatch.setattr(fused, "CUT_AT_BACKWARD", True)
+    split, _ = _train(FUSE, steps=4, dropout=0.0)
+    assert _cuts().get("backward_boundary") == 4
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)

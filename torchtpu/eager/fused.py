@@ -35,6 +35,12 @@ from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _key, _NP
 Tensor = torch.Tensor
 MAX_NODES = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
 DONATE = os.environ.get("TORCHTPU_FUSED_DONATE", "1") not in ("0", "")
+# Optionally cut where a backward pass starts (the backward, the optimizer and the next forward
+# then form one program instead of forward + backward + optimizer). XLA:CPU runs the two
+# arrangements of the same ops at different speeds, in opposite directions for different models
+# (docs/benchmarks.md), so it is a switch, off by default.
+CUT_AT_BACKWARD = os.environ.get("TORCHTPU_FUSED_CUT_AT_BACKWARD", "0") not in ("0", "")
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
 class PendingBuffer(_buffer.Buffer):
@@ -74,7 +80,7 @@ class _Graph:
     """The ops recorded since the last cut. A node is (abstract key, pure function, refs): per
     flat argument of the function, ``("i", input index)`` or ``("n", node, output)``."""
 
-    __slots__ = ("nodes", "inputs", "input_ids", "pending")
+    __slots__ = ("nodes", "inputs", "input_ids", "pending", "task")
 
     def __init__(self):
         self.nodes: list = []
@@ -83,6 +89,7 @@ class _Graph:
         # every PendingBuffer made, in creation order; at the cut, those nothing else refers to
         # any more (their tensors died) are dead values and are not materialised
         self.pending: list = []
+        self.task = -1  # the autograd graph task its ops were recorded in (-1: none)
 
     def input_ref(self, arr):
         i = self.input_ids.get(id(arr))
@@ -94,6 +101,7 @@ class _Graph:
 
 _ShapeDtype = jax.ShapeDtypeStruct
 _wrap_pending = _buffer.wrap_pending
+_default_dtype = torch.get_default_dtype
 _graph = [_Graph()]
 _AVALS: dict = {}  # per-op abstract evaluation: (strict key, input avals) -> (traced, out avals)
 _PROGRAMS: dict = {}  # fingerprint -> jitted program
@@ -154,6 +162,13 @@ def record(lowering, kind, args, kwargs):
         # on tpu:0 keeps recording)
         return executor.run_strict(lowering, kind, args, kwargs)
     g = _graph[0]
+    if CUT_AT_BACKWARD:
+        task = _graph_task()
+        if task != g.task:
+            if g.nodes and task >= 0:  # entering a backward pass
+                flush("backward_boundary")
+                g = _graph[0]
+            g.task = task
     gen = None
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
@@ -230,7 +245,7 @@ def record(lowering, kind, args, kwargs):
         words_aval = _aval(words.shape, np.dtype(words.dtype))
         flat_avals.append(words_aval)
         aval_ids.append(id(words_aval))
-    skey = (lowering, kind, key_args, key_kwargs, specs)
+    skey = (lowering, kind, key_args, key_kwargs, specs, _default_dtype())
     if lowering.reads_precision:
         skey = skey + (matmul_precision(),)
     akey = (skey, tuple(aval_ids))
