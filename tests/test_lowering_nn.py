@@ -208,6 +208,11 @@ def _loss_cases():
             f"nll_ignore_{red}": (lambda x, r=red: F.nll_loss(x, TGT.clamp(min=0).to(x.device), ignore_index=3, reduction=r),
                                   (LOGITS.log_softmax(1),), ()),
             f"nll2d_{red}": (lambda x, w, r=red: F.nll_loss(x, T4C.to(x.device), w, reduction=r), (X4C, W3), (1,)),
+            # every target ignored (a fully padded batch): the mean is nan, its gradient zeros
+            f"cross_entropy_all_ignored_{red}": (
+                lambda x, w, r=red: F.cross_entropy(x, torch.full((5,), -100, device=x.device), weight=w,
+                                                    label_smoothing=0.1, reduction=r),
+                (LOGITS, W4), (1,)),
             f"cross_entropy_smoothing_{red}": (
                 lambda x, w, r=red: F.cross_entropy(x, T4C.to(x.device), weight=w, label_smoothing=0.2, reduction=r),
                 (X4C, W3), (1,)),

@@ -77,7 +77,10 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
     g = grad_output.astype(self.dtype)
     if reduction == MEAN:
         g = g / total_weight.astype(self.dtype)
-    contrib = -w * g
+    # ignored targets contribute exactly 0, as CPU's kernel skips them (with every target
+    # ignored the mean's total weight is 0, and -0 * (g / 0) would be nan)
+    ignored = target.astype(jnp.int64) == ignore_index
+    contrib = jnp.where(ignored, jnp.zeros((), self.dtype), -w * g)
     onehot = jnp.arange(self.shape[cdim]).reshape(
         (-1,) + (1,) * (self.ndim - cdim - 1)) == jnp.expand_dims(safe, cdim)
     return jnp.where(onehot, jnp.expand_dims(contrib, cdim), jnp.zeros((), self.dtype))
