@@ -321,3 +321,72 @@ def test_zero_grad_and_accumulation():
                for p in tpu_model.parameters())
     opt.zero_grad()
     assert all(p.grad is None for p in tpu_model.parameters())
+
+
+# ----------------------------------------------------------------------------- AMP, checkpoint
+
+def _amp_run(device, mode=torch.tpu.EagerMode.DEFER_NEVER, names="amp"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if names == "tpu.amp":  # torch.cuda.amp-style names
+        scaler = torch.tpu.amp.GradScaler(init_scale=2.0 ** 10, growth_interval=2)
+        autocast = torch.tpu.amp.autocast
+    else:
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=2)
+        autocast = lambda: torch.autocast(device, dtype=torch.bfloat16)  # noqa: E731
+    g = torch.Generator().manual_seed(1)
+    trace = []
+    with torch.tpu.set_eager_mode(mode):
+        for i in range(7):
+            x = torch.randn(5, 8, generator=g)
+            if i == 3:
+                x[0, 0] = float("inf")  # an overflowing step: skipped, the scale backs off
+            with autocast():
+                loss = model(x.to(device)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            trace.append((scaler.get_scale(), int(scaler._growth_tracker.item())))
+    return trace, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "tpu.amp"])
+def test_grad_scaler_matches_cpu_without_fallback(mode):
+    torch.tpu.reset_metrics()
+    want, want_params = _amp_run("cpu")
+    got, got_params = _amp_run(
+        "tpu", torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "fused" else torch.tpu.EagerMode.DEFER_NEVER,
+        names="tpu.amp" if mode == "tpu.amp" else "amp")
+    assert got == want  # (scale, growth tracker) after every step, the inf step included
+    assert (1024.0, 0) in got
+    for a, b in zip(got_params, want_params):
+        torch.testing.assert_close(a, b)
+    assert not torch.tpu.metrics()["per_op"].get("cpu_fallbacks")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recomputes_the_same_dropout_mask(use_reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, device="tpu", requires_grad=True)
+    y = checkpoint(lambda t: F.dropout(t, 0.5, training=True), x, use_reentrant=use_reentrant)
+    y.sum().backward()
+    # the gradient of sum(dropout(x)) is the forward's mask times 2: only if the recompute drew it
+    torch.testing.assert_close(x.grad.cpu(), (y != 0).float().cpu() * 2)
+
+
+def test_transformer_encoder_inference_with_padding_mask():
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2).eval()
+    x = torch.randn(3, 5, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]])
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=pad)
+        got = copy.deepcopy(enc).to("tpu")(x.to("tpu"), src_key_padding_mask=pad.to("tpu")).cpu()
+    # CPU packs the batch into a nested tensor and returns zeros at padded positions; tpu has
+    # no nested tensors and takes the padded path: the positions that are not padding agree
+    keep = ~pad
+    torch.testing.assert_close(got[keep], want[keep])

@@ -34,6 +34,11 @@ def is_initialized() -> bool:
     return True
 
 
+# torch.utils.checkpoint saves and restores a device's RNG state only when its module says it
+# is initialized (dropout inside a checkpointed block must draw the same mask when recomputed)
+_initialized = True
+
+
 def _is_in_bad_fork() -> bool:
     return False
 
@@ -338,6 +343,7 @@ class _Module(type(torch)):
 
 
 from .. import pallas  # noqa: E402  (torch.tpu.pallas.jax_op)
+from . import amp  # noqa: E402  (torch.tpu.amp: torch.cuda.amp's names)
 
 import sys as _sys
 

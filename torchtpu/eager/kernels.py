@@ -12,6 +12,7 @@ from torch._ops import OpOverload
 from ..lowering import registry
 from ..runtime import buffer as _buffer
 from ..runtime.metrics import count
+from . import amp_kernels as _amp
 from . import copy as _copy
 from . import executor
 from .dynamo_skip import skip
@@ -264,6 +265,13 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         enable_gqa=enable_gqa)[0]
 
 
+def _no_nested_tensors(t, mask):
+    """Nested tensors have no tpu backend. nn.TransformerEncoder asks this before it packs a
+    padded batch into one (inference with a key padding mask); "not left-aligned" makes it take
+    its padded path, whose results are the same."""
+    return False
+
+
 def bind_runtime() -> None:
     for op in VIEW_OPS:
         _bind(op, _redispatch_cpu(op))
@@ -275,6 +283,10 @@ def bind_runtime() -> None:
     _bind(aten._copy_from_and_resize.default, _copy_from_and_resize)
     _bind(aten.resize_.default, _resize_)
     _bind(aten.equal.default, _equal)
+    _bind(aten._nested_tensor_from_mask_left_aligned.default, _no_nested_tensors)
+    _bind(aten._amp_foreach_non_finite_check_and_unscale_.default,
+          _amp.non_finite_check_and_unscale_)
+    _bind(aten._amp_update_scale_.default, _amp.update_scale_)
     # SDPA routing (see _sdpa above): the autograd key too, so autograd sees the fused op
     _bind(aten.scaled_dot_product_attention.default, _sdpa)
     _lib.impl("scaled_dot_product_attention", skip(_sdpa), "AutogradPrivateUse1")

@@ -1,0 +1,37 @@
+"""Kernels of the two ops behind ``torch.amp.GradScaler``, composed of tpu ops.
+
+Both update several tensors in place (the gradients and ``found_inf``; the scale and the growth
+tracker), which the table's kernel kinds cannot express, so they are written as sequences of
+table ops: they run in Strict, record in Fused, never sync with the host and never fall back to
+the CPU. Semantics follow CUDA's kernels (``AmpKernels.cu``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def non_finite_check_and_unscale_(grads, found_inf, inv_scale) -> None:
+    """``found_inf`` becomes 1 if any gradient has an inf or nan (it is never reset to 0);
+    every gradient is multiplied by ``inv_scale``."""
+    if not grads:
+        return
+    # the largest magnitude of each (still scaled) gradient: inf or nan when any element is
+    peaks = torch._foreach_norm(grads, float("inf"))
+    bad = torch.stack(peaks).isfinite().all().logical_not()
+    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
+    torch._foreach_mul_(grads, inv_scale)
+
+
+def update_scale_(scale, growth_tracker, found_inf, growth_factor: float, backoff_factor: float,
+                  growth_interval: int):
+    """After an inf/nan step the scale backs off and the tracker resets; after
+    ``growth_interval`` clean steps in a row it grows (if the grown scale is finite)."""
+    found = found_inf > 0
+    successful = growth_tracker + 1
+    grown = scale * growth_factor
+    grow = found.logical_not() & (successful == growth_interval)
+    new_scale = torch.where(found, scale * backoff_factor,
+                            torch.where(grow & grown.isfinite(), grown, scale))
+    scale.copy_(new_scale)
+    growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(successful), successful))
+    return scale
