@@ -179,3 +179,23 @@ def test_bert_sequence_classification_token_types():
     oc.loss.backward(), ot.loss.backward()
     for (n, pc), (_, pt) in zip(cpu_model.named_parameters(), tpu_model.named_parameters()):
         torch.testing.assert_close(pt.grad.cpu(), pc.grad, msg=lambda m: f"{n}: {m}")
+
+
+def test_longformer_sliding_window_attention_compiled():
+    """Longformer chunks its sequence with ``as_strided`` on a transposed (non-contiguous)
+    tensor: the compiled graph must address storage elements through the input's real layout."""
+    torch.manual_seed(0)
+    model = transformers.LongformerModel(transformers.LongformerConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=40, attention_window=[8, 8],
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)).eval()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, VOCAB, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(model).to(TPU), backend="tpu")
+        got = compiled(input_ids=ids.to(TPU), attention_mask=mask.to(TPU)).last_hidden_state
+    torch.testing.assert_close(got.cpu(), want)

@@ -306,6 +306,12 @@ class GraphLowering:
         if dyn and dyn is not True:
             dyn = dyn(args, kwargs)  # a per-call predicate (e.g. boolean-mask indexing)
         if low is not None and not dyn:
+            if low.reads_layout:
+                val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+                if val is None:
+                    raise Unsupported(f"{self.name}: {op_name(op)} needs its input's layout")
+                kwargs = {**kwargs, "layout": (tuple(int(s) for s in val.stride()),
+                                               int(val.storage_offset()))}
             if low.check is not None and self._checks_acc is not None:
                 ok = jnp.asarray(low.check[0](*args, **kwargs), jnp.bool_)
                 self._checks_acc.append((ok, (op_name(op),) + tuple(low.check[1:])))

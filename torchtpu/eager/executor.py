@@ -59,6 +59,12 @@ class Traced:
         return (Traced, type(v))
 
 
+def with_layout(args, kwargs):
+    """Registry flag ``reads_layout``: the first tensor argument's (strides, storage offset)."""
+    t = args[0] if args else kwargs["self"]
+    return {**kwargs, "layout": (tuple(t.stride()), t.storage_offset())}
+
+
 def _trace_scalars(lowering, args, kwargs):
     """Wrap the lowering's ``scalar_args`` in Traced."""
     pos = lowering.meta.get("scalar_pos")
@@ -360,6 +366,8 @@ def run(lowering, kind, args, kwargs, mode=None):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
+    if lowering.reads_layout:
+        kwargs = with_layout(args, kwargs)
     traced_scalars = lowering.scalar_args and not lowering.meta.get("static_scalars")
     if traced_scalars:
         orig = (args, kwargs)

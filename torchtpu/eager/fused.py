@@ -173,6 +173,8 @@ def record(lowering, kind, args, kwargs):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
+    if lowering.reads_layout:
+        kwargs = executor.with_layout(args, kwargs)
     orig = (args, kwargs)
     traced_scalars = lowering.scalar_args and not lowering.meta.get("static_scalars")
     if traced_scalars:

@@ -38,6 +38,10 @@ Flags (the executors read them; no op is special-cased inside an executor):
   checks on the host but that needs the data. Every executor computes it in the op's program
   (Strict: the op's own; Fused and compiled: the graph's) and raises at the next host sync (at
   once in Debug mode), as CUDA reports a device-side assert; see ``eager/checks.py``.
+- ``reads_layout``: the op's meaning depends on how its first tensor argument lies in its
+  storage (``as_strided`` addresses storage elements), which an array value does not carry. Every
+  executor passes ``layout=(strides, storage_offset)`` of that tensor as PyTorch has it (eager:
+  the tensor's; compiled: its FakeTensor's), a static argument.
 
 Non-array results (a ``SymInt`` return such as ``max_q`` of the fused attention ops) are Python
 values computed from static information (shapes): the lowering returns them as Python ints.
@@ -62,6 +66,7 @@ class Lowering:
     mutates: tuple = ()
     check: tuple | None = None  # (fn, exception type, message), see the module docstring
     reads_precision: bool = False  # traces differently per ``matmul_precision()``: in the keys
+    reads_layout: bool = False
     meta: dict = field(default_factory=dict)
 
     @property
@@ -88,7 +93,7 @@ def _overloads(op) -> list[OpOverload]:
 
 
 def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=(),
-             check=None, reads_precision=False):
+             check=None, reads_precision=False, reads_layout=False):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
@@ -99,7 +104,8 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mu
         for op in ops:
             for ov in _overloads(op):
                 LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
-                                         tuple(mutates), check, reads_precision)
+                                         tuple(mutates), check, reads_precision,
+                                         reads_layout)
         return fn
 
     return deco

@@ -286,19 +286,62 @@ def _strided_index(size, stride, offset):
     return idx
 
 
-@register(aten.as_strided_scatter.default)
-def as_strided_scatter(self, src, size, stride, storage_offset=None):
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _elements_at(shape, layout, positions, op):
+    """Flat (logical, row-major) indices of the elements of a tensor of ``shape`` laid out as
+    ``layout`` = (strides, storage offset) that sit at the storage ``positions``: static."""
+    strides, offset = layout
+    where = _strided_index(shape, strides, offset).reshape(-1)
+    order = np.argsort(where, kind="stable")
+    ordered = where[order]
+    j = np.clip(np.searchsorted(ordered, positions), 0, max(len(ordered) - 1, 0))
+    if positions.size and (len(ordered) == 0 or not np.array_equal(ordered[j], positions)):
+        # the storage elements outside the tensor are not part of a graph's values
+        raise RuntimeError(f"{op}: the requested view reaches storage elements outside its input "
+                           "tensor; on device tpu it must stay within the input's elements")
+    return order[j]
+
+
+def _dense(shape, strides) -> bool:
+    """Non-overlapping and dense: ``clone()`` keeps such strides (memory_format=preserve)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n != 1)
+    acc = 1
+    for st, n in dims:
+        if st != acc:
+            return False
+        acc *= n
+    return True
+
+
+@register(aten.as_strided_scatter.default, reads_layout=True)
+def as_strided_scatter(self, src, size, stride, storage_offset=None, *, layout=None):
+    # PyTorch: out = self.clone(); out.as_strided(size, stride, storage_offset).copy_(src); the
+    # clone keeps self's strides when they are dense, at storage offset 0
+    strides = tuple(layout[0]) if layout is not None else _contiguous_strides(self.shape)
+    if not _dense(self.shape, strides):
+        strides = _contiguous_strides(self.shape)
+    pos = _strided_index(size, stride, storage_offset or 0).reshape(-1)
+    idx = _elements_at(self.shape, (strides, 0), pos, "as_strided_scatter")
     flat = self.reshape(-1)
-    idx = _strided_index(size, stride, storage_offset or 0)
-    return flat.at[idx.reshape(-1)].set(src.astype(self.dtype).reshape(-1)).reshape(self.shape)
+    return flat.at[idx].set(src.astype(self.dtype).reshape(-1)).reshape(self.shape)
 
 
-@register(aten.as_strided.default, aten.as_strided_copy.default)
-def as_strided(self, size, stride, storage_offset=None):
-    idx = _strided_index(size, stride, storage_offset or 0)
-    if idx.size == 0:
+@register(aten.as_strided.default, aten.as_strided_copy.default, reads_layout=True)
+def as_strided(self, size, stride, storage_offset=None, *, layout=None):
+    if layout is None:
+        layout = (_contiguous_strides(self.shape), 0)
+    offset = layout[1] if storage_offset is None else storage_offset
+    pos = _strided_index(size, stride, offset).reshape(-1)
+    if pos.size == 0:
         return jnp.zeros(tuple(size), self.dtype)
-    return self.reshape(-1)[idx]
+    return self.reshape(-1)[_elements_at(self.shape, layout, pos, "as_strided")].reshape(tuple(size))
 
 
 # ---- view ops (graph executors) and their *_copy twins (eager) ----
