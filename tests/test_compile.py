@@ -2,6 +2,7 @@
 
 Small models only: every test compiles a few XLA programs on a 2-core machine.
 """
+import copy
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+import torch.nn as nn
 
 from torchtpu.runtime.metrics import COUNTERS
 
@@ -524,3 +526,44 @@ def test_compiled_adamw_updates_cpu_step_counts_on_host_without_a_sync():
         st = opts[1].state[pt]["step"]
         assert st.device.type == "cpu" and float(st) == 5.0
         _close(pc, pt, atol=1e-5, rtol=1e-4)
+
+
+def _compile_fallbacks():
+    return dict(torch.tpu.metrics()["per_op"].get("compile_cpu_fallbacks", {}))
+
+
+def test_graph_device_moves_and_dynamo_fma_need_no_cpu_fallback():
+    """prims.device_put (a .to(device) or .cpu() inside the graph) and Dynamo's own prims.fma
+    (its rewrite of addcmul_ with a value: single-tensor Adam/AdamW) have lowerings; a graph
+    with a CPU fallback could not be cached on disk."""
+    torch._dynamo.reset()
+    before = _compile_fallbacks()
+    x = torch.randn(4, device="tpu")
+    f = torch.compile(lambda x: x + torch.tensor(3).to(x.device), backend="tpu")
+    torch.testing.assert_close(f(x).cpu(), x.cpu() + 3)
+    g = torch.compile(lambda x: (x * 2).cpu(), backend="tpu")
+    out = g(x)
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, x.cpu() * 2)
+
+    torch.manual_seed(0)
+    cpu_model = nn.Linear(4, 4)
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+
+    def train(model, device, compiled):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+        def step(inp):
+            opt.zero_grad()
+            model(inp).pow(2).sum().backward()
+            opt.step()
+
+        if compiled:
+            step = torch.compile(step, backend="tpu")
+        for i in range(3):
+            step(torch.full((2, 4), float(i + 1), device=device))
+        return [p.detach().cpu() for p in model.parameters()]
+
+    for a, b in zip(train(tpu_model, "tpu", True), train(cpu_model, "cpu", False)):
+        torch.testing.assert_close(a, b)
+    assert _compile_fallbacks() == before

@@ -34,6 +34,7 @@ from ..runtime.metrics import count
 
 aten = torch.ops.aten
 _warned: set = set()
+_late_lowerings: list = []  # registered once, when the first graph is lowered
 
 
 def op_name(op) -> str:
@@ -73,6 +74,11 @@ class GraphLowering:
     """Static facts about one aten graph, and the traceable function for it."""
 
     def __init__(self, gm: torch.fx.GraphModule, name: str = "graph"):
+        if not _late_lowerings:
+            from ..lowering.copy import register_inductor_prims
+
+            register_inductor_prims()
+            _late_lowerings.append(True)
         self.gm = gm
         self.name = name
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
