@@ -232,14 +232,17 @@ def test_error_in_a_recorded_op_names_the_op():
 
 
 def test_backward_starts_a_new_program(monkeypatch):
-    """With TORCHTPU_FUSED_CUT_AT_BACKWARD, the forward and its backward are recorded into
-    different programs (one cut where each backward pass starts; the optimizer joins the
-    backward's program); the losses do not change."""
-    monkeypatch.setattr(fused, "CUT_AT_BACKWARD", False)
+    """A large enough graph is cut where a backward pass starts: the forward and its backward
+    run as different programs (the optimizer joins the backward's); the losses do not change.
+    Small graphs (this model's, by default) and TORCHTPU_FUSED_CUT_AT_BACKWARD=0 are not cut."""
     whole, _ = _train(FUSE, steps=4, dropout=0.0)
     assert "backward_boundary" not in _cuts()
     torch.tpu.reset_metrics()
-    monkeypatch.setattr(fused, "CUT_AT_BACKWARD", True)
+    monkeypatch.setattr(fused, "BACKWARD_CUT_MIN_OPS", 1)
     split, _ = _train(FUSE, steps=4, dropout=0.0)
     assert _cuts().get("backward_boundary") == 4
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    torch.tpu.reset_metrics()
+    monkeypatch.setattr(fused, "CUT_AT_BACKWARD", False)
+    _train(FUSE, steps=2, dropout=0.0)
+    assert "backward_boundary" not in _cuts()

@@ -35,11 +35,13 @@ from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _key, _NP
 Tensor = torch.Tensor
 MAX_NODES = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
 DONATE = os.environ.get("TORCHTPU_FUSED_DONATE", "1") not in ("0", "")
-# Optionally cut where a backward pass starts (the backward, the optimizer and the next forward
-# then form one program instead of forward + backward + optimizer). XLA:CPU runs the two
-# arrangements of the same ops at different speeds, in opposite directions for different models
-# (docs/benchmarks.md), so it is a switch, off by default.
-CUT_AT_BACKWARD = os.environ.get("TORCHTPU_FUSED_CUT_AT_BACKWARD", "0") not in ("0", "")
+# Cut where a backward pass starts when the graph recorded so far is large: the backward, the
+# optimizer and the next forward then form one program instead of forward + backward +
+# optimizer, and the backward records while the forward runs. Measured on XLA:CPU
+# (docs/benchmarks.md): the small GPT's Fused step 10% faster; the MLP's graph (~30 ops) was
+# not helped, so small graphs are not cut.
+CUT_AT_BACKWARD = os.environ.get("TORCHTPU_FUSED_CUT_AT_BACKWARD", "1") not in ("0", "")
+BACKWARD_CUT_MIN_OPS = 100
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
@@ -165,7 +167,7 @@ def record(lowering, kind, args, kwargs):
     if CUT_AT_BACKWARD:
         task = _graph_task()
         if task != g.task:
-            if g.nodes and task >= 0:  # entering a backward pass
+            if task >= 0 and len(g.nodes) >= BACKWARD_CUT_MIN_OPS:  # entering a backward
                 flush("backward_boundary")
                 g = _graph[0]
             g.task = task
