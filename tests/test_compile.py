@@ -567,3 +567,20 @@ def test_graph_device_moves_and_dynamo_fma_need_no_cpu_fallback():
     for a, b in zip(train(tpu_model, "tpu", True), train(cpu_model, "cpu", False)):
         torch.testing.assert_close(a, b)
     assert _compile_fallbacks() == before
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_outputs_that_view_another_output_alias_it(requires_grad):
+    """As in eager: writing one output shows through the outputs that are views of it (an
+    inference graph leaves that to the compiler; around a training graph aot_autograd
+    regenerates the views itself)."""
+    def f(x):
+        y = x * 2
+        return y, y[1:], y.view(2, 2).t()
+
+    torch._dynamo.reset()
+    a, b, c = torch.compile(f, backend="tpu")(torch.zeros(4, device="tpu", requires_grad=requires_grad))
+    assert b._base is a and c._base is a
+    with torch.no_grad():
+        a[1] = 100.0
+    assert b[0].item() == 100.0 and c[1, 0].item() == 100.0

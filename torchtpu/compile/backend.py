@@ -71,6 +71,7 @@ class CompiledGraph:
         self.mutated = self.low.mutated
         self.n_random = len(self.low.random_nodes)
         self.out_devices = self._out_devices(gm)
+        self.view_outputs = self.low.out_views if name.startswith("inference") else {}
         self._lock = threading.Lock()
         self._warned_dynamic = False
 
@@ -178,6 +179,14 @@ class CompiledGraph:
                 res.append(args[v])
             else:
                 res.append(v)
+        if self.view_outputs:
+            # an inference graph's output that is a view of another output is that view, as in
+            # eager (aot_autograd regenerates such aliases itself only around training graphs)
+            for j, (base, chain) in self.view_outputs.items():
+                v = res[base]
+                for op, rest, kw in chain:
+                    v = op(v, *rest, **kw)
+                res[j] = v
         args.clear()  # boxed calling convention: let inputs die early
         return res if is_seq else res[0]
 

@@ -70,6 +70,32 @@ class Unsupported(RuntimeError):
     pass
 
 
+def _is_view_op(target) -> bool:
+    return isinstance(target, OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+def _output_views(outs):
+    """{output index: (index of the output it views, [(view op, other args, kwargs)...])} for
+    each graph output made by view ops (with static arguments) from another output. In an
+    inference graph aot_autograd leaves such aliasing to the compiler, as eager has it."""
+    index = {o: j for j, o in enumerate(outs) if isinstance(o, torch.fx.Node)}
+    res = {}
+    for j, o in enumerate(outs):
+        chain = []
+        n = o
+        while isinstance(n, torch.fx.Node) and n.op == "call_function" and _is_view_op(n.target) \
+                and n.args and isinstance(n.args[0], torch.fx.Node) \
+                and not any(isinstance(a, torch.fx.Node) for a in n.args[1:]) \
+                and not any(isinstance(a, torch.fx.Node) for a in n.kwargs.values()):
+            chain.append((n.target, tuple(n.args[1:]), dict(n.kwargs)))
+            n = n.args[0]
+            if n in index and index[n] != j:
+                res[j] = (index[n], chain[::-1])
+                break
+    return res
+
+
 class GraphLowering:
     """Static facts about one aten graph, and the traceable function for it."""
 
@@ -124,6 +150,7 @@ class GraphLowering:
                 if isinstance(o, torch.fx.Node) and o.op == "placeholder" \
                         and self.ph_index[o] not in self.mutated:
                     self.out_is_input[j] = self.ph_index[o]
+        self.out_views = _output_views(outs if isinstance(outs, (list, tuple)) else [outs])
 
     # ---- mutations of CPU inputs, replayed on the host ----
 
