@@ -333,6 +333,11 @@ _OOB_CASES = [
     ("scatter_add", lambda x, t: x.scatter_add(0, t([[6, 0, 0]]), torch.ones_like(x[:1])),
      RuntimeError),
     ("setitem", lambda x, t: x.clone().index_put_((t([9]),), torch.ones_like(x[0])), IndexError),
+    ("index_add", lambda x, t: x[:, 0].clone().index_add_(0, t([5]), x[:1, 0]), IndexError),
+    ("index_copy", lambda x, t: x.clone().index_copy_(0, t([7]), torch.ones_like(x[:1])), IndexError),
+    ("index_fill", lambda x, t: x.clone().index_fill_(1, t([3]), 1.0), IndexError),
+    ("index_reduce", lambda x, t: x[:, 0].clone().index_reduce_(0, t([5]), x[:1, 0], "prod"),
+     IndexError),
 ]
 
 
@@ -431,11 +436,13 @@ def test_out_of_range_index_raises_at_the_next_sync_when_compiled(name, op, exc)
 
     cf = torch.compile(f, backend="tpu")
     idx = {"index_select": [1, 4], "getitem": [0, 4], "gather": [[0, 2]] * 5,
-           "embedding": [2, 4], "take": [14], "scatter_add": [[4, 0, 0]], "setitem": [4]}[name]
+           "embedding": [2, 4], "take": [14], "scatter_add": [[4, 0, 0]], "setitem": [4],
+           "index_add": [4], "index_copy": [4], "index_fill": [2], "index_reduce": [4]}[name]
     good = cf(xt, torch.tensor(idx, device=DEV))
     torch.testing.assert_close(good.cpu(), f(xt.cpu(), torch.tensor(idx)))
     bad_idx = {"index_select": [1, 7], "getitem": [0, 5], "gather": [[0, 3]] * 5,
-               "embedding": [2, 5], "take": [15], "scatter_add": [[6, 0, 0]], "setitem": [9]}[name]
+               "embedding": [2, 5], "take": [15], "scatter_add": [[6, 0, 0]], "setitem": [9],
+               "index_add": [5], "index_copy": [7], "index_fill": [3], "index_reduce": [5]}[name]
     out = cf(xt, torch.tensor(bad_idx, device=DEV))  # same shapes: the same program
     with pytest.raises(exc, match="on device tpu"):
         out.sum().item()
@@ -453,3 +460,24 @@ def test_out_of_range_loss_target_raises_like_cpu(shape, target):
     ok[..., 0] = -100  # ignore_index is a valid target
     torch.testing.assert_close(F.cross_entropy(x.to(DEV), ok.to(DEV)).cpu(),
                                F.cross_entropy(x, ok))
+
+
+@pytest.mark.parametrize("which", ["input", "target"])
+def test_binary_cross_entropy_checks_its_probabilities(which):
+    """Values CPU checks on the host: here in the op's program, raised at the next sync."""
+    p = torch.full((4,), 0.5)
+    t = torch.zeros(4)
+    if which == "input":
+        p[1] = 1.5
+    else:
+        t[2] = 2.0
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        F.binary_cross_entropy(p, t)
+    loss = F.binary_cross_entropy(p.to(DEV), t.to(DEV))
+    with pytest.raises(RuntimeError, match="between 0 and 1.*on device tpu"):
+        loss.item()
+
+
+def test_repeat_interleave_negative_repeats_raise():
+    with pytest.raises(RuntimeError, match="repeats can not be negative"):
+        torch.repeat_interleave(torch.tensor([1, -1], device=DEV))

@@ -256,7 +256,7 @@ def _fill_fn(a, tup, v):
     return a.at[tup].set(jnp.asarray(v).astype(a.dtype))
 
 
-@register(aten.index_add.default)
+@register(aten.index_add.default, check=_OUT_OF_RANGE)
 def index_add(self, dim, index, source, *, alpha=1):
     def fn(a, tup, src):
         src = src.astype(a.dtype)
@@ -266,17 +266,19 @@ def index_add(self, dim, index, source, *, alpha=1):
     return _index_dim(self, dim, index, source, fn)
 
 
-@register(aten.index_copy.default)
+@register(aten.index_copy.default,
+          check=(_dim_index_ok, IndexError, "index_copy_(): index out of bounds for the dimension"))
 def index_copy(self, dim, index, source):
     return _index_dim(self, dim, index, source, lambda a, tup, src: a.at[tup].set(src.astype(a.dtype)))
 
 
-@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor,
+          check=(_dim_index_ok, IndexError, "index_fill_(): index out of bounds for the dimension"))
 def index_fill(self, dim, index, value):
     return _index_dim(self, dim, index, value, _fill_fn)
 
 
-@register(aten.index_reduce.default)
+@register(aten.index_reduce.default, check=_OUT_OF_RANGE)
 def index_reduce(self, dim, index, source, reduce, *, include_self=True):
     return _index_dim(self, dim, index, source,
                       lambda a, tup, src: _reduce_at(a, tup, src, reduce, include_self))

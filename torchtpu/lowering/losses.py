@@ -177,7 +177,13 @@ def huber_loss_backward(grad_output, self, target, reduction, delta):
 
 # ---------------------------------------------------------------- classification losses
 
-@register(aten.binary_cross_entropy.default)
+def _probabilities_ok(self, target, *args, **kwargs):
+    return jnp.all((self >= 0) & (self <= 1)) & jnp.all((target >= 0) & (target <= 1))
+
+
+@register(aten.binary_cross_entropy.default,
+          check=(_probabilities_ok, RuntimeError,
+                 "all elements of input and target should be between 0 and 1"))
 def binary_cross_entropy(self, target, weight=None, reduction=MEAN):
     x, y = self, target.astype(self.dtype)
     log_x = jnp.maximum(jnp.log(x), -100.0)

@@ -137,7 +137,12 @@ def _repeat_interleave_dynamic(args, kwargs):
     return kwargs.get("output_size") is None
 
 
-@register(aten.repeat_interleave.Tensor, dynamic_shape=_repeat_interleave_dynamic)
+def _repeats_ok(repeats, **kwargs):
+    return jnp.all(repeats >= 0)
+
+
+@register(aten.repeat_interleave.Tensor, dynamic_shape=_repeat_interleave_dynamic,
+          check=(_repeats_ok, RuntimeError, "repeats can not be negative"))
 def repeat_interleave_tensor(repeats, *, output_size=None):
     r = repeats.reshape(-1)
     idx = jnp.arange(r.shape[0], dtype=repeats.dtype)
