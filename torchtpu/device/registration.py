@@ -23,6 +23,17 @@ class _Guard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
+def _keep_dynamo_out() -> None:
+    """C++ calls the hooks and the guard from inside compiled frames too (after a graph
+    break): Dynamo must not try to trace them."""
+    from ..eager.dynamo_skip import skip
+
+    for cls in (_Hooks, _Guard):
+        for fn in vars(cls).values():
+            if callable(fn):
+                skip(fn)
+
+
 def register() -> None:
     """Idempotent: set up the device, bind the lowering table and runtime kernels."""
     if _done[0]:
@@ -30,6 +41,7 @@ def register() -> None:
     _done[0] = True
     from . import tpu_module
 
+    _keep_dynamo_out()
     _br._setup_privateuseone_for_python_backend("tpu", tpu_module, _Hooks(), _Guard())
 
     from .. import lowering  # noqa: F401  (fills the table)
