@@ -383,8 +383,17 @@ class GraphLowering:
                                          device="meta")
         meta_leaves = [_to_device(x, "meta") for x in meta_leaves]
         margs, mkwargs = jax.tree_util.tree_unflatten(treedef, meta_leaves)
-        with torch.no_grad():
-            mout = op(*margs, **mkwargs)
+        try:
+            with torch.no_grad():
+                mout = op(*margs, **mkwargs)
+        except Exception as e:
+            # no shape without the data: .item() or nonzero captured into the graph
+            # (torch._dynamo.config.capture_scalar_outputs / capture_dynamic_output_shape_ops)
+            raise Unsupported(
+                f"{self.name}: {name} has a data-dependent result, which a graph compiled for "
+                "the 'tpu' backend (static shapes) cannot hold; leave torch._dynamo.config."
+                "capture_scalar_outputs and capture_dynamic_output_shape_ops off, so that "
+                "Dynamo breaks the graph there") from e
         out_leaves, out_tree = jax.tree_util.tree_flatten(mout, is_leaf=lambda x: isinstance(x, torch.Tensor))
         shapes = [jax.ShapeDtypeStruct(tuple(t.shape), to_jax(t.dtype)) for t in out_leaves]
         cpu_leaves = [_to_device(x, "cpu") for x in leaves]
