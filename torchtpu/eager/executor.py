@@ -164,6 +164,8 @@ def _result(o):
         return None
     if type(o) is _Static:
         return o.value
+    if type(o) is list:  # a Tensor[] result (the fused optimizers' outputs)
+        return [_result(x) for x in o]
     return _wrap(o)
 
 

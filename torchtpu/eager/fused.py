@@ -260,7 +260,7 @@ def record(lowering, kind, args, kwargs):
         if hit is None:  # it branches on a scalar: its scalars are baked in from now on
             return record(lowering, kind, orig[0], orig[1])
         _AVALS[akey] = hit
-    traced, out_avals, ws, check_aval = hit
+    traced, out_avals, ws, check_aval, nest = hit
     nodes = g.nodes
     node_index = len(nodes)
     nodes.append((akey, traced, tuple(refs)))
@@ -280,6 +280,10 @@ def record(lowering, kind, args, kwargs):
                 _write_mutated(lowering, args, kwargs, results[-n:])
                 results = results[:-n]
                 res = results[0] if len(results) == 1 else tuple(results)
+            elif nest is not None:  # regroup the flat outputs into the op's Tensor[] results
+                it = iter(results)
+                res = tuple([next(it) for _ in range(n)] if n is not None else next(it)
+                            for n in nest)
             else:
                 res = type(out_avals)(results) if is_seq else results[0]
     else:
@@ -320,8 +324,22 @@ def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced
     if checked:  # (outputs, inputs-valid flag): the flag is the node's last output
         out_avals, check_aval = out_avals
         traced = _flat_checked(traced)
+    nest = None
+    if isinstance(out_avals, tuple) and any(isinstance(o, list) for o in out_avals):
+        # results that are lists of tensors: the node's outputs are the flattened arrays
+        nest = tuple(len(o) if isinstance(o, list) else None for o in out_avals)
+        out_avals = tuple(a for o in out_avals for a in (o if isinstance(o, list) else (o,)))
+        traced = _flat_nested(traced)
     count("fused_op_traces", op=lowering.name)
-    return traced, out_avals, ws, check_aval
+    return traced, out_avals, ws, check_aval, nest
+
+
+def _flat_nested(traced):
+    def flat(*args):
+        out = traced(*args)
+        return tuple(a for o in out for a in (o if isinstance(o, list) else (o,)))
+
+    return flat
 
 
 def _flat_checked(traced):

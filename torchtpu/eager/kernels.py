@@ -12,7 +12,7 @@ from torch._ops import OpOverload
 from ..lowering import registry
 from ..runtime import buffer as _buffer
 from ..runtime.metrics import count
-from . import amp_kernels as _amp
+from . import multi_write_kernels as _multi
 from . import copy as _copy
 from . import executor
 from .dynamo_skip import skip
@@ -285,8 +285,13 @@ def bind_runtime() -> None:
     _bind(aten.equal.default, _equal)
     _bind(aten._nested_tensor_from_mask_left_aligned.default, _no_nested_tensors)
     _bind(aten._amp_foreach_non_finite_check_and_unscale_.default,
-          _amp.non_finite_check_and_unscale_)
-    _bind(aten._amp_update_scale_.default, _amp.update_scale_)
+          _multi.non_finite_check_and_unscale_)
+    _bind(aten._amp_update_scale_.default, _multi.update_scale_)
+    for name in ("_fused_adam", "_fused_adamw"):
+        for overload in ("default", "tensor_lr"):
+            functional = getattr(getattr(aten, name), overload)
+            _bind(getattr(getattr(aten, name + "_"), overload),
+                  _multi.fused_optimizer_(functional))
     # SDPA routing (see _sdpa above): the autograd key too, so autograd sees the fused op
     _bind(aten.scaled_dot_product_attention.default, _sdpa)
     _lib.impl("scaled_dot_product_attention", skip(_sdpa), "AutogradPrivateUse1")

@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     linalg,
     losses,
     nn,
+    optim,
     random,
     reductions,
     rnn,

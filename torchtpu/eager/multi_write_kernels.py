@@ -1,9 +1,12 @@
-"""Kernels of the two ops behind ``torch.amp.GradScaler``, composed of tpu ops.
+"""Kernels of ops that update several tensors (or lists of tensors) in place, which the
+table's kernel kinds cannot express: composed of tpu ops, so they run in Strict, record in
+Fused, never sync with the host and never fall back to the CPU.
 
-Both update several tensors in place (the gradients and ``found_inf``; the scale and the growth
-tracker), which the table's kernel kinds cannot express, so they are written as sequences of
-table ops: they run in Strict, record in Fused, never sync with the host and never fall back to
-the CPU. Semantics follow CUDA's kernels (``AmpKernels.cu``).
+- GradScaler's two ops (the gradients and ``found_inf``; the scale and the growth tracker),
+  following CUDA's kernels (``AmpKernels.cu``).
+- ``torch.optim.Adam/AdamW(fused=True)``'s in-place ops: the functional op's lowering
+  (``lowering/optim.py``) computes every new value in one program, then ``_foreach_copy_``
+  writes each list back.
 """
 from __future__ import annotations
 
@@ -35,3 +38,20 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor: float, backof
     scale.copy_(new_scale)
     growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(successful), successful))
     return scale
+
+
+def fused_optimizer_(functional):
+    """The in-place kernel of a fused optimizer op from its functional form, whose results are
+    the new values of its first five (list) arguments."""
+    def kernel(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **kwargs):
+        if not self:
+            return
+        new = functional(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                         **kwargs)
+        written = (self, grads if kwargs.get("grad_scale") is not None else [], exp_avgs,
+                   exp_avg_sqs, max_exp_avg_sqs)
+        for dst, values in zip(written, new):
+            if dst:
+                torch._foreach_copy_(dst, values)
+
+    return kernel

@@ -1,0 +1,73 @@
+"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW(fused=True)``): the whole update of
+every parameter as one pure function.
+
+The functional forms (``_fused_adam``, ``_fused_adamw``: new params, grads, moments) are the
+lowerings, which torch.compile graphs use; the in-place forms that eager calls update five lists
+and are composed of the functional op and ``_foreach_copy_`` (``eager/multi_write_kernels.py``).
+The math follows CUDA's and CPU's fused kernels: the step counts are already incremented; with
+``grad_scale`` the gradients are unscaled (and written back); with ``found_inf`` set, nothing
+changes.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import torch
+
+from .registry import register
+
+aten = torch.ops.aten
+
+
+def _scalar(x):
+    """A 0-d float32 value of a Python number or a one-element tensor (lr, grad_scale)."""
+    if hasattr(x, "dtype"):
+        return x.reshape(()).astype(jnp.float32)
+    return x
+
+
+def _adam(adamw: bool):
+    def fused_adam(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr,
+                   beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale=None,
+                   found_inf=None):
+        lr = _scalar(lr)
+        skip = None if found_inf is None else _scalar(found_inf) == 1.0
+        outs = ([], [], [], [], [])
+        for i, p0 in enumerate(self):
+            f32 = jnp.float32
+            p, m0, v0 = p0.astype(f32), exp_avgs[i].astype(f32), exp_avg_sqs[i].astype(f32)
+            g = grads[i].astype(f32)
+            if grad_scale is not None:
+                g = g / _scalar(grad_scale)
+            g_out = g
+            if maximize:
+                g = -g
+            if weight_decay != 0:
+                if adamw:
+                    p = p * (1 - lr * weight_decay)
+                else:
+                    g = g + weight_decay * p
+            step = _scalar(state_steps[i])
+            m = m0 + (g - m0) * (1 - beta1)
+            v = v0 * beta2 + g * g * (1 - beta2)
+            bias1 = 1 - jnp.power(jnp.float32(beta1), step)
+            bias2_sqrt = jnp.sqrt(1 - jnp.power(jnp.float32(beta2), step))
+            new = [p, g_out, m, v]
+            if amsgrad:
+                vmax = jnp.maximum(max_exp_avg_sqs[i].astype(f32), v)
+                denom = jnp.sqrt(vmax) / bias2_sqrt + eps
+                new.append(vmax)
+            else:
+                denom = jnp.sqrt(v) / bias2_sqrt + eps
+            new[0] = p - (lr / bias1) * m / denom
+            olds = [p0, grads[i], exp_avgs[i], exp_avg_sqs[i]] + (
+                [max_exp_avg_sqs[i]] if amsgrad else [])
+            for k, (o, n) in enumerate(zip(olds, new)):
+                n = n.astype(o.dtype)
+                outs[k].append(n if skip is None else jnp.where(skip, o, n))
+        return tuple(list(o) for o in outs)
+
+    return fused_adam
+
+
+register(aten._fused_adam.default, aten._fused_adam.tensor_lr)(_adam(adamw=False))
+register(aten._fused_adamw.default, aten._fused_adamw.tensor_lr)(_adam(adamw=True))
