@@ -349,7 +349,7 @@ def test_decompositions_reconstruct():
     torch.testing.assert_close((q @ r).cpu(), R, atol=1e-5, rtol=1e-5)
 
 
-def test_check_errors_is_sync_free_noop():
+def test_check_errors_is_sync_free():
     syncs = COUNTERS.get("host_syncs", 0)
     info = torch.zeros(3, dtype=torch.int32, device=DEV)
     assert torch.ops.aten._linalg_check_errors(info, "linalg.inv", is_matrix=False) is None
@@ -358,10 +358,39 @@ def test_check_errors_is_sync_free_noop():
 
 
 def test_singular_info():
-    # no error is raised (that would need a sync): info reports it, like check_errors=False
+    # the *_ex forms raise nothing: info reports it
     check(torch.linalg.inv_ex, torch.zeros(3, 3))
     _, info = torch.linalg.cholesky_ex(-SPD.to(DEV))
     assert info.item() > 0
+
+
+LINALG_ERRORS = {
+    "inv": lambda a: torch.linalg.inv(a),
+    "cholesky": lambda a: torch.linalg.cholesky(a - 0.5 * torch.eye(a.shape[-1], dtype=a.dtype,
+                                                                     device=a.device)),
+    "solve": lambda a: torch.linalg.solve(a, torch.ones(a.shape[-1], dtype=a.dtype,
+                                                         device=a.device)),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("name", sorted(LINALG_ERRORS))
+def test_singular_input_raises_linalg_error(name, mode):
+    """As CPU does (CUDA too, after a sync): here at the next host sync, like the index checks."""
+    fn = LINALG_ERRORS[name]
+    singular = torch.zeros(3, 3)
+    with pytest.raises(torch.linalg.LinAlgError):
+        fn(singular)
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="tpu")
+        torch.testing.assert_close(fn(SPD.to(DEV)).cpu(), LINALG_ERRORS[name](SPD))
+    ctx = torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "fused"
+                                   else torch.tpu.EagerMode.DEFER_NEVER)
+    with ctx:
+        out = fn(singular.to(DEV))
+        with pytest.raises(torch.linalg.LinAlgError, match="on device tpu"):
+            out.sum().item()
 
 
 def test_matmul_precision_is_full_float32():

@@ -34,6 +34,7 @@ from ..runtime.metrics import count
 
 aten = torch.ops.aten
 _warned: set = set()
+_WITH_EFFECTS = torch.ops.higher_order.with_effects
 _late_lowerings: list = []  # registered once, when the first graph is lowered
 
 
@@ -281,6 +282,12 @@ class GraphLowering:
                     or target in (torch.sym_int, torch.sym_float, torch.sym_max, torch.sym_min,
                                   torch.sym_not, torch.sym_sqrt):
                 return target(*args, **kwargs)
+            if target is _WITH_EFFECTS:
+                # an op with side effects (_linalg_check_errors), ordered by a token: the
+                # token passes through; the op's results follow it, as with_effects returns
+                token, op, *rest = args
+                out = self._call(n, op, tuple(rest), kwargs, rng)
+                return (token, *out) if isinstance(out, tuple) else (token, out)
             if isinstance(target, torch._ops.HigherOrderOperator):
                 raise Unsupported(f"{self.name}: higher-order op {target} is not supported by the "
                                   "tpu compiler")

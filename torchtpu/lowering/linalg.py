@@ -8,8 +8,8 @@ Integer matmuls stay integer.
 
 Factorizations return what PyTorch's kernels return, including LAPACK-style ``LU`` / 1-based
 int32 ``pivots`` / int32 ``info`` (autograd formulas consume them). ``info`` is computed on the
-device and never checked here: ``_linalg_check_errors`` is a no-op (no host sync), so a singular
-or non positive-definite input gives inf/NaN results instead of PyTorch's error.
+device; ``_linalg_check_errors`` turns it into a device check (``eager/checks.py``), so a singular
+or non positive-definite input raises LinAlgError at the next host sync, not at the op.
 """
 from __future__ import annotations
 
@@ -751,7 +751,16 @@ def linalg_matrix_exp(self):
 
 # ---------------------------------------------------------------- error checks
 
-@register(aten._linalg_check_errors.default)
+def _info_ok(info, api_name, *, is_matrix):
+    return jnp.all(info == 0)
+
+
+@register(aten._linalg_check_errors.default,
+          check=(_info_ok, torch.linalg.LinAlgError,
+                 "linalg: the factorization or inversion could not be completed because the "
+                 "input is singular or not positive-definite"))
 def _linalg_check_errors(info, api_name, *, is_matrix):
-    """No-op: checking ``info`` needs a host sync; results carry inf/NaN instead."""
+    """``torch.linalg.cholesky``, ``inv``, ``solve``...: ``info`` (computed by the op's lowering)
+    becomes a device check, raised as LinAlgError at the next host sync (CUDA raises at the op,
+    after a sync); the ``*_ex`` forms return ``info`` unchecked."""
     return None
