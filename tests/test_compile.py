@@ -586,21 +586,18 @@ def test_outputs_that_view_another_output_alias_it(requires_grad):
     assert b[0].item() == 100.0 and c[1, 0].item() == 100.0
 
 
-def test_captured_data_dependent_shapes_raise_a_clear_error(monkeypatch):
+def test_captured_data_dependent_shapes_raise_a_clear_error():
     """With Dynamo told to capture .item() / nonzero into the graph, the static-shape program
     cannot hold the result: a clear message (by default Dynamo breaks the graph there)."""
-    import torch._dynamo.config as dcfg
-
     x = torch.arange(6.0, device="tpu")
-    monkeypatch.setattr(dcfg, "capture_scalar_outputs", True)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="data-dependent result"):
-        torch.compile(lambda x, n: x[:n.item()] * 2, backend="tpu")(x, torch.tensor(3, device="tpu"))
-    monkeypatch.setattr(dcfg, "capture_scalar_outputs", False)
-    monkeypatch.setattr(dcfg, "capture_dynamic_output_shape_ops", True)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="data-dependent result"):
-        torch.compile(lambda x: x[x > 2].sum(), backend="tpu")(x)
-    monkeypatch.setattr(dcfg, "capture_dynamic_output_shape_ops", False)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="data-dependent result"):
+            torch.compile(lambda x, n: x[:n.item()] * 2, backend="tpu")(
+                x, torch.tensor(3, device="tpu"))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="data-dependent result"):
+            torch.compile(lambda x: x[x > 2].sum(), backend="tpu")(x)
     torch._dynamo.reset()
     assert torch.compile(lambda x: x[x > 2].sum(), backend="tpu")(x).item() == 12.0
