@@ -398,6 +398,11 @@ FUSED_OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
     "adam_amsgrad_decay": (torch.optim.Adam, dict(lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1)),
     "adamw_maximize_tensor_lr": (torch.optim.AdamW, dict(lr="tensor", fused=True, maximize=True)),
+    "sgd_nesterov_decay": (torch.optim.SGD, dict(lr=0.05, fused=True, momentum=0.9, nesterov=True,
+                                                 weight_decay=0.01)),
+    "sgd_dampening_maximize": (torch.optim.SGD, dict(lr=0.05, fused=True, momentum=0.5,
+                                                     dampening=0.1, maximize=True)),
+    "sgd_plain": (torch.optim.SGD, dict(lr=0.05, fused=True)),
 }
 
 
@@ -448,9 +453,10 @@ def test_fused_optimizers_match_cpu_on_the_device(name, mode):
     assert not per_op.get("cpu_fallbacks") and not per_op.get("compile_cpu_fallbacks")
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd_nesterov_decay"])
 @pytest.mark.parametrize("mode", ["strict", "fused"])
-def test_fused_adamw_with_grad_scaler(mode):
-    want = _fused_run("cpu", "adamw", scaler=True)
-    got = _fused_run("tpu", "adamw", mode, scaler=True)
+def test_fused_optimizer_with_grad_scaler(mode, name):
+    want = _fused_run("cpu", name, scaler=True)
+    got = _fused_run("tpu", name, mode, scaler=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)

@@ -4,7 +4,7 @@ Fused, never sync with the host and never fall back to the CPU.
 
 - GradScaler's two ops (the gradients and ``found_inf``; the scale and the growth tracker),
   following CUDA's kernels (``AmpKernels.cu``).
-- ``torch.optim.Adam/AdamW(fused=True)``'s in-place ops: the functional op's lowering
+- ``torch.optim.Adam/AdamW/SGD(fused=True)``'s in-place ops: the functional op's lowering
   (``lowering/optim.py``) computes every new value in one program, then ``_foreach_copy_``
   writes each list back.
 """
@@ -42,15 +42,14 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor: float, backof
 
 def fused_optimizer_(functional):
     """The in-place kernel of a fused optimizer op from its functional form, whose results are
-    the new values of its first five (list) arguments."""
-    def kernel(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **kwargs):
-        if not self:
+    the new values of its leading list arguments (params, grads, then the state lists)."""
+    def kernel(*lists, **kwargs):
+        if not lists[0]:
             return
-        new = functional(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                         **kwargs)
-        written = (self, grads if kwargs.get("grad_scale") is not None else [], exp_avgs,
-                   exp_avg_sqs, max_exp_avg_sqs)
-        for dst, values in zip(written, new):
+        new = functional(*lists, **kwargs)
+        for i, (dst, values) in enumerate(zip(lists, new)):
+            if i == 1 and kwargs.get("grad_scale") is None:
+                continue  # the gradients change only when they are unscaled
             if dst:
                 torch._foreach_copy_(dst, values)
 

@@ -1,7 +1,7 @@
-"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW(fused=True)``): the whole update of
-every parameter as one pure function.
+"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW/SGD(fused=True)``): the whole update
+of every parameter as one pure function.
 
-The functional forms (``_fused_adam``, ``_fused_adamw``: new params, grads, moments) are the
+The functional forms (``_fused_adam(w)``, ``_fused_sgd``: new params, grads, state) are the
 lowerings, which torch.compile graphs use; the in-place forms that eager calls update five lists
 and are composed of the functional op and ``_foreach_copy_`` (``eager/multi_write_kernels.py``).
 The math follows CUDA's and CPU's fused kernels: the step counts are already incremented; with
@@ -71,3 +71,36 @@ def _adam(adamw: bool):
 
 register(aten._fused_adam.default, aten._fused_adam.tensor_lr)(_adam(adamw=False))
 register(aten._fused_adamw.default, aten._fused_adamw.tensor_lr)(_adam(adamw=True))
+
+
+def _unscaled(g, grad_scale):
+    g = g.astype(jnp.float32)
+    return g if grad_scale is None else g / _scalar(grad_scale)
+
+
+@register(aten._fused_sgd.default, aten._fused_sgd.tensor_lr)
+def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening,
+              nesterov, maximize, is_first_step, grad_scale=None, found_inf=None):
+    lr = _scalar(lr)
+    skip = None if found_inf is None else _scalar(found_inf) == 1.0
+    outs = ([], [], [])
+    for i, p0 in enumerate(self):
+        p = p0.astype(jnp.float32)
+        g = _unscaled(grads[i], grad_scale)
+        new = [None, g]
+        olds = [p0, grads[i]]
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            g = g + weight_decay * p
+        if momentum != 0:
+            buf = g if is_first_step else (
+                momentum * momentum_buffer_list[i].astype(jnp.float32) + (1 - dampening) * g)
+            g = g + momentum * buf if nesterov else buf
+            new.append(buf)
+            olds.append(momentum_buffer_list[i])
+        new[0] = p - lr * g
+        for k, (o, n) in enumerate(zip(olds, new)):
+            n = n.astype(o.dtype)
+            outs[k].append(n if skip is None else jnp.where(skip, o, n))
+    return tuple(list(o) for o in outs)
