@@ -246,3 +246,30 @@ def test_backward_starts_a_new_program(monkeypatch):
     monkeypatch.setattr(fused, "CUT_AT_BACKWARD", False)
     _train(FUSE, steps=2, dropout=0.0)
     assert "backward_boundary" not in _cuts()
+
+
+def test_values_of_a_failed_graph_raise_instead_of_referring_to_it(monkeypatch):
+    """A graph that fails to run leaves its live values uncomputed: using one raises (it must
+    not be wired into the next graph as a node that no longer exists); other work goes on."""
+    a = torch.ones(3, device="tpu")
+    with torch.tpu.set_eager_mode(FUSE):
+        b = a * 2
+        real = fused._make_program
+
+        def broken(*args, **kwargs):
+            def run(*inputs):
+                raise ValueError("simulated XLA failure")
+            return run
+
+        monkeypatch.setattr(fused, "_make_program", broken)
+        with pytest.raises(RuntimeError, match="simulated XLA failure"):
+            torch.tpu.synchronize()
+        monkeypatch.setattr(fused, "_make_program", real)
+        with pytest.raises(RuntimeError, match="never computed"):
+            b + 1
+        with pytest.raises(RuntimeError, match="never computed"):
+            b.cpu()
+        c = a * 3
+        assert c.cpu().tolist() == [3.0, 3.0, 3.0]
+        d = a * 2  # the failed graph's shape again: its broken program was not kept
+        assert d.cpu().tolist() == [2.0, 2.0, 2.0]

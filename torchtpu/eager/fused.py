@@ -52,7 +52,7 @@ class PendingBuffer(_buffer.Buffer):
     value) simply replaces the value.
     """
 
-    __slots__ = ("_value", "ref", "aval")
+    __slots__ = ("_value", "ref", "aval", "error")
 
     def __init__(self, ref, aval):
         self._value = None
@@ -62,8 +62,15 @@ class PendingBuffer(_buffer.Buffer):
     @property
     def array(self):
         if self._value is None:
+            if self.ref is None:
+                raise self.lost()
             flush("read")
         return self._value
+
+    def lost(self) -> RuntimeError:
+        """The error for a value whose graph failed to run (it will never be computed)."""
+        return RuntimeError("this tpu tensor's value was never computed: the Fused graph that "
+                            f"produces it failed ({self.error})")
 
     @array.setter
     def array(self, value):
@@ -212,6 +219,8 @@ def record(lowering, kind, args, kwargs):
             else:
                 if type(buf) is PendingBuffer and buf._value is None:
                     v = None
+                    if buf.ref is None:
+                        raise buf.lost()
                     refs.append(buf.ref)
                     aval = buf.aval
                 else:
@@ -452,8 +461,12 @@ def flush(reason: str = "explicit") -> None:
                 results = prog(*inputs)
         except Exception as e:  # name the user's ops, as Debug mode would
             ops = sorted({str(n[0][0][0].op) for n in g.nodes})
-            raise RuntimeError(f"torchtpu fused graph of {n_nodes} ops failed "
-                               f"(ops: {', '.join(ops[:20])}): {e}") from e
+            msg = f"torchtpu fused graph of {n_nodes} ops failed (ops: {', '.join(ops[:20])}): {e}"
+            _PROGRAMS.pop(fp, None)  # a later graph of the same shape builds its own
+            for pb in live:  # their nodes are gone: a later use must not refer to them
+                pb.ref = None
+                pb.error = msg.splitlines()[0]
+            raise RuntimeError(msg) from e
         if modes.get_eager_mode() is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
             jax.block_until_ready(results)
         for pb, v in zip(live, results):
