@@ -105,6 +105,20 @@ def _key(x, tensors):
     return x
 
 
+def arg_keys(args, kwargs, tensors):
+    """(key of the positional arguments, key of the keyword arguments); the tensors (and Traced
+    scalars) go to ``tensors``. Shared by the Strict and Fused hot paths: the common argument,
+    a plain tensor, is handled without a call."""
+    ka = []
+    for x in args:
+        if type(x) is Tensor:
+            tensors.append(x)
+            ka.append(Tensor)
+        else:
+            ka.append(_key(x, tensors))
+    return tuple(ka), (tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ())
+
+
 def _skeleton(x, counter):
     """The argument with each tensor replaced by a _Slot (built at a cache miss only)."""
     if isinstance(x, Tensor) or type(x) is Traced:
@@ -375,15 +389,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         orig = (args, kwargs)
         args, kwargs = _trace_scalars(lowering, args, kwargs)
     tensors: list = []
-    ka = []
-    for x in args:  # _key(args), with the common case (a plain tensor) inlined
-        if type(x) is Tensor:
-            tensors.append(x)
-            ka.append(Tensor)
-        else:
-            ka.append(_key(x, tensors))
-    key_args = tuple(ka)
-    key_kwargs = tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
+    key_args, key_kwargs = arg_keys(args, kwargs, tensors)
     flat = []
     specs = []
     offs = None

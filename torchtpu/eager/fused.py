@@ -30,7 +30,8 @@ from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
 from . import executor, modes, views
-from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _key, _NP
+from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _NP
+from .executor import arg_keys as _arg_keys
 
 Tensor = torch.Tensor
 MAX_NODES = int(os.environ.get("TORCHTPU_FUSED_MAX_OPS", "4000"))
@@ -189,15 +190,7 @@ def record(lowering, kind, args, kwargs):
     if traced_scalars:
         args, kwargs = executor._trace_scalars(lowering, args, kwargs)
     tensors: list = []
-    ka = []
-    for x in args:  # executor._key(args), with the common case (a plain tensor) inlined
-        if type(x) is Tensor:
-            tensors.append(x)
-            ka.append(Tensor)
-        else:
-            ka.append(_key(x, tensors))
-    key_args = tuple(ka)
-    key_kwargs = tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ()
+    key_args, key_kwargs = _arg_keys(args, kwargs, tensors)
     refs = []
     aval_ids = []
     flat_avals = []
