@@ -25,19 +25,35 @@ def _scalar(x):
     return x
 
 
+def _unscaled(g, grad_scale):
+    """A gradient in float32, divided by GradScaler's scale when there is one."""
+    g = g.astype(jnp.float32)
+    return g if grad_scale is None else g / _scalar(grad_scale)
+
+
+def _skipped(found_inf):
+    """The "skip this step" flag (found_inf == 1), or None when no check applies."""
+    return None if found_inf is None else _scalar(found_inf) == 1.0
+
+
+def _emit(outs, olds, new, skip):
+    """Append each new value (cast back to its tensor's dtype; the old one on a skipped step)."""
+    for k, (o, n) in enumerate(zip(olds, new)):
+        n = n.astype(o.dtype)
+        outs[k].append(n if skip is None else jnp.where(skip, o, n))
+
+
 def _adam(adamw: bool):
     def fused_adam(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr,
                    beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale=None,
                    found_inf=None):
         lr = _scalar(lr)
-        skip = None if found_inf is None else _scalar(found_inf) == 1.0
+        skip = _skipped(found_inf)
         outs = ([], [], [], [], [])
         for i, p0 in enumerate(self):
             f32 = jnp.float32
             p, m0, v0 = p0.astype(f32), exp_avgs[i].astype(f32), exp_avg_sqs[i].astype(f32)
-            g = grads[i].astype(f32)
-            if grad_scale is not None:
-                g = g / _scalar(grad_scale)
+            g = _unscaled(grads[i], grad_scale)
             g_out = g
             if maximize:
                 g = -g
@@ -61,9 +77,7 @@ def _adam(adamw: bool):
             new[0] = p - (lr / bias1) * m / denom
             olds = [p0, grads[i], exp_avgs[i], exp_avg_sqs[i]] + (
                 [max_exp_avg_sqs[i]] if amsgrad else [])
-            for k, (o, n) in enumerate(zip(olds, new)):
-                n = n.astype(o.dtype)
-                outs[k].append(n if skip is None else jnp.where(skip, o, n))
+            _emit(outs, olds, new, skip)
         return tuple(list(o) for o in outs)
 
     return fused_adam
@@ -73,16 +87,11 @@ register(aten._fused_adam.default, aten._fused_adam.tensor_lr)(_adam(adamw=False
 register(aten._fused_adamw.default, aten._fused_adamw.tensor_lr)(_adam(adamw=True))
 
 
-def _unscaled(g, grad_scale):
-    g = g.astype(jnp.float32)
-    return g if grad_scale is None else g / _scalar(grad_scale)
-
-
 @register(aten._fused_sgd.default, aten._fused_sgd.tensor_lr)
 def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening,
               nesterov, maximize, is_first_step, grad_scale=None, found_inf=None):
     lr = _scalar(lr)
-    skip = None if found_inf is None else _scalar(found_inf) == 1.0
+    skip = _skipped(found_inf)
     outs = ([], [], [])
     for i, p0 in enumerate(self):
         p = p0.astype(jnp.float32)
@@ -100,7 +109,5 @@ def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, 
             new.append(buf)
             olds.append(momentum_buffer_list[i])
         new[0] = p - lr * g
-        for k, (o, n) in enumerate(zip(olds, new)):
-            n = n.astype(o.dtype)
-            outs[k].append(n if skip is None else jnp.where(skip, o, n))
+        _emit(outs, olds, new, skip)
     return tuple(list(o) for o in outs)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from ..runtime.buffer import _contiguous_strides
 from ._util import canonical_dim, cast, result_type, to_jax
 from .registry import register
 
@@ -289,14 +290,6 @@ def _strided_index(size, stride, offset):
         shp[d] = n
         idx = idx + (np.arange(n, dtype=np.int64) * st).reshape(shp)
     return idx
-
-
-def _contiguous_strides(shape):
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _elements_at(shape, layout, positions, op):
