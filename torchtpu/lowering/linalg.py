@@ -641,11 +641,14 @@ def linalg_cholesky_ex(self, *, upper=False, check_errors=False):
     return L, _chol_info(L)
 
 
-@register(aten.cholesky.default)
 def cholesky(self, upper=False):
     _square(self, "cholesky")
     _floating(self, "cholesky")
     return _cholesky(self, upper)
+
+
+if hasattr(aten, "cholesky"):  # the deprecated torch.cholesky: gone from aten in torch 2.14
+    register(aten.cholesky.default)(cholesky)
 
 
 @register(aten.cholesky_solve.default)
