@@ -15,6 +15,7 @@ samples as ``python -m torchtpu.coverage``).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -116,6 +117,13 @@ def test_device_issue_op(key, kind, request):
     assert rec["status"] == "native", f"{key} float32 {kind}: {rec['status']}: {rec['reason']}"
 
 
+def _newer_torch_only(reason: str) -> bool:
+    """A reason starting "torch>=X.Y:" marks an entry for an op that torch X.Y added."""
+    m = re.match(r"\w+: torch>=(\d+)\.(\d+):", reason)
+    return bool(m) and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (
+        int(m.group(1)), int(m.group(2)))
+
+
 def test_expected_failures_file_is_valid():
     """Every entry names a real (op, dtype, kind) case; the file is sorted, without duplicates."""
     db = coverage.op_db()
@@ -129,6 +137,8 @@ def test_expected_failures_file_is_valid():
     assert len(keys) == len(set(keys)), "duplicate entries"
     assert keys == sorted(keys), "entries are not sorted (regenerate with --write-xfails)"
     for op, dt, kind, sample, reason in rows:
+        if op not in db and _newer_torch_only(reason):
+            continue  # an OpInfo that a later torch adds: checked when the suite runs there
         assert op in db, f"{op}: not an OpInfo in op_db"
         assert (op, dt, kind) in full, f"{op} | {dt} | {kind}: not a case the OpInfo run checks"
         assert sample == "-" or sample.isdigit(), f"{op}: bad sample index {sample!r}"

@@ -85,16 +85,20 @@ def _scale_of(q, scale):
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
-def sdpa_fused(rng, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
-               return_debug_mask=False, *, scale=None):
-    q, k, v = query, key, value
+def _attend(q, k, v, bias, is_causal, scale, dropout_p=0.0, rng=None):
+    """out, the float32 logsumexp of the scores, and the dropout seed (0 without dropout)."""
     acc = _acc(q.dtype)
     hq = q.shape[-3] if q.ndim >= 3 else None
     ke, ve = (_expand_kv(k, hq), _expand_kv(v, hq)) if hq is not None else (k, v)
-    s = _scores(q, ke, attn_bias, is_causal, _scale_of(q, scale), acc)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = _probs(s, lse)
+    s = _scores(q, ke, bias, is_causal, _scale_of(q, scale), acc)
+    # softmax as exp(s - max) / sum, not exp(s - logsumexp): the rounding of the logsumexp
+    # (several ulps through log and exp) would reach every probability
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0)  # fully masked rows
+    e = jnp.exp(s - mx)
+    tot = jnp.sum(e, axis=-1, keepdims=True)
+    lse = jnp.log(tot[..., 0]) + mx[..., 0]
+    p = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1), 0)
     if dropout_p > 0:
         rkey = jax.random.key_data(rng).reshape(-1)[:2].astype(jnp.uint32)
         rkey = jax.random.wrap_key_data(rkey, impl="threefry2x32")
@@ -103,8 +107,34 @@ def sdpa_fused(rng, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=
     else:
         seed = jnp.zeros((), jnp.int64)
     out = jnp.einsum("...ls,...se->...le", p, ve.astype(acc), precision=_prec(acc)).astype(q.dtype)
-    L, S = q.shape[-2], k.shape[-2]
-    return (out, lse.astype(jnp.float32), None, None, L, S, seed, jnp.zeros((), jnp.int64), None)
+    return out, lse.astype(jnp.float32), seed
+
+
+@register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def sdpa_fused(rng, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
+               return_debug_mask=False, *, scale=None):
+    out, lse, seed = _attend(query, key, value, attn_bias, is_causal, scale, dropout_p, rng)
+    L, S = query.shape[-2], key.shape[-2]
+    return (out, lse, None, None, L, S, seed, jnp.zeros((), jnp.int64), None)
+
+
+def _check_cpu_flash(query, dropout_p, attn_mask):
+    # PyTorch's CPU flash kernel accepts neither; the op is called directly only by code
+    # written against that kernel, so it gets the same errors
+    if dropout_p > 0:
+        raise RuntimeError("scaled_dot_product_attention_flash_attention: Currently do not "
+                           "support dropout > 0")
+    if attn_mask is not None and attn_mask.dtype != query.dtype:
+        raise RuntimeError("scaled_dot_product_attention_flash_attention: Attention mask is the "
+                           "same data type as query")
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                       scale=None):
+    _check_cpu_flash(query, dropout_p, attn_mask)
+    out, lse, _ = _attend(query, key, value, attn_mask, is_causal, scale)
+    return out, lse
 
 
 def _sum_to(x, shape):
@@ -118,21 +148,18 @@ def _sum_to(x, shape):
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
-def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
-                        cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
-                        philox_offset, *, scale=None):
-    q, k, v = query, key, value
+def _attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal, seed, scale):
+    """Gradients of q, k, v and of a float bias (None for a bool mask or no bias)."""
     acc = _acc(q.dtype)
     hq = q.shape[-3] if q.ndim >= 3 else None
     hk = k.shape[-3] if k.ndim >= 3 else None
     ke, ve = (_expand_kv(k, hq), _expand_kv(v, hq)) if hq is not None else (k, v)
     sc = _scale_of(q, scale)
-    s = _scores(q, ke, attn_bias, is_causal, sc, acc)
+    s = _scores(q, ke, bias, is_causal, sc, acc)
     p = _probs(s, logsumexp.astype(acc))
     do = grad_out.astype(acc)
     if dropout_p > 0:
-        keep = _keep_mask(_unpack_key(philox_seed), dropout_p, p.shape)
+        keep = _keep_mask(_unpack_key(seed), dropout_p, p.shape)
         pd = jnp.where(keep, p / (1.0 - dropout_p), 0)
     else:
         keep = None
@@ -140,19 +167,35 @@ def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
     dv = jnp.einsum("...ls,...le->...se", pd, do, precision=_prec(acc))
     dpd = jnp.einsum("...le,...se->...ls", do, ve.astype(acc), precision=_prec(acc))
     dp = jnp.where(keep, dpd / (1.0 - dropout_p), 0) if keep is not None else dpd
-    ds = p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True))
+    # sum_s dP*P equals rowsum(dO * O) (flash attention's D): fewer roundings than from dP
+    D = jnp.sum(do * out.astype(acc), axis=-1, keepdims=True)
+    ds = p * (dp - D)
     dq = jnp.einsum("...ls,...se->...le", ds, ke.astype(acc), precision=_prec(acc)) * sc
     dk = jnp.einsum("...ls,...le->...se", ds, q.astype(acc), precision=_prec(acc)) * sc
     if hk is not None:
         dk, dv = _fold_kv_grad(dk, hk), _fold_kv_grad(dv, v.shape[-3])
     dq, dk, dv = _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape)
-    gq = dq.astype(q.dtype) if grad_input_mask[0] else None
-    gk = dk.astype(k.dtype) if grad_input_mask[1] else None
-    gv = dv.astype(v.dtype) if grad_input_mask[2] else None
     gb = None
-    if grad_input_mask[3] and attn_bias is not None and attn_bias.dtype != jnp.bool_:
-        gb = _sum_to(ds, attn_bias.shape).astype(attn_bias.dtype)
-    return gq, gk, gv, gb
+    if bias is not None and bias.dtype != jnp.bool_:
+        gb = _sum_to(ds, bias.shape).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), gb
+
+
+@register(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
+                        cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+                        philox_offset, *, scale=None):
+    grads = _attend_backward(grad_out, query, key, value, out, attn_bias, logsumexp, dropout_p,
+                             is_causal, philox_seed, scale)
+    return tuple(g if want else None for g, want in zip(grads, grad_input_mask))
+
+
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def sdpa_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                                is_causal, *, attn_mask=None, scale=None):
+    _check_cpu_flash(query, dropout_p, attn_mask)
+    return _attend_backward(grad_out, query, key, value, out, attn_mask, logsumexp, 0.0, is_causal,
+                            None, scale)[:3]
 
 
 # ---------------------------------------------------------------- nn.MultiheadAttention /

@@ -559,6 +559,15 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
     return jnp.where((idx != padding_idx) & (offset2bag < nb), out, jnp.zeros((), grad.dtype))
 
 
+@register(aten.nonzero_static.default)
+def nonzero_static(self, *, size, fill_value=-1):
+    """nonzero padded (with ``fill_value``) or truncated to ``size`` rows: a static shape."""
+    if self.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    idx = jnp.nonzero(self, size=size, fill_value=fill_value)
+    return jnp.stack(idx, axis=1).astype(jnp.int64)
+
+
 # ---- data-dependent shapes (run un-jitted on concrete arrays) ----
 
 @register(aten.nonzero.default, dynamic_shape=True)

@@ -739,6 +739,40 @@ def _linalg_eigh(A, UPLO="L", compute_v=True):
     return w.astype(rd), v
 
 
+def linalg_matrix_sqrth(self):
+    _square(self, "linalg.matrix_sqrth")
+    _floating(self, "linalg.matrix_sqrth")
+    if self.size == 0:
+        return self
+    w, V = _linalg_eigh(self, "L")
+    return jnp.matmul(V * jnp.sqrt(w).astype(V.dtype)[..., None, :], jnp.conj(jnp.swapaxes(V, -1, -2)),
+                      precision=lax.Precision.HIGHEST)
+
+
+def linalg_polar(A):
+    if A.ndim < 2:
+        raise RuntimeError(f"linalg.polar: The input tensor A must have at least 2 dimensions.")
+    _floating(A, "linalg.polar")
+    m, n = A.shape[-2:]
+    if m < n:
+        raise RuntimeError(f"linalg.polar: input must have at least as many rows as columns, "
+                           f"but got {m} by {n} matrices")
+    if A.size == 0:
+        return A, jnp.zeros(A.shape[:-2] + (n, n), A.dtype)
+    W, S, Vh = _linalg_svd(A, full_matrices=False)
+    hp = lax.Precision.HIGHEST
+    V = jnp.conj(jnp.swapaxes(Vh, -1, -2))
+    return (jnp.matmul(W, Vh, precision=hp),
+            jnp.matmul(V * S.astype(A.dtype)[..., None, :], Vh, precision=hp))
+
+
+# new in torch 2.14 (absent from aten before)
+if hasattr(aten, "linalg_matrix_sqrth"):
+    register(aten.linalg_matrix_sqrth.default)(linalg_matrix_sqrth)
+if hasattr(aten, "linalg_polar"):
+    register(aten.linalg_polar.default)(linalg_polar)
+
+
 @register(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(self):
     _square(self, "linalg.matrix_exp")
