@@ -93,3 +93,18 @@ def test_attention_output_normalises_after_the_value_product():
     out64 = np.asarray(attention._attend(*(t.astype(np.float64) for t in (q, k, v)),
                                          None, True, None)[0])
     assert np.abs(out32 - out64).max() < 5e-6
+
+
+def test_only_known_version_dependent_ops_are_missing():
+    """Lowering modules name aten ops through a lenient namespace (a missing op would otherwise
+    fail ``import torch``); only ops known to come and go between releases may be missing, so
+    a misspelt name still fails here."""
+    from torchtpu.lowering import registry
+
+    assert registry.MISSING_OPS <= registry.VERSION_DEPENDENT_OPS, registry.MISSING_OPS
+    for name in registry.VERSION_DEPENDENT_OPS - registry.MISSING_OPS:
+        assert hasattr(torch.ops.aten, name)
+    try:
+        assert isinstance(registry.aten.no_such_op_anywhere.default, registry._MissingOp)
+    finally:
+        registry.MISSING_OPS.discard("no_such_op_anywhere")

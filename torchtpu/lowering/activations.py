@@ -12,9 +12,8 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 _LOW = (jnp.float16, jnp.bfloat16)
 

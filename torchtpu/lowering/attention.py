@@ -18,9 +18,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 
 def _acc(dtype):

@@ -16,9 +16,8 @@ import torch
 from jax import lax
 
 from ._util import cast as _cast, float_result_type, is_array, jdtype, result_type, to_jax
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 
 # ---------------------------------------------------------------- helpers

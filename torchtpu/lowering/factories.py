@@ -8,9 +8,8 @@ import numpy as np
 import torch
 
 from ._util import cast, result_type, to_jax
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 
 @register(aten.fill_.Scalar)

@@ -11,9 +11,8 @@ import numpy as np
 import torch
 
 from ._util import canonical_dim
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 _COMPLEX_OF = {np.dtype(jnp.float32): jnp.complex64, np.dtype(jnp.float64): jnp.complex128}
 _REAL_OF = {np.dtype(jnp.complex64): jnp.float32, np.dtype(jnp.complex128): jnp.float64}

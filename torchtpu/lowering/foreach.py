@@ -15,9 +15,8 @@ import torch
 
 from . import registry
 from ._util import cast, result_type, to_jax
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 try:  # a traced Scalar[] element should promote like a Python number, as PyTorch's does
     from jax._src.lax.lax import _convert_element_type as _cet

@@ -21,9 +21,8 @@ from jax import lax
 
 from ._util import canonical_dim, cast, jdtype, result_type
 from . import registry
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 _MASK_DTYPES = (torch.bool, torch.uint8)
 

@@ -20,9 +20,8 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim, to_jax
-from .registry import matmul_precision, register
+from .registry import aten, matmul_precision, register
 
-aten = torch.ops.aten
 
 _LOW = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _I32 = jnp.int32
@@ -641,14 +640,11 @@ def linalg_cholesky_ex(self, *, upper=False, check_errors=False):
     return L, _chol_info(L)
 
 
+@register(aten.cholesky.default)  # the deprecated torch.cholesky: gone from aten in torch 2.14
 def cholesky(self, upper=False):
     _square(self, "cholesky")
     _floating(self, "cholesky")
     return _cholesky(self, upper)
-
-
-if hasattr(aten, "cholesky"):  # the deprecated torch.cholesky: gone from aten in torch 2.14
-    register(aten.cholesky.default)(cholesky)
 
 
 @register(aten.cholesky_solve.default)
@@ -739,6 +735,7 @@ def _linalg_eigh(A, UPLO="L", compute_v=True):
     return w.astype(rd), v
 
 
+@register(aten.linalg_matrix_sqrth.default)  # new in torch 2.14
 def linalg_matrix_sqrth(self):
     _square(self, "linalg.matrix_sqrth")
     _floating(self, "linalg.matrix_sqrth")
@@ -749,6 +746,7 @@ def linalg_matrix_sqrth(self):
                       precision=lax.Precision.HIGHEST)
 
 
+@register(aten.linalg_polar.default)  # new in torch 2.14
 def linalg_polar(A):
     if A.ndim < 2:
         raise RuntimeError(f"linalg.polar: The input tensor A must have at least 2 dimensions.")
@@ -764,13 +762,6 @@ def linalg_polar(A):
     V = jnp.conj(jnp.swapaxes(Vh, -1, -2))
     return (jnp.matmul(W, Vh, precision=hp),
             jnp.matmul(V * S.astype(A.dtype)[..., None, :], Vh, precision=hp))
-
-
-# new in torch 2.14 (absent from aten before)
-if hasattr(aten, "linalg_matrix_sqrth"):
-    register(aten.linalg_matrix_sqrth.default)(linalg_matrix_sqrth)
-if hasattr(aten, "linalg_polar"):
-    register(aten.linalg_polar.default)(linalg_polar)
 
 
 @register(aten.linalg_matrix_exp.default)

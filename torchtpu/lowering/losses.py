@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import torch
 
 from ._util import cast, result_type
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
 
 

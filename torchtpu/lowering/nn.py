@@ -16,9 +16,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 _HIGHEST = lax.Precision.HIGHEST
 
 

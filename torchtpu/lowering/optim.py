@@ -13,9 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 
 def _scalar(x):

@@ -14,9 +14,8 @@ import numpy as np
 import torch
 
 from ._util import jdtype, to_jax
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 _LOW = (jnp.float16, jnp.bfloat16)
 

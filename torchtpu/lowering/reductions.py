@@ -19,9 +19,8 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim, jdtype, to_jax, to_torch
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 _LOW = (jnp.float16, jnp.bfloat16)
 _I64 = jnp.int64

@@ -76,6 +76,47 @@ class Lowering:
 
 LOWERINGS: dict[OpOverload, Lowering] = {}
 
+# aten ops named by a lowering module that this torch does not have (see ``aten``)
+MISSING_OPS: set[str] = set()
+# ops that some supported torch releases lack: torch 2.14 removed aten.cholesky and added
+# linalg_matrix_sqrth and linalg_polar. tests/test_ops_across_torch_versions.py keeps
+# MISSING_OPS inside this set, so a misspelt op name cannot hide behind the leniency.
+VERSION_DEPENDENT_OPS = frozenset({"cholesky", "linalg_matrix_sqrth", "linalg_polar"})
+
+
+class _MissingOp:
+    """An aten op this torch lacks: any attribute (``.default``) is itself, and ``register``
+    skips it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return self
+
+    def __repr__(self):
+        return f"<aten.{self.name}: not in this torch>"
+
+
+class _Aten:
+    """``torch.ops.aten`` for the lowering modules, except that an op this torch lacks is a
+    ``_MissingOp`` instead of an AttributeError. A lowering module runs at import, and an
+    import error there fails ``import torch`` itself (the autoload entry point)."""
+
+    def __getattr__(self, name):
+        try:
+            return getattr(torch.ops.aten, name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            MISSING_OPS.add(name)
+            return _MissingOp(name)
+
+
+aten = _Aten()
+
 
 def _overloads(op) -> list[OpOverload]:
     if isinstance(op, OpOverload):
@@ -102,6 +143,8 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mu
 
     def deco(fn):
         for op in ops:
+            if isinstance(op, _MissingOp):
+                continue
             for ov in _overloads(op):
                 LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
                                          tuple(mutates), check, reads_precision,

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 
 def _add_biases(ig, hg, ib, hb):

@@ -16,9 +16,8 @@ from jax import lax
 
 from ..runtime.buffer import _contiguous_strides
 from ._util import canonical_dim, cast, result_type, to_jax
-from .registry import register
+from .registry import aten, register
 
-aten = torch.ops.aten
 
 
 # ---- helpers (trace time) ----
