@@ -21,7 +21,6 @@ from jax import lax
 from .registry import aten, register
 
 
-
 def _acc(dtype):
     return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 

@@ -11,7 +11,6 @@ import torch
 from .registry import aten, register
 
 
-
 @register(aten.copy_.default)
 def copy_(self, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(self.dtype), self.shape)

@@ -19,7 +19,6 @@ from ._util import cast as _cast, float_result_type, is_array, jdtype, result_ty
 from .registry import aten, register
 
 
-
 # ---------------------------------------------------------------- helpers
 
 def _is_int(dt: torch.dtype) -> bool:

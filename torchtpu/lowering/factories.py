@@ -11,7 +11,6 @@ from ._util import cast, result_type, to_jax
 from .registry import aten, register
 
 
-
 @register(aten.fill_.Scalar)
 def fill_scalar_(self, value):
     return jnp.full(self.shape, value, self.dtype)

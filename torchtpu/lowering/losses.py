@@ -256,7 +256,6 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
     return vjp(grad_output.astype(self.dtype).reshape(f(self).shape))[0]
 
 
-
 def _multilabel_margin(self, target, reduction):
     x = self if self.ndim == 2 else self.reshape(1, -1)
     t = target.reshape(x.shape).astype(jnp.int64)

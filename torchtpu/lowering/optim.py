@@ -16,7 +16,6 @@ import torch
 from .registry import aten, register
 
 
-
 def _scalar(x):
     """A 0-d float32 value of a Python number or a one-element tensor (lr, grad_scale)."""
     if hasattr(x, "dtype"):

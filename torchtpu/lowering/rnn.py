@@ -12,7 +12,6 @@ import torch
 from .registry import aten, register
 
 
-
 def _add_biases(ig, hg, ib, hb):
     if ib is not None:
         ig = ig + ib

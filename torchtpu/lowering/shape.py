@@ -19,7 +19,6 @@ from ._util import canonical_dim, cast, result_type, to_jax
 from .registry import aten, register
 
 
-
 # ---- helpers (trace time) ----
 
 def _dim(dim, ndim):
