@@ -8,7 +8,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ._util import canonical_dim

@@ -15,7 +15,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from .registry import aten, register

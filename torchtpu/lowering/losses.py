@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
 
 from ._util import cast, result_type
 from .registry import aten, register

@@ -13,7 +13,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from jax import lax
 
 from .registry import aten, register
