@@ -403,6 +403,9 @@ FUSED_OPTIMIZERS = {
     "sgd_dampening_maximize": (torch.optim.SGD, dict(lr=0.05, fused=True, momentum=0.5,
                                                      dampening=0.1, maximize=True)),
     "sgd_plain": (torch.optim.SGD, dict(lr=0.05, fused=True)),
+    "adagrad_decay_maximize": (torch.optim.Adagrad, dict(lr=0.1, fused=True, lr_decay=0.01,
+                                                         weight_decay=0.05, maximize=True)),
+    "adagrad_tensor_lr": (torch.optim.Adagrad, dict(lr="tensor", fused=True)),
 }
 
 
@@ -453,7 +456,7 @@ def test_fused_optimizers_match_cpu_on_the_device(name, mode):
     assert not per_op.get("cpu_fallbacks") and not per_op.get("compile_cpu_fallbacks")
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd_nesterov_decay"])
+@pytest.mark.parametrize("name", ["adamw", "sgd_nesterov_decay", "adagrad_decay_maximize"])
 @pytest.mark.parametrize("mode", ["strict", "fused"])
 def test_fused_optimizer_with_grad_scaler(mode, name):
     want = _fused_run("cpu", name, scaler=True)

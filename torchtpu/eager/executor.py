@@ -278,6 +278,8 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
     strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
     functional = kind == FUNCTIONAL or kind == FUNCTIONAL_RAW
     check_fn = lowering.check[0] if with_check and lowering.check is not None else None
+    # results a functional lowering must return: the schema's, then one per mutated argument
+    n_results = len(lowering.op._schema.returns) + len(lowering.mutates)
 
     def traced(*flat):
         arrays = flat[:n]
@@ -298,6 +300,11 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
         else:
             out = fn(*a, **kw)
         if functional:
+            if n_results > 1 and (type(out) not in (tuple, list) or len(out) != n_results):
+                # checked while tracing: a wrong count would crash in C++ when the kernel returns
+                raise RuntimeError(f"torchtpu: the lowering of {op_name} returned "
+                                   f"{len(out) if type(out) in (tuple, list) else 1} results "
+                                   f"where its schema has {n_results} (a torchtpu bug)")
             return _static_results(out)
         # in-place: out holds the new value(s) of the written tensor(s)
         news = out if isinstance(out, (list, tuple)) else (out,)

@@ -287,7 +287,7 @@ def bind_runtime() -> None:
     _bind(aten._amp_foreach_non_finite_check_and_unscale_.default,
           _multi.non_finite_check_and_unscale_)
     _bind(aten._amp_update_scale_.default, _multi.update_scale_)
-    for name in ("_fused_adam", "_fused_adamw", "_fused_sgd"):
+    for name in ("_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"):
         for overload in ("default", "tensor_lr"):
             functional = getattr(getattr(aten, name), overload)
             _bind(getattr(getattr(aten, name + "_"), overload),

@@ -1,7 +1,8 @@
-"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW/SGD(fused=True)``): the whole update
+"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)``): the whole update
 of every parameter as one pure function.
 
-The functional forms (``_fused_adam(w)``, ``_fused_sgd``: new params, grads, state) are the
+The functional forms (``_fused_adam(w)``, ``_fused_sgd``, ``_fused_adagrad``: new params, grads,
+state) are the
 lowerings, which torch.compile graphs use; the in-place forms that eager calls update five lists
 and are composed of the functional op and ``_foreach_copy_`` (``eager/multi_write_kernels.py``).
 The math follows CUDA's and CPU's fused kernels: the step counts are already incremented; with
@@ -109,3 +110,26 @@ def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, 
         new[0] = p - lr * g
         _emit(outs, olds, new, skip)
     return tuple(list(o) for o in outs)
+
+
+@register(aten._fused_adagrad.default, aten._fused_adagrad.tensor_lr)
+def fused_adagrad(self, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps,
+                  maximize, grad_scale=None, found_inf=None):
+    tensor_lr = hasattr(lr, "dtype")
+    lr = _scalar(lr)
+    skip = _skipped(found_inf)
+    outs = ([], [], [], [])
+    for i, p0 in enumerate(self):
+        p = p0.astype(jnp.float32)
+        g = _unscaled(grads[i], grad_scale)
+        g_out = g
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            g = g + weight_decay * p
+        clr = lr / (1 + (_scalar(state_steps[i]) - 1) * lr_decay)
+        total = state_sums[i].astype(jnp.float32) + g * g
+        new = [p - clr * g / (jnp.sqrt(total) + eps), g_out, total, state_steps[i]]
+        _emit(outs, [p0, grads[i], state_sums[i], state_steps[i]], new, skip)
+    # the tensor_lr overload returns no state_steps list (its schema has three results)
+    return tuple(list(o) for o in outs[:3 if tensor_lr else 4])
