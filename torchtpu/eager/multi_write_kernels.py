@@ -4,9 +4,9 @@ Fused, never sync with the host and never fall back to the CPU.
 
 - GradScaler's two ops (the gradients and ``found_inf``; the scale and the growth tracker),
   following CUDA's kernels (``AmpKernels.cu``).
-- ``torch.optim.Adam/AdamW/SGD(fused=True)``'s in-place ops: the functional op's lowering
-  (``lowering/optim.py``) computes every new value in one program, then ``_foreach_copy_``
-  writes each list back.
+- ``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)``'s in-place ops: the functional op's
+  lowering (``lowering/optim.py``) computes every new value in one program, then
+  ``_foreach_copy_`` writes each changed list back.
 """
 from __future__ import annotations
 
@@ -43,12 +43,17 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor: float, backof
 def fused_optimizer_(functional):
     """The in-place kernel of a fused optimizer op from its functional form, whose results are
     the new values of its leading list arguments (params, grads, then the state lists)."""
+    # the step counts are incremented by the optimizer before the op; a functional form that
+    # returns them (_fused_adagrad's state_steps_out) returns them unchanged
+    unchanged = {i for i, r in enumerate(functional._schema.returns)
+                 if r.name == "state_steps_out"}
+
     def kernel(*lists, **kwargs):
         if not lists[0]:
             return
         new = functional(*lists, **kwargs)
         for i, (dst, values) in enumerate(zip(lists, new)):
-            if i == 1 and kwargs.get("grad_scale") is None:
+            if i in unchanged or (i == 1 and kwargs.get("grad_scale") is None):
                 continue  # the gradients change only when they are unscaled
             if dst:
                 torch._foreach_copy_(dst, values)

@@ -749,7 +749,7 @@ def linalg_matrix_sqrth(self):
 @register(aten.linalg_polar.default)  # new in torch 2.14
 def linalg_polar(A):
     if A.ndim < 2:
-        raise RuntimeError(f"linalg.polar: The input tensor A must have at least 2 dimensions.")
+        raise RuntimeError("linalg.polar: The input tensor A must have at least 2 dimensions.")
     _floating(A, "linalg.polar")
     m, n = A.shape[-2:]
     if m < n:

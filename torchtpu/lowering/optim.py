@@ -1,10 +1,10 @@
-"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)``): the whole update
-of every parameter as one pure function.
+"""PyTorch's fused optimizer ops (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)``): the whole
+update of every parameter as one pure function.
 
 The functional forms (``_fused_adam(w)``, ``_fused_sgd``, ``_fused_adagrad``: new params, grads,
-state) are the
-lowerings, which torch.compile graphs use; the in-place forms that eager calls update five lists
-and are composed of the functional op and ``_foreach_copy_`` (``eager/multi_write_kernels.py``).
+state) are the lowerings, which torch.compile graphs use; the in-place forms that eager calls
+update their lists in place and are composed of the functional op and ``_foreach_copy_``
+(``eager/multi_write_kernels.py``).
 The math follows CUDA's and CPU's fused kernels: the step counts are already incremented; with
 ``grad_scale`` the gradients are unscaled (and written back); with ``found_inf`` set, nothing
 changes.
