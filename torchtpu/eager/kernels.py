@@ -133,6 +133,8 @@ def is_view_schema(schema) -> bool:
 def bind_lowering(lowering: registry.Lowering) -> None:
     op = lowering.op
     schema = op._schema
+    if lowering.graph_only:  # registry flag: eager keeps PyTorch's kernel
+        return
     if is_view_schema(schema):
         # Lowerings of view ops serve the graph executors (compile, fused) only: in eager a
         # view must alias its base, which PyTorch's metadata kernels do (see VIEW_OPS).

@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     factories,
     fft,
     foreach,
+    graph_ops,
     indexing,
     linalg,
     losses,

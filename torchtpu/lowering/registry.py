@@ -42,6 +42,9 @@ Flags (the executors read them; no op is special-cased inside an executor):
   storage (``as_strided`` addresses storage elements), which an array value does not carry. Every
   executor passes ``layout=(strides, storage_offset)`` of that tensor as PyTorch has it (eager:
   the tensor's; compiled: its FakeTensor's), a static argument.
+- ``graph_only``: the lowering serves the graph executors (compile, export) only; eager keeps
+  PyTorch's own kernel (``_to_copy`` moves between devices there, ``full_like`` may name
+  another device, ``_assert_tensor_metadata`` checks on the host).
 
 Non-array results (a ``SymInt`` return such as ``max_q`` of the fused attention ops) are Python
 values computed from static information (shapes): the lowering returns them as Python ints.
@@ -68,6 +71,7 @@ class Lowering:
     reads_precision: bool = False  # traces differently per ``matmul_precision()``: in the keys
     reads_layout: bool = False
     meta: dict = field(default_factory=dict)
+    graph_only: bool = False
 
     @property
     def name(self) -> str:
@@ -134,7 +138,7 @@ def _overloads(op) -> list[OpOverload]:
 
 
 def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=(),
-             check=None, reads_precision=False, reads_layout=False):
+             check=None, reads_precision=False, reads_layout=False, graph_only=False):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
@@ -148,7 +152,7 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mu
             for ov in _overloads(op):
                 LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
                                          tuple(mutates), check, reads_precision,
-                                         reads_layout)
+                                         reads_layout, graph_only=graph_only)
         return fn
 
     return deco
