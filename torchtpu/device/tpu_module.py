@@ -106,8 +106,34 @@ def get_device_capability(device=None):
     return (0, 0)
 
 
+# Peak dense bfloat16 matmul throughput per PJRT device (FLOP/s), from the vendors' published
+# figures, keyed by a lower-case substring of ``device_kind`` (first match wins, so specific
+# names come before their prefixes). TPU v2/v3 show each TensorCore as a device: half a chip.
+_PEAK_BF16_FLOPS = (
+    ("tpu v2", 22.5e12), ("tpu v3", 61.5e12), ("tpu v4", 275e12),
+    ("tpu v5 lite", 197e12), ("tpu v5e", 197e12), ("tpu v5p", 459e12), ("tpu v5", 459e12),
+    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12),
+    ("a100", 312e12), ("h100 pcie", 756e12), ("h100", 989e12), ("h200", 989e12),
+    ("b200", 2250e12), ("l40s", 362e12), ("l4", 121e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Published peak dense bf16 FLOP/s of a device kind, or None where unknown (CPU)."""
+    kind = device_kind.lower()
+    for key, flops in _PEAK_BF16_FLOPS:
+        if key in kind:
+            return flops
+    return None
+
+
 class _DeviceProperties:
-    """What ``get_device_properties`` returns (CUDA-like attribute names where they apply)."""
+    """What ``get_device_properties`` returns (CUDA-like attribute names where they apply).
+
+    ``total_memory`` is the device's memory (PJRT's limit; the host's on the CPU platform,
+    where ``is_integrated`` is True as the memory is shared); ``peak_flops`` the published
+    peak dense bfloat16 FLOP/s of the device kind, None where unknown.
+    """
 
     def __init__(self, index: int):
         d = _devices.jax_device(index)
@@ -124,10 +150,14 @@ class _DeviceProperties:
         self.type = "tpu"
         self.major, self.minor = get_device_capability(index)
         self.multi_processor_count = getattr(d, "core_count", 1) or 1
+        self.is_integrated = d.platform == "cpu"
+        self.peak_flops = peak_flops(self.device_kind)
 
     def __repr__(self):
+        flops = "" if self.peak_flops is None else f", peak_flops={self.peak_flops:.4g}"
         return (f"_TpuDeviceProperties(name='{self.name}', platform='{self.platform}', "
-                f"total_memory={self.total_memory // (1024 * 1024)}MB, index={self.index})")
+                f"total_memory={self.total_memory // (1024 * 1024)}MB{flops}, "
+                f"index={self.index})")
 
 
 def get_device_properties(device=None) -> _DeviceProperties:
