@@ -21,3 +21,7 @@ from .device.registration import register as _register
 
 _register()
 
+
+from .distributed import register as _register_distributed  # noqa: E402
+
+_register_distributed()  # c10d backend "tpu_dist"; joins a cluster lazily

@@ -114,7 +114,11 @@ _index: dict = {}
 
 
 def install() -> None:
-    devs = _devices.devices()
+    """Hooked to run when the backend is created (runtime/devices.py creates it lazily)."""
+    _devices.after_backend.append(_install)
+
+
+def _install(devs) -> None:
     if len(devs) < 2 or not hasattr(_buffer, "wrap_multi"):
         return
     _index.update({d: i for i, d in enumerate(devs)})

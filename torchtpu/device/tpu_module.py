@@ -48,7 +48,7 @@ def _lazy_init() -> None:
 
 
 def device_count() -> int:
-    return _devices.device_count()
+    return _devices.visible_device_count()
 
 
 def current_device() -> int:

@@ -342,7 +342,7 @@ def run_strict(lowering, kind, args, kwargs, mode=None):
     return run(lowering, kind, args, kwargs, _STRICT if mode is None else mode)
 
 
-_ArrayImpl = type(jax.numpy.zeros(()))
+from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402  (no backend at import)
 
 # Set by the fused executor (eager/fused.py) when it is loaded: run(...) hands every op to it
 # while the mode is DEFER_AND_FUSE.

@@ -23,24 +23,59 @@ def platform() -> str:
     return jax.default_backend()
 
 
-@functools.lru_cache(maxsize=None)
+# The JAX backend is created lazily, at the first device use, not at ``import torch``: a
+# multi-process job must join its cluster (``jax.distributed.initialize``) before that.
+# ``before_backend``: callables run once, just before the backend is created (the distributed
+# bootstrap registers one); ``after_backend``: callables run once with the device tuple.
+before_backend: list = []
+after_backend: list = []
+_devs: list = []
+# In a multi-process job each process owns one device; CUDA habits name it tpu:{local_rank}
+# (``set_device(local_rank)``). ``alias_count`` > 1 makes tpu:0 .. tpu:{alias_count - 1} all
+# name that one device (tensors live on index 0; see torchtpu/distributed/bootstrap.py).
+alias_count = [0]
+
+
+def backend_created() -> bool:
+    return bool(_devs)
+
+
 def devices() -> tuple:
-    """The local PJRT devices that tpu:0, tpu:1, ... name."""
-    return tuple(jax.local_devices(backend=platform()))
+    """The local PJRT devices that tpu:0, tpu:1, ... name (creates the backend once)."""
+    if _devs:
+        return _devs[0]
+    for hook in list(before_backend):
+        hook()
+    devs = tuple(jax.local_devices(backend=platform()))
+    if not _devs:
+        _devs.append(devs)
+        for hook in list(after_backend):
+            hook(devs)
+    return _devs[0]
 
 
 def device_count() -> int:
+    """Physical local devices (executors key on this)."""
     return len(devices())
+
+
+def visible_device_count() -> int:
+    """What ``torch.tpu.device_count()`` reports: the local devices, or the aliases of this
+    process's one device in a multi-process job."""
+    return max(len(devices()), alias_count[0])
 
 
 def jax_device(index: int | None):
     """The jax device for tpu:index, raising like CUDA for an invalid ordinal."""
     devs = devices()
     i = 0 if index is None else index
-    if not 0 <= i < len(devs):
-        raise RuntimeError(
-            f"Invalid device ordinal: tpu:{i} does not exist (device_count() is {len(devs)})")
-    return devs[i]
+    if 0 <= i < len(devs):
+        return devs[i]
+    if 0 <= i < alias_count[0] and len(devs) == 1:
+        return devs[0]
+    n = visible_device_count()
+    raise RuntimeError(
+        f"Invalid device ordinal: tpu:{i} does not exist (device_count() is {n})")
 
 
 def device_name(index: int | None = None) -> str:

@@ -1,0 +1,42 @@
+"""``torch.distributed`` on "tpu": the "tpu_dist" process group (also registered as "tpu").
+
+One process per device; the processes form a JAX cluster (``bootstrap.py``) and every
+collective is a cached SPMD XLA program over a mesh of the group's devices (``collectives.py``,
+``process_group.py``). ``register()`` runs at ``import torch`` (autoload) and is cheap: it
+registers the backend and the lazy-bootstrap hook; nothing joins a cluster until
+``init_process_group`` or the first device use in a job with ``WORLD_SIZE`` > 1.
+"""
+from __future__ import annotations
+
+_done = [False]
+
+
+def _create(opts, backend_options=None):
+    """The c10d backend creator (``extended_api=True``)."""
+    from . import bootstrap
+    from .process_group import ProcessGroupTPU
+
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks:  # the default group: join the cluster first
+        bootstrap.join(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+        ranks = list(range(opts.group_size))
+    return ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout, ranks,
+                           opts.group_id)
+
+
+def register() -> None:
+    """Register backends "tpu" and "tpu_dist" (the default for device "tpu") with c10d."""
+    if _done[0]:
+        return
+    _done[0] = True
+    import torch.distributed as dist
+
+    from . import bootstrap
+
+    bootstrap.install()
+    if not dist.is_available():
+        return
+    for name in ("tpu", "tpu_dist"):  # the last one registered is the default for "tpu"
+        if name.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])
+    dist.Backend.default_device_backend_map["tpu"] = "tpu_dist"

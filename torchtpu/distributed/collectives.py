@@ -1,0 +1,200 @@
+"""Collectives as cached, jitted SPMD XLA programs over a mesh of a group's devices.
+
+Every collective is ``jax.shard_map`` over a 1-D ``Mesh`` (axis ``"r"``) of the group's
+devices, one device per rank, in group-rank order. This process's block enters the program
+zero-copy (``jax.make_array_from_single_device_arrays``) and its result block leaves as the
+output's one addressable shard, so only the transport (gloo in XLA:CPU, NCCL on GPU, ICI on
+TPU) moves data. Blocks have at least one dimension; the callers reshape 0-dim values.
+
+Programs are cached per (kind, mesh, static parameters); ``jax.jit`` specialises on shapes and
+dtypes. Each trace is counted as ``dist_compiles`` (per kind).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..runtime.metrics import count
+
+AX = "r"
+
+
+class GroupMesh:
+    """A group's devices (group-rank order) as a 1-D mesh; ``me``: this process's position."""
+
+    def __init__(self, devices, me: int):
+        self.devices = tuple(devices)
+        self.n = len(self.devices)
+        self.me = me
+        self.mesh = Mesh(np.array(self.devices, dtype=object), (AX,))
+        self.sharding = NamedSharding(self.mesh, P(AX))
+        self.local = self.devices[me]
+
+    def enter(self, block):
+        """The global array whose block on this process is ``block`` (no copy)."""
+        shape = (block.shape[0] * self.n,) + tuple(block.shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, self.sharding, [block])
+
+    def run(self, kind: str, static: tuple, blocks) -> tuple:
+        """Run program ``kind`` on this process's ``blocks``; this process's result blocks."""
+        fn = _program(kind, self, static)
+        outs = fn(*[self.enter(b) for b in blocks])
+        return tuple(o.addressable_shards[0].data for o in outs)
+
+
+def _unsigned(dtype):
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+
+
+def _bitwise(g, op):
+    f = {"band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor}[op]
+    return functools.reduce(f, [g[i] for i in range(g.shape[0])])
+
+
+def _reduce_stack(g, op, n):
+    """Reduce a stack (n, *S) of every rank's block along axis 0, in rank order."""
+    if g.dtype == jnp.bool_:
+        if op in ("sum", "max", "bor"):
+            return jnp.any(g, axis=0)
+        if op in ("min", "product", "band"):
+            return jnp.all(g, axis=0)
+        return (jnp.sum(g.astype(jnp.int32), axis=0) % 2).astype(jnp.bool_)  # bxor
+    if op == "sum":
+        return functools.reduce(jnp.add, [g[i] for i in range(n)])
+    if op == "avg":
+        return (functools.reduce(jnp.add, [g[i] for i in range(n)]) / n).astype(g.dtype)
+    if op == "min":
+        return jnp.min(g, axis=0)
+    if op == "max":
+        return jnp.max(g, axis=0)
+    if op == "product":
+        return functools.reduce(jnp.multiply, [g[i] for i in range(n)])
+    return _bitwise(g, op)
+
+
+def _allreduce(x, op, n, factor):
+    if x.dtype == jnp.bool_:
+        u = x.astype(jnp.uint8)
+        if op in ("sum", "max", "bor"):
+            return lax.pmax(u, AX).astype(jnp.bool_)
+        if op in ("min", "product", "band"):
+            return lax.pmin(u, AX).astype(jnp.bool_)
+        return (lax.psum(u.astype(jnp.int32), AX) % 2).astype(jnp.bool_)
+    if op == "sum":
+        return lax.psum(x, AX)
+    if op == "avg":
+        return (lax.psum(x, AX) / n).astype(x.dtype)
+    if op == "premul_sum":
+        return lax.psum(x * jnp.asarray(factor, x.dtype), AX)
+    if op == "min":
+        return lax.pmin(x, AX)
+    if op == "max":
+        return lax.pmax(x, AX)
+    return _reduce_stack(lax.all_gather(x, AX, axis=0), op, n)  # product, bitwise
+
+
+def _body(kind, n, static):
+    """The per-device function of program ``kind`` (blocks in, tuple of blocks out)."""
+    if kind == "allreduce":  # static: (op, factor); any number of operands (coalesced)
+        op, factor = static
+        return lambda *xs: tuple(_allreduce(x, op, n, factor) for x in xs)
+    if kind == "allgather":  # each operand -> the concatenation of every rank's block
+        return lambda *xs: tuple(lax.all_gather(x, AX, axis=0, tiled=True) for x in xs)
+    if kind == "reduce_scatter":  # static: (op, factor); operand (n*C, ...) -> (C, ...)
+        op, factor = static
+
+        def rs(x):
+            if op in ("sum", "avg", "premul_sum") and x.dtype != jnp.bool_:
+                if op == "premul_sum":
+                    x = x * jnp.asarray(factor, x.dtype)
+                s = lax.psum_scatter(x, AX, scatter_dimension=0, tiled=True)
+                return (s / n).astype(x.dtype) if op == "avg" else s
+            got = lax.all_to_all(x, AX, 0, 0, tiled=True)  # (n*C, ...): rank i's chunk i-th
+            return _reduce_stack(got.reshape((n, -1) + got.shape[1:]), op, n)
+
+        return lambda *xs: tuple(rs(x) for x in xs)
+    if kind == "broadcast":  # static: (src,); exact for every value (bit patterns summed)
+        (src,) = static
+
+        def bc(x):
+            u = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else \
+                lax.bitcast_convert_type(x, _unsigned(x.dtype))
+            u = jnp.where(lax.axis_index(AX) == src, u, jnp.zeros_like(u))
+            s = lax.psum(u, AX)
+            return s.astype(jnp.bool_) if x.dtype == jnp.bool_ else \
+                lax.bitcast_convert_type(s, x.dtype)
+
+        return lambda *xs: tuple(bc(x) for x in xs)
+    if kind == "alltoall":  # operand (n*C, ...): chunk j goes to rank j; received in rank order
+        return lambda *xs: tuple(lax.all_to_all(x, AX, 0, 0, tiled=True) for x in xs)
+    if kind == "p2p":  # static: (k_up, k_down) on a 2-device mesh (lo, hi)
+        k_up, k_down = static
+
+        def pp(*xs):
+            up = [lax.ppermute(x, AX, [(0, 1)]) for x in xs[:k_up]]
+            down = [lax.ppermute(x, AX, [(1, 0)]) for x in xs[k_up:k_up + k_down]]
+            return tuple(up + down)
+
+        return pp
+    raise ValueError(f"unknown collective program {kind!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _program(kind: str, gm: GroupMesh, static: tuple):
+    body = jax.shard_map(_body(kind, gm.n, static), mesh=gm.mesh, in_specs=P(AX),
+                         out_specs=P(AX), check_vma=False)
+
+    def traced(*xs):
+        count("dist_compiles", op=kind)  # runs once per program JAX builds
+        return body(*xs)
+
+    return jax.jit(traced)
+
+
+# ---- local (this process only) helpers: packing for uneven all_to_all ----
+
+@functools.lru_cache(maxsize=None)
+def pack(splits: tuple, m: int):
+    """(sum(splits), ...) -> (n*m, ...): chunk j padded to m rows."""
+    def f(x):
+        parts, o = [], 0
+        for s in splits:
+            c = x[o:o + s]
+            o += s
+            parts.append(jnp.pad(c, [(0, m - s)] + [(0, 0)] * (x.ndim - 1)))
+        return jnp.concatenate(parts, axis=0)
+
+    return jax.jit(f)
+
+
+@functools.lru_cache(maxsize=None)
+def unpack(splits: tuple, m: int):
+    """(n*m, ...) -> (sum(splits), ...): the first splits[j] rows of chunk j."""
+    def f(x):
+        return jnp.concatenate([x[j * m:j * m + s] for j, s in enumerate(splits)], axis=0)
+
+    return jax.jit(f)
+
+
+@functools.lru_cache(maxsize=None)
+def split_rows(sizes: tuple):
+    """(sum(sizes), ...) -> the row blocks, one per size."""
+    def f(x):
+        out, o = [], 0
+        for s in sizes:
+            out.append(x[o:o + s])
+            o += s
+        return tuple(out)
+
+    return jax.jit(f)
+
+
+@functools.lru_cache(maxsize=None)
+def concat_rows(n: int):
+    return jax.jit(lambda *xs: jnp.concatenate(xs, axis=0))
