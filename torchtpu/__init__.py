@@ -21,7 +21,11 @@ from .device.registration import register as _register
 
 _register()
 
-
 from .distributed import register as _register_distributed  # noqa: E402
 
 _register_distributed()  # c10d backend "tpu_dist"; joins a cluster lazily
+
+
+from .integrations import install as _install_integrations  # noqa: E402
+
+_install_integrations()
