@@ -3,6 +3,7 @@ from .stablehlo import (  # noqa: F401
     ExportError,
     StableHLOExportOptions,
     StableHLOGraphModule,
+    export_function,
     exported_program_to_stablehlo,
     load,
 )

@@ -30,7 +30,7 @@ from ..compile import lower as _lower
 from ..runtime.dtypes import to_jax
 
 __all__ = ["exported_program_to_stablehlo", "StableHLOGraphModule", "StableHLOExportOptions",
-           "load", "ExportError"]
+           "load", "ExportError", "export_function"]
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 _MUTATION_KINDS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
@@ -218,6 +218,45 @@ def exported_program_to_stablehlo(ep: ExportedProgram, options: StableHLOExportO
     exported = jax.export.export(jax.jit(program), **kw)(*avals)
     return StableHLOGraphModule(exported, state_names, state_values, input_names, output_names,
                                 n_user, ep)
+
+
+def export_function(fn, args, kwargs=None) -> ExportedProgram:
+    """``torch.export`` of a plain function that may differentiate (``torch.autograd.grad``):
+    a whole training step (forward, loss, backward, optimizer update) as one program.
+
+    ``torch.export.export`` of such code fails in torch 2.13 (the autograd engine's tensors
+    become "fake tensor constants"); tracing it first with ``make_fx`` (fake tensors) records
+    the backward as ordinary aten ops, and that graph exports. ``fn`` must be functional over
+    its arguments (return new parameters and optimizer state instead of writing them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kwargs = kwargs or {}
+    leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+    # one tensor passed twice (a zeros list used for two optimizer states) would be traced as
+    # one graph input read twice: trace with a copy, so each argument is its own input
+    seen = set()
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                leaves[i] = x.detach().clone()
+            seen.add(id(x))
+
+    def flat_fn(*xs):
+        a, k = pytree.tree_unflatten(list(xs), spec)
+        return fn(*a, **k)
+
+    gm = make_fx(flat_fn, tracing_mode="fake")(*leaves)
+
+    class _Traced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *a, **k):
+            return self.gm(*pytree.tree_leaves((a, k)))
+
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return torch.export.export(_Traced(), tuple(args), kwargs)
 
 
 class StableHLOGraphModule:
