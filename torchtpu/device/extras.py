@@ -314,9 +314,67 @@ def _storage_tpu(self, device=None, non_blocking=False):
     return torch.UntypedStorage(self.nbytes(), device=torch.device("tpu", idx)).copy_(self)
 
 
+_StorageResize = torch._C.StorageBase.resize_
+
+
+@functools.lru_cache(maxsize=None)
+def _grow(n_old: int, n_new: int, dtype, device):
+    """The storage array resized from ``n_old`` to ``n_new`` elements: the prefix kept, the
+    rest zeros (PyTorch leaves it uninitialised)."""
+    def grow(old):
+        flat = old.reshape(-1)[:min(n_old, n_new)]
+        return jax.numpy.concatenate([flat, jax.numpy.zeros((n_new - flat.shape[0],), dtype)])
+
+    return jax.jit(grow, out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+def _storage_resize(self, nbytes):
+    """``UntypedStorage.resize_`` on a tpu storage (FSDP2 frees unsharded parameters with
+    ``resize_(0)`` and re-allocates them with ``resize_(n)``). C++ would call the hooks'
+    ``resizePrivateUse1Bytes``, which Python cannot provide; instead the storage takes a new
+    fake data pointer of the new size (``_swap_data_ptr_`` with a fresh storage, so every
+    tensor and view on it sees the new size) and its buffer a new array: the old one is
+    dropped at size 0 (``memory_allocated`` falls), the prefix kept otherwise."""
+    if self.device.type != "tpu":
+        return _StorageResize(self, nbytes)
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes=[{nbytes}]")
+    old_bytes = self.nbytes()
+    if nbytes == old_bytes:
+        return self
+    idx = self.device.index or 0
+    buf = _buffer.buffer_of_storage(self)
+    if nbytes == 0 and getattr(buf, "pending", False):
+        arr = buf.aval  # freeing a value the Fused graph has not computed yet: no cut
+    else:
+        arr = buf.array
+    if arr is None:
+        arr = np.zeros((0,), np.uint8)
+    dt = np.dtype(arr.dtype)
+    if nbytes % dt.itemsize or old_bytes % dt.itemsize:
+        if dt != np.uint8:
+            arr = _bitcast_to("uint8", arr.shape)(arr)
+        dt = np.dtype(np.uint8)
+    jdev = _devices.jax_device(idx)
+    if nbytes == 0:
+        new = jax.device_put(np.zeros((0,), dt), jdev)
+    else:
+        if not isinstance(arr, jax.Array):
+            arr = jax.device_put(np.asarray(arr), jdev)
+        new = _grow(old_bytes // dt.itemsize, nbytes // dt.itemsize, dt, jdev)(arr)
+    swap = torch._C.StorageBase._swap_data_ptr_  # needs equal sizes or one of them 0
+    if old_bytes and nbytes:
+        swap(self, _buffer.new_storage(0, idx))
+    swap(self, _buffer.new_storage(nbytes, idx))
+    buf.array = new
+    return self
+
+
 def _install_storage() -> None:
     torch.UntypedStorage.__new__ = _storage_new
     torch.UntypedStorage.copy_ = _storage_copy
+    torch.UntypedStorage.resize_ = _storage_resize
     torch.UntypedStorage._write_file = _storage_write_file
     torch.UntypedStorage._set_from_file = _storage_set_from_file
     if not hasattr(torch.UntypedStorage, "tpu"):

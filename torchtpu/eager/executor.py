@@ -222,12 +222,13 @@ def _device_for_factory(kwargs, args):
     return _devices.jax_device(_device_index(dev))
 
 
-def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=None):
+def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=None,
+           groups=None):
     """The jitted program for one cache key (see make_traced). ``device``: pin the outputs
     there (with several devices, an output that does not depend on an input would otherwise
     land on JAX's default device)."""
     traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots,
-                         with_check=True)
+                         with_check=True, groups=groups)
     name = lowering.name
 
     def compiled(*flat):
@@ -260,14 +261,21 @@ def _device_of_inputs(flat):
     return None
 
 
-def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_check=False):
+def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_check=False,
+                groups=None):
     """The pure function of one op application, shared by the Strict and Fused executors.
 
     It takes flat positional arguments: one storage array per tensor, then the traced storage
     offsets of strided views, then the RNG words for a random op (no pytrees on the hot path).
     It returns the op's outputs, or the new storage arrays of the tensors it writes; with
     ``with_check`` and a lowering that has a ``check``, the pair (that, inputs-valid flag).
+    ``groups`` (from ``storage_groups``): the op writes a list of tensors some of which share
+    a storage with another of its tensors; it then runs element by element (see
+    ``_sequential``).
     """
+    if groups is not None:
+        return _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
+                           groups)
     counter = [0]
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
@@ -323,6 +331,137 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
                                    f"shape {list(v.shape)}")
             new_storages.append(views.write(arrays[slot], specs[slot], offsets[slot], v))
         return tuple(new_storages)
+
+    return traced
+
+
+def storage_groups(kind, args, kwargs, tensors):
+    """For an in-place op on a list ``self`` (it writes ``tensors[:len(self)]``): None when no
+    written tensor shares its storage with another tensor of the op (the common case), else
+    each tensor's group, the index of the first tensor on the same storage (part of the
+    cache key: it changes the program)."""
+    if kind != INPLACE and kind != DIRECT_INPLACE:
+        return None
+    first = args[0] if args else kwargs.get("self")
+    if type(first) is not list and type(first) is not tuple:
+        return None
+    n_writes = len(first)
+    seen: dict = {}
+    groups = []
+    shared = False
+    for j, t in enumerate(tensors):
+        st = getattr(t.untyped_storage(), "_tpu_buffer", None) if isinstance(t, Tensor) else None
+        if st is None:
+            groups.append(j)
+            continue
+        g = seen.setdefault(id(st), j)
+        if g != j and (g < n_writes or j < n_writes):
+            shared = True
+        groups.append(g)
+    return tuple(groups) if shared else None
+
+
+class _Sliced:
+    """A skeleton slot whose value (a traced Scalar[] array) is taken at one list position."""
+    __slots__ = ("i", "pos")
+
+    def __init__(self, i, pos):
+        self.i = i
+        self.pos = pos
+
+
+def _at_position(x, pos, n, tensors):
+    """Skeleton argument ``x`` restricted to list position ``pos`` of an ``n``-long list op:
+    a top-level list of length ``n`` becomes its one element (as a list), a traced Scalar[]
+    its one value; anything else is shared by every position."""
+    if isinstance(x, (list, tuple)) and len(x) == n:
+        return type(x)([x[pos]])
+    if type(x) is _Slot and type(tensors[x.i]) is Traced and type(tensors[x.i].value) in (list, tuple):
+        return _Sliced(x.i, pos)
+    return x
+
+
+def _fill_lazy(x, get):
+    """_fill, reading each slot's value through ``get(slot index)`` when it is used."""
+    if type(x) is _Slot:
+        return get(x.i)
+    if type(x) is _Sliced:
+        return get(x.i)[x.pos:x.pos + 1]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fill_lazy(e, get) for e in x)
+    return x
+
+
+def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check, groups):
+    """An in-place list op whose written tensors share storage with each other or with its
+    other tensors (FSDP's copy-in into split views of one flat buffer, ``clip_grad_norm_``
+    over views of one gradient buffer, a view and its base in one list), computed as the CPU
+    kernels do: position by position, each reading the storage as the positions before it
+    left it and writing into it, so no write is lost and later positions see earlier writes.
+
+    The lowering is applied to the one-element lists of each position. An op with a tensor
+    argument outside its lists (``_foreach_addcdiv_(..., scalars: Tensor)``, whose per-position
+    meaning the skeleton cannot tell) or a random one is applied to the whole lists at each
+    position and position ``i``'s result is taken (XLA drops the rest)."""
+    counter = [0]
+    sk_args = _skeleton(args, counter)
+    sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
+    fn = lowering.fn
+    op_name = lowering.name
+    n = len(tensors)
+    n_writes = len(write_slots)
+    strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
+    check_fn = lowering.check[0] if with_check and lowering.check is not None else None
+    top = list(sk_args) + list(sk_kwargs.values())
+    whole = lowering.random or any(
+        type(x) is _Slot and isinstance(tensors[x.i], Tensor) for x in top)
+    per_pos = []
+    for pos in range(n_writes):
+        if whole:
+            per_pos.append((sk_args, sk_kwargs))
+        else:
+            per_pos.append((tuple(_at_position(x, pos, n_writes, tensors) for x in sk_args),
+                            {k: _at_position(v, pos, n_writes, tensors)
+                             for k, v in sk_kwargs.items()}))
+
+    def traced(*flat):
+        offsets = [None] * n
+        for j, i in enumerate(strided):
+            offsets[i] = flat[n + j]
+        state = {}
+        for j in range(n):
+            state.setdefault(groups[j], flat[j])
+
+        def get(j):
+            return views.read(state[groups[j]], specs[j], offsets[j])
+
+        ok = None
+        for pos, slot in enumerate(write_slots):
+            a_sk, kw_sk = per_pos[pos]
+            a = _fill_lazy(a_sk, get)
+            kw = {k: _fill_lazy(v, get) for k, v in kw_sk.items()}
+            if lowering.random:
+                out = fn(_rng.key_from(flat[-1]), *a, **kw)
+            else:
+                out = fn(*a, **kw)
+            if check_fn is not None:
+                flag = jnp.asarray(check_fn(*a, **kw), jnp.bool_)
+                ok = flag if ok is None else ok & flag
+            news = out if isinstance(out, (list, tuple)) else (out,)
+            v = news[pos] if whole else news[0]
+            old = get(slot)
+            _check_cast(op_name, _buffer.dtypes.to_torch(v.dtype),
+                        _buffer.dtypes.to_torch(old.dtype))
+            shape = tuple(old.shape)
+            if tuple(v.shape) != shape and jnp.broadcast_shapes(tuple(v.shape), shape) != shape:
+                raise RuntimeError(f"output with shape {list(shape)} doesn't match the broadcast "
+                                   f"shape {list(v.shape)}")
+            g = groups[slot]
+            state[g] = views.write(state[g], specs[slot], offsets[slot], v)
+        out = tuple(state[groups[slot]] for slot in write_slots)
+        if check_fn is None:
+            return out
+        return out, (jnp.asarray(True) if ok is None else ok)
 
     return traced
 
@@ -430,6 +569,11 @@ def run(lowering, kind, args, kwargs, mode=None):
     key = (lowering, kind, key_args, key_kwargs, specs, _default_dtype())
     if lowering.reads_precision:
         key = key + (matmul_precision(),)
+    groups = None
+    if kind != FUNCTIONAL and kind != FUNCTIONAL_RAW:
+        groups = storage_groups(kind, args, kwargs, tensors)
+        if groups is not None:
+            key = key + (groups,)
     dev = None
     if not tensors:  # a factory: its program is bound to the current device
         key = key + (_device_index(None),)
@@ -441,7 +585,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         COUNTERS["eager_cache_misses"] += 1
         ws = _write_slots(kind, args, kwargs)
         entry = _CACHE[key] = _Entry(
-            _build(lowering, kind, args, kwargs, specs, tensors, ws, dev), ws)
+            _build(lowering, kind, args, kwargs, specs, tensors, ws, dev, groups), ws)
     else:
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:

@@ -254,11 +254,16 @@ def record(lowering, kind, args, kwargs):
     skey = (lowering, kind, key_args, key_kwargs, specs, _default_dtype())
     if lowering.reads_precision:
         skey = skey + (matmul_precision(),)
+    groups = None
+    if kind != FUNCTIONAL and kind != FUNCTIONAL_RAW:
+        groups = executor.storage_groups(kind, args, kwargs, tensors)
+        if groups is not None:
+            skey = skey + (groups,)
     akey = (skey, tuple(aval_ids))
     hit = _AVALS.get(akey)
     if hit is None:
         hit = _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals,
-                          traced_scalars)
+                          traced_scalars, groups)
         if hit is None:  # it branches on a scalar: its scalars are baked in from now on
             return record(lowering, kind, orig[0], orig[1])
         _AVALS[akey] = hit
@@ -305,13 +310,14 @@ def record(lowering, kind, args, kwargs):
     return res
 
 
-def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced_scalars):
+def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced_scalars,
+                groups=None):
     """A new node kind: its pure function and abstract outputs (None: retry with static
     scalars)."""
     ws = executor._write_slots(kind, args, kwargs)
     checked = lowering.check is not None
     traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
-                                  with_check=checked)
+                                  with_check=checked, groups=groups)
     try:
         out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
     except (TypeError, ValueError) as e:

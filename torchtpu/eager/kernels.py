@@ -103,7 +103,7 @@ def _make(lowering, kind, out_names=(), void=False):
     in-place foreach ops), so the kernel must return None."""
     run = executor.run
     host = lowering.meta.get("host_tensors", False)
-    if void:
+    if void and kind != executor.OUT:
         def kernel(*args, **kwargs):
             if host:
                 args = _host_tensors_to_device(args)
@@ -115,10 +115,17 @@ def _make(lowering, kind, out_names=(), void=False):
             return run(lowering, kind, args, kwargs)
     else:
         def kernel(*args, **kwargs):
-            outs = [kwargs.pop(n) for n in out_names]
+            outs = []
+            for n in out_names:
+                o = kwargs.pop(n)
+                if isinstance(o, (list, tuple)):  # Tensor(a!)[] out (split_with_sizes_copy)
+                    outs.extend(o)
+                else:
+                    outs.append(o)
             if host:
                 args = _host_tensors_to_device(args)
-            return executor.run_out(lowering, args, kwargs, outs)
+            res = executor.run_out(lowering, args, kwargs, outs)
+            return None if void else res
     return kernel
 
 
@@ -151,11 +158,11 @@ def bind_lowering(lowering: registry.Lowering) -> None:
             _bind(inplace, _make(lowering, executor.INPLACE, void=not inplace._schema.returns))
         for o in outs:
             if registry.get(o) is None:
-                _bind(o, _make(lowering, executor.OUT, _out_names(o)))
+                _bind(o, _make(lowering, executor.OUT, _out_names(o), void=not o._schema.returns))
     elif schema.name.endswith("_") or op._overloadname.endswith("_"):
         _bind(op, _make(lowering, executor.DIRECT_INPLACE, void=not schema.returns))
     else:
-        _bind(op, _make(lowering, executor.OUT, _out_names(op)))
+        _bind(op, _make(lowering, executor.OUT, _out_names(op), void=not schema.returns))
 
 
 def bind_table() -> None:
@@ -274,7 +281,15 @@ def _no_nested_tensors(t, mask):
     return False
 
 
+def _resize_storage_bytes_(variable, new_size) -> None:
+    """inductor::resize_storage_bytes_ (compiled FSDP2 frees and re-allocates parameters with
+    it): the storage resize of device/extras.py."""
+    variable.untyped_storage().resize_(new_size)
+
+
 def bind_runtime() -> None:
+    if hasattr(torch.ops.inductor, "resize_storage_bytes_"):
+        _bind(torch.ops.inductor.resize_storage_bytes_.default, _resize_storage_bytes_)
     for op in VIEW_OPS:
         _bind(op, _redispatch_cpu(op))
     _bind(aten.empty.memory_format, _empty)

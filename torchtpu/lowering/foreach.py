@@ -104,6 +104,9 @@ def _make_addc(div):
         return [_addc(div, x, a, b, vals[i]) for i, (x, a, b) in
                 enumerate(zip(self, tensor1, tensor2))]
 
+    # PyTorch wants ``scalars`` on the CPU (CUDA's kernel reads it there): move it over
+    registry.LOWERINGS[packet.Tensor].meta["host_tensors"] = True
+
 
 _make_addc(False)
 _make_addc(True)
