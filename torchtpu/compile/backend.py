@@ -260,6 +260,8 @@ class CompiledGraph:
                 count("compile_ms", int((time.perf_counter() - t0) * 1000))
                 return _Entry(hit[0], hit[1]["consts"], donate, hit[1].get("checks", ()))
         fn = self.low.trace_fn(slots, statics, self.out_devices)
+        # the XLA module's name, for profiles (the kind only: the disk cache keys the HLO text)
+        fn.__name__ = "compiled." + self.name.rstrip("0123456789")
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype,
                                        sharding=jax.sharding.SingleDeviceSharding(_dev_of(a)))
                   for a in arrays]

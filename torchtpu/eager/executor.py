@@ -236,6 +236,8 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=Non
         count("eager_compiles", op=name)
         return traced(*flat)
 
+    compiled.__name__ = name  # the XLA module's name (jit_aten.add.Tensor): profiles show it
+
     jit_kwargs = {}
     if not tensors:
         device = _device_for_factory(kwargs, args)

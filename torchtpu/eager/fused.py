@@ -413,6 +413,7 @@ def _make_program(g, out_refs, donate=()):
             env.append(tuple(out) if isinstance(out, (tuple, list)) else (out,))
         return tuple(env[r[1]][r[2]] for r in out_refs)
 
+    program.__name__ = f"fused_graph_{len(_PROGRAMS)}"  # the XLA module's name, for profiles
     return jax.jit(program, donate_argnums=donate)
 
 
