@@ -374,6 +374,8 @@ class _Module(type(torch)):
 
 from .. import pallas  # noqa: E402  (torch.tpu.pallas.jax_op)
 from . import amp  # noqa: E402  (torch.tpu.amp: torch.cuda.amp's names)
+from .. import profiler  # noqa: E402  (torch.tpu.profiler; hooks torch.profiler for "tpu")
+from .. import export  # noqa: E402  (torch.tpu.export: ExportedProgram -> StableHLO)
 
 import sys as _sys
 
