@@ -1,0 +1,108 @@
+"""``generate()`` on "tpu" vs CPU: greedy, sampling, beam search; dynamic and static KV cache.
+
+A tiny random-weight Llama (no downloads) is built on CPU and deep-copied to "tpu". Greedy and
+beam search must produce CPU's tokens (left-padded batch); seeded sampling must repeat run to
+run on "tpu" (its RNG is not CPU's, so tokens are not compared with CPU) and with ``top_k=1``
+equal greedy. With a static cache, transformers compiles the decode step (backend "tpu"): one
+compile serves every new token (``torch.tpu.metrics()`` counters).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+VOCAB = 64
+TPU = torch.device("tpu")
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    cpu = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0)).eval()
+    return cpu, copy.deepcopy(cpu).to(TPU)
+
+
+def prompt():
+    """Two prompts, the second left-padded by two tokens."""
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    ids[1, :2] = 0
+    mask[1, :2] = 0
+    return ids, mask
+
+
+def generate(model, device, **kw):
+    ids, mask = prompt()
+    with torch.no_grad():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), pad_token_id=0,
+                             **kw)
+    if isinstance(out, torch.Tensor):
+        return out.cpu()
+    return out
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_matches_cpu(models, cache):
+    cpu, tpu = models
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation=cache)
+    expect = generate(cpu, "cpu", **kw)
+    got = generate(tpu, TPU, **kw)
+    assert got.shape == (2, 12)
+    torch.testing.assert_close(got, expect)
+
+
+def test_static_cache_compiles_decode_once(models):
+    cpu, _ = models
+    tpu = copy.deepcopy(cpu).to(TPU)
+    torch._dynamo.reset()
+    # (new tokens, decode graphs compiled): the cache grows for 7 (one more compile) and is
+    # reused as it is for 5; every decode step after a compile is a cache hit
+    for n, graphs in ((3, 1), (7, 1), (5, 0)):
+        torch.tpu.reset_metrics()
+        got = generate(tpu, TPU, max_new_tokens=n, do_sample=False, cache_implementation="static")
+        c = torch.tpu.metrics()["counters"]
+        # a miss is a new compiled decode graph (traced, or rebuilt from the AOT/program
+        # caches when an earlier test compiled the same one), at most one XLA compile each
+        assert c.get("compile_cache_misses", 0) == graphs, (n, c)
+        assert c.get("xla_compiles", 0) <= graphs, (n, c)
+        assert c.get("compile_cache_hits", 0) == n - 1 - graphs, (n, c)
+        torch.testing.assert_close(got, generate(cpu, "cpu", max_new_tokens=n, do_sample=False,
+                                                 cache_implementation="static"))
+
+
+def test_sampling_with_a_seed_repeats(models):
+    _, tpu = models
+    kw = dict(max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    runs = []
+    for seed in (11, 11, 12):
+        torch.manual_seed(seed)
+        runs.append(generate(tpu, TPU, **kw))
+    torch.testing.assert_close(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+    assert ((runs[0] >= 0) & (runs[0] < VOCAB)).all()
+
+
+def test_sampling_top_k_1_is_greedy(models):
+    cpu, tpu = models
+    torch.manual_seed(3)
+    got = generate(tpu, TPU, max_new_tokens=6, do_sample=True, top_k=1)
+    torch.testing.assert_close(got, generate(cpu, "cpu", max_new_tokens=6, do_sample=False))
+
+
+def test_beam_search_matches_cpu(models):
+    cpu, tpu = models
+    kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, num_return_sequences=2,
+              return_dict_in_generate=True, output_scores=True)
+    expect = generate(cpu, "cpu", **kw)
+    got = generate(tpu, TPU, **kw)
+    torch.testing.assert_close(got.sequences.cpu(), expect.sequences)
+    torch.testing.assert_close(got.sequences_scores.cpu(), expect.sequences_scores)
