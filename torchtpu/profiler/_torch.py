@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import warnings
 
@@ -228,7 +229,14 @@ def _merge_chrome_trace(path, s) -> None:
     base = int(trace.get("baseTimeNanoseconds", 0))
     evs = trace.setdefault("traceEvents", [])
     pid_cpu = os.getpid()
-    main_tid = threading.main_thread().native_id
+    # kineto names its threads "thread <tid> (<name>)"; XLA's tracer names lines by thread name
+    tids = {}
+    for e in evs:
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") == pid_cpu:
+            m = re.match(r"thread (\d+) \((.*)\)$", str(e.get("args", {}).get("name", "")))
+            if m:
+                tids.setdefault(m.group(2), set()).add(int(m.group(1)))
+    tids["python"] = {threading.main_thread().native_id}
     devices = sorted({r["device"] for r in s.runs})
     from ..runtime import devices as _devices
 
@@ -252,9 +260,10 @@ def _merge_chrome_trace(path, s) -> None:
         evs.append({"ph": "X", "cat": "kernel", "name": r["name"], "pid": pid, "tid": 0,
                     "ts": ts, "dur": max((r["end_ns"] - r["start_ns"]) / 1000, 0.001),
                     "args": args})
-        if r["launch_ns"] is not None:
+        launch_tids = tids.get(r.get("launch_thread"), ())
+        if r["launch_ns"] is not None and len(launch_tids) == 1:
             fid = 0x7470_0000 + k
-            evs.append({"ph": "s", "id": fid, "pid": pid_cpu, "tid": main_tid,
+            evs.append({"ph": "s", "id": fid, "pid": pid_cpu, "tid": next(iter(launch_tids)),
                         "ts": (r["launch_ns"] - base) / 1000, "cat": "ac2g", "name": "ac2g"})
             evs.append({"ph": "f", "id": fid, "pid": pid, "tid": 0, "ts": ts, "cat": "ac2g",
                         "name": "ac2g", "bp": "e"})

@@ -73,8 +73,8 @@ class XlaSession:
 
     def program_runs(self) -> list[dict]:
         """One dict per XLA program execution: ``module``, ``name``, ``executor``, ``device``,
-        ``start_ns``/``end_ns`` (CLOCK_REALTIME), ``launch_ns`` (when the host called it, if
-        known), ``run_id``."""
+        ``start_ns``/``end_ns`` (CLOCK_REALTIME), ``launch_ns`` and ``launch_thread`` (when and
+        on which thread the host called it, if known), ``run_id``."""
         import jax
 
         data = jax.profiler.ProfileData.from_serialized_xspace(self.xspace)
@@ -97,7 +97,7 @@ class XlaSession:
                         continue
                     if name.startswith("PjitFunction("):
                         launches.setdefault(name[len("PjitFunction("):-1], []).append(
-                            int(ev.start_ns))
+                            (int(ev.start_ns), lname))
                         continue
                     stats = dict(ev.stats)
                     mod = stats.get("hlo_module")
@@ -128,7 +128,8 @@ class XlaSession:
             launch = _last_before(launches.get(fn, ()), s)
             res.append({"module": mod, "name": display_name(mod), "executor": executor_of(mod),
                         "device": dev, "start_ns": s + offset, "end_ns": e + offset,
-                        "launch_ns": None if launch is None else launch + offset,
+                        "launch_ns": None if launch is None else launch[0] + offset,
+                        "launch_thread": None if launch is None else launch[1],
                         "run_id": rid})
         return res
 
@@ -138,8 +139,9 @@ def _device_index(plane_name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _last_before(sorted_times, t):
+def _last_before(sorted_launches, t):
+    """The last (time, thread) launch at or before ``t``."""
     import bisect
 
-    i = bisect.bisect_right(sorted_times, t)
-    return sorted_times[i - 1] if i else None
+    i = bisect.bisect_right(sorted_launches, (t, "\uffff"))
+    return sorted_launches[i - 1] if i else None
