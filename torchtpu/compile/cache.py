@@ -40,9 +40,13 @@ def _env_fingerprint() -> str:
 
     from .. import __version__
 
-    dev = jax.devices()[0]
+    from ..runtime import devices as _devices
+
+    # an executable is bound to its device: ranks sharing a cache folder must not share entries
+    dev = _devices.jax_device(0)
     return "|".join([jax.__version__, getattr(jaxlib, "__version__", "?"), dev.platform,
-                     getattr(dev, "device_kind", "?"), __version__])
+                     getattr(dev, "device_kind", "?"), __version__,
+                     f"device {dev.id} of {jax.device_count(dev.platform)}"])
 
 
 _fp = []

@@ -24,6 +24,25 @@ def _create(opts, backend_options=None):
                            opts.group_id)
 
 
+_libs: list = []
+
+
+def _record_stream(tensor, stream) -> None:
+    """Every tpu stream is in order and buffers are reference counted: nothing to record."""
+
+
+def _install_record_stream() -> None:
+    """DDP copies its inputs on a side stream and calls ``record_stream`` (a PrivateUse1 op
+    with no CPU kernel, so the CPU fallback cannot run it)."""
+    import torch
+
+    from ..eager.dynamo_skip import skip
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("record_stream", skip(_record_stream), "PrivateUse1")
+    _libs.append(lib)
+
+
 def register() -> None:
     """Register backends "tpu" and "tpu_dist" (the default for device "tpu") with c10d."""
     if _done[0]:
@@ -34,6 +53,7 @@ def register() -> None:
     from . import bootstrap
 
     bootstrap.install()
+    _install_record_stream()
     if not dist.is_available():
         return
     for name in ("tpu", "tpu_dist"):  # the last one registered is the default for "tpu"

@@ -42,10 +42,22 @@ class GroupMesh:
         return jax.make_array_from_single_device_arrays(shape, self.sharding, [block])
 
     def run(self, kind: str, static: tuple, blocks) -> tuple:
-        """Run program ``kind`` on this process's ``blocks``; this process's result blocks."""
+        """Run program ``kind`` on this process's ``blocks``; this process's result blocks.
+
+        Every program also takes and returns this process's order token, so programs run in
+        the order they were issued: XLA:CPU runs independent programs concurrently, and two
+        collectives reaching the transport in different orders on two ranks mismatch."""
         fn = _program(kind, self, static)
-        outs = fn(*[self.enter(b) for b in blocks])
-        return tuple(o.addressable_shards[0].data for o in outs)
+        tok = _token.get(self.local)
+        if tok is None:
+            tok = jax.device_put(np.zeros((1,), np.uint32), self.local)
+        outs = fn(self.enter(tok), *[self.enter(b) for b in blocks])
+        _token[self.local] = outs[0].addressable_shards[0].data
+        return tuple(o.addressable_shards[0].data for o in outs[1:])
+
+
+# this process's order token per device (see GroupMesh.run)
+_token: dict = {}
 
 
 def _unsigned(dtype):
@@ -147,8 +159,13 @@ def _body(kind, n, static):
 
 @functools.lru_cache(maxsize=None)
 def _program(kind: str, gm: GroupMesh, static: tuple):
-    body = jax.shard_map(_body(kind, gm.n, static), mesh=gm.mesh, in_specs=P(AX),
-                         out_specs=P(AX), check_vma=False)
+    inner = _body(kind, gm.n, static)
+
+    def ordered(tok, *xs):  # the token's successor is ready only when the program finished
+        return (tok + 1,) + tuple(inner(*xs))
+
+    body = jax.shard_map(ordered, mesh=gm.mesh, in_specs=P(AX), out_specs=P(AX),
+                         check_vma=False)
 
     def traced(*xs):
         count("dist_compiles", op=kind)  # runs once per program JAX builds

