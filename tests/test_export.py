@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 import torchtpu  # noqa: F401
 from torchtpu.export import (ExportError, StableHLOExportOptions, export_function,
-                             exported_program_to_stablehlo)
+                             exported_program_to_stablehlo, load)
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,8 +63,11 @@ for d, inp, out in json.loads(sys.argv[1]):
     state = np.load(d + "/state.npz")
     xs = np.load(inp)
     args = [state[n] for n in meta["state_names"]] + [xs[f"x{i}"] for i in range(len(xs.files))]
+    # bfloat16 travels as its bits (npz has no bfloat16): view as the function's dtypes
+    args = [a.view(aval.dtype) for a, aval in zip(args, exp.in_avals)]
     res = exp.call(*args)
-    np.savez(out, *[np.asarray(r) for r in res])
+    np.savez(out, *[np.asarray(r).view(f"u{r.dtype.itemsize}") if r.dtype.name == "bfloat16"
+                    else np.asarray(r) for r in res])
 assert "torch" not in sys.modules, "the artifact runner imported torch"
 print("ok")
 """
@@ -113,15 +116,40 @@ def test_llama_forward_matches_cpu_and_runs_without_torch(tmp_path):
     torch.testing.assert_close(torch.from_numpy(logits), ref)
 
 
-def test_llama_core_aten_opset_has_lowerings():
+def test_llama_core_aten_opset_dynamic_batch_and_length():
     """With PyTorch's core ATen decompositions (the opset torch.export's users target), every
-    op lowers (no host callbacks: an op without a lowering would raise ExportError)."""
+    op lowers (no host callbacks: an op without a lowering would raise ExportError); batch and
+    sequence length stay symbolic."""
     m = tiny_llama()
-    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
-    ep = torch.export.export(m, (ids,), kwargs={"use_cache": False})
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    ep = torch.export.export(m, (), kwargs={"input_ids": ids, "use_cache": False},
+                             dynamic_shapes={"input_ids": {0: Dim("b", max=16),
+                                                           1: Dim("s", max=32)},
+                                             "use_cache": None})
     prog = exported_program_to_stablehlo(ep, StableHLOExportOptions(decompositions="core"))
-    torch.testing.assert_close(prog(ids, use_cache=False).logits.cpu(),
-                               m(ids, use_cache=False).logits)
+    assert "tensor<?x?xi64>" in prog.get_stablehlo_text()
+    for shape in [(1, 5), (3, 11)]:
+        x = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(prog(input_ids=x, use_cache=False).logits.cpu(),
+                                   m(x, use_cache=False).logits)
+
+
+def test_bfloat16_state_saved_and_loaded(tmp_path):
+    """bfloat16 state goes into state.npz as its bits; load() restores it and runs on tpu."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3)).to(torch.bfloat16).eval()
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    prog = exported_program_to_stablehlo(torch.export.export(m, (x,)))
+    d = str(tmp_path / "bf16")
+    prog.save(d)
+    with open(os.path.join(d, "meta.json")) as f:
+        assert json.load(f)["state_dtypes"][0] == "bfloat16"
+    loaded = load(d)
+    out = loaded(x.to("tpu"))
+    assert out.dtype == torch.bfloat16 and out.device.type == "tpu"
+    torch.testing.assert_close(out.cpu(), m(x))
+    (y,), = _run_without_torch([(d, [x.view(torch.int16).numpy()])])
+    torch.testing.assert_close(torch.from_numpy(y.view(np.int16)).view(torch.bfloat16), m(x))
 
 
 def test_cnn_of_a_tpu_model_dynamic_batch(tmp_path):

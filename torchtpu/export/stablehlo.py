@@ -10,8 +10,11 @@ The saved layout (``StableHLOGraphModule.save(d)``), readable with JAX and numpy
 - ``d/program.jaxexport``: ``jax.export.Exported.serialize()``; the function takes
   ``(*state in state_names order, *flat user tensor inputs)`` and returns the flat user outputs
   followed by the new values of the buffers (and inputs) the program mutates;
-- ``d/state.npz``: parameters, buffers and constants, keyed by ``state_names``;
-- ``d/meta.json``: ``state_names``, ``input_names``, ``output_names``, versions.
+- ``d/state.npz``: parameters, buffers and constants, keyed by ``state_names`` (bfloat16 and
+  float8 arrays as their bits, unsigned ints of the same width: ``z[name].view(aval.dtype)``
+  with the function's ``in_avals`` restores every dtype);
+- ``d/meta.json``: ``state_names``, ``state_dtypes``, ``input_names``, ``output_names``,
+  ``n_user_outputs``, versions.
 """
 from __future__ import annotations
 
@@ -320,9 +323,16 @@ class StableHLOGraphModule:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "program.jaxexport"), "wb") as f:
             f.write(self.exported.serialize())
-        np.savez(os.path.join(directory, "state.npz"),
-                 **{n: np.asarray(jax.device_get(a)) for n, a in zip(self.state_names, self.state)})
+        arrays = {}
+        for n, a in zip(self.state_names, self.state):
+            a = np.asarray(jax.device_get(a))
+            if type(a.dtype).__module__.startswith("ml_dtypes") or a.dtype.kind == "V":
+                # bfloat16/float8 have no .npy type: their bits, as unsigned ints
+                a = a.view(np.dtype(f"uint{a.dtype.itemsize * 8}"))
+            arrays[n] = a
+        np.savez(os.path.join(directory, "state.npz"), **arrays)
         meta = {"format": "torchtpu.export/1", "state_names": self.state_names,
+                "state_dtypes": [str(np.dtype(a.dtype)) for a in self.state],
                 "input_names": self.input_names, "output_names": self.output_names,
                 "n_user_outputs": self.n_user_outputs,
                 "torch": torch.__version__, "jax": jax.__version__}
@@ -338,6 +348,7 @@ def load(directory) -> StableHLOGraphModule:
     with open(os.path.join(directory, "meta.json")) as f:
         meta = json.load(f)
     with np.load(os.path.join(directory, "state.npz")) as z:
-        state = [jnp.asarray(z[n]) for n in meta["state_names"]]
+        state = [jnp.asarray(z[n].view(a.dtype))
+                 for n, a in zip(meta["state_names"], exported.in_avals)]
     return StableHLOGraphModule(exported, meta["state_names"], state, meta["input_names"],
                                 meta["output_names"], meta["n_user_outputs"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -69,6 +70,12 @@ def arange(*args, dtype=None, layout=None, device=None, pin_memory=None):
                  else torch.int64)
     if step == 0:
         raise RuntimeError("step must be nonzero")
+    if any(jax.export.is_symbolic_dim(v) for v in (start, end, step)):
+        # a symbolic size (torch.export.Dim, exported shape-polymorphic): integer ranges
+        if not (isinstance(step, int) and step > 0) or dtype.is_floating_point:
+            raise NotImplementedError("arange over a symbolic size needs an integer step > 0")
+        n = (end - start + step - 1) // step
+        return (start + jnp.arange(n, dtype=jnp.int64) * step).astype(to_jax(dtype))
     if not all(math.isfinite(float(v)) for v in (start, end)):
         raise RuntimeError(f"unsupported range: {start} -> {end}")
     if (step > 0 and end < start) or (step < 0 and end > start):
