@@ -83,8 +83,9 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, stacklevel=4)
 
 
-def _read(key: str, magic: bytes) -> bytes | None:
-    """The body of the entry for ``key`` (after its header), or None (a miss, counted)."""
+def _read(key: str, magic: bytes, kind: str = "compile") -> bytes | None:
+    """The body of the entry for ``key`` (after its header), or None (a miss, counted as
+    ``<kind>_disk_cache_misses``)."""
     path = _path(key)
     if path is None:
         return None
@@ -92,27 +93,27 @@ def _read(key: str, magic: bytes) -> bytes | None:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
-        count("compile_disk_cache_misses")
+        count(f"{kind}_disk_cache_misses")
         return None
     head = magic + key.encode() + b"\n"
     if data.startswith(head):
         return data[len(head):]
     if data.startswith(b"TORCHTPU-XLA-") and not data.startswith(magic):
         # written by an older torchtpu (another entry format): replaced without a warning
-        count("compile_disk_cache_misses")
+        count(f"{kind}_disk_cache_misses")
         try:
             os.unlink(path)
         except OSError:
             pass
         return None
-    _discard(path, ValueError("foreign or corrupt cache entry"))
+    _discard(path, ValueError("foreign or corrupt cache entry"), kind)
     return None
 
 
-def _discard(path: str, err: Exception) -> None:
+def _discard(path: str, err: Exception, kind: str = "compile") -> None:
     """An unusable entry is a miss: counted, warned about once, removed so it is rewritten."""
-    count("compile_disk_cache_errors")
-    count("compile_disk_cache_misses")
+    count(f"{kind}_disk_cache_errors")
+    count(f"{kind}_disk_cache_misses")
     _warn_once(f"torchtpu.compile: ignoring unusable compile-cache entry {path} "
                f"({type(err).__name__}: {err}); recompiling")
     try:
@@ -121,7 +122,7 @@ def _discard(path: str, err: Exception) -> None:
         pass
 
 
-def _write(key: str, magic: bytes, *parts: bytes) -> None:
+def _write(key: str, magic: bytes, *parts: bytes, kind: str = "compile") -> None:
     """Atomically write an entry (header, then ``parts``); an unwritable cache is not an error."""
     path = _path(key)
     if path is None:
@@ -134,9 +135,13 @@ def _write(key: str, magic: bytes, *parts: bytes) -> None:
             for p in parts:
                 f.write(p)
         os.replace(tmp, path)
-        count("compile_disk_cache_writes")
+        count(f"{kind}_disk_cache_writes")
     except Exception as e:  # noqa: BLE001
-        count("compile_disk_cache_write_errors")
+        count(f"{kind}_disk_cache_write_errors")
+        try:
+            os.unlink(tmp)
+        except Exception:  # noqa: BLE001
+            pass
         _warn_once(f"torchtpu.compile: could not write compile-cache entry ({e})")
 
 

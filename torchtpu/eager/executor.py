@@ -14,6 +14,7 @@ import torch
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import program_cache as _program_cache
 from ..runtime.metrics import COUNTERS, count
 from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
@@ -223,10 +224,11 @@ def _device_for_factory(kwargs, args):
 
 
 def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=None,
-           groups=None):
-    """The jitted program for one cache key (see make_traced). ``device``: pin the outputs
-    there (with several devices, an output that does not depend on an input would otherwise
-    land on JAX's default device)."""
+           groups=None, key=None):
+    """The program for one cache key (see make_traced; ``key`` also keys its executables in
+    the compile cache folder, runtime/program_cache.py). ``device``: pin the outputs there
+    (with several devices, an output that does not depend on an input would otherwise land
+    on JAX's default device)."""
     traced = make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots,
                          with_check=True, groups=groups)
     name = lowering.name
@@ -243,7 +245,7 @@ def _build(lowering, kind, args, kwargs, specs, tensors, write_slots, device=Non
         device = _device_for_factory(kwargs, args)
     if device is not None:
         jit_kwargs["out_shardings"] = jax.sharding.SingleDeviceSharding(device)
-    return jax.jit(compiled, **jit_kwargs)
+    return _program_cache.Program("eager", compiled, key, **jit_kwargs)
 
 
 _multi = []
@@ -587,7 +589,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         COUNTERS["eager_cache_misses"] += 1
         ws = _write_slots(kind, args, kwargs)
         entry = _CACHE[key] = _Entry(
-            _build(lowering, kind, args, kwargs, specs, tensors, ws, dev, groups), ws)
+            _build(lowering, kind, args, kwargs, specs, tensors, ws, dev, groups, key), ws)
     else:
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:

@@ -26,6 +26,7 @@ import torch
 
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
+from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
@@ -414,7 +415,10 @@ def _make_program(g, out_refs, donate=()):
         return tuple(env[r[1]][r[2]] for r in out_refs)
 
     program.__name__ = f"fused_graph_{len(_PROGRAMS)}"  # the XLA module's name, for profiles
-    return jax.jit(program, donate_argnums=donate)
+    # the graph's key in the compile cache folder: each node's Strict key and references
+    # (the program's input signature, which fixes every node's shapes, is added there)
+    key = (tuple([(n[0][0], n[2]) for n in g.nodes]), tuple(out_refs), tuple(donate))
+    return _program_cache.Program("fused", program, key, donate_argnums=donate)
 
 
 def _live(pending):

@@ -1,0 +1,301 @@
+"""Eager programs (Strict per-op programs, Fused graphs) compiled once per machine, not per process.
+
+A ``Program`` stands where a ``jax.jit`` function stood: called with flat arguments, it finds the
+XLA executable for their signature (shapes, dtypes, weak types, Python scalar kinds) in this
+process, else in the compile cache folder (``compile/cache.py``: same directory, same entry
+safety: atomic writes, a corrupt or foreign entry is a counted miss and is rebuilt), else traces,
+lowers and compiles it and writes it there. The disk key is the executor's own cache key made
+stable across processes (``stable``), the signature, the device ids the program runs on, the
+compiler options, and a fingerprint of everything that shapes a trace: jax/jaxlib/torch
+versions, platform, the source of the whole torchtpu package, the jax configuration values a
+lowering reads, ``XLA_FLAGS``. A warm process therefore neither traces, lowers nor compiles. A
+key part that has no stable spelling (a user's ``jax_op`` lowering, an unknown object) keeps the
+program in memory only.
+
+Small programs get cheaper XLA options (``FAST_OPTIONS``: LLVM -O0, no expensive passes, the
+classic elemental emitters; XLA:CPU compiles one-op programs 3-6x faster, and their run time is
+per-call overhead either way): those whose inputs and outputs hold at most
+``TORCHTPU_FAST_COMPILE_MAX_ELEMENTS`` elements in all (default 65536; 0 turns it off).
+
+Counted per kind (``eager``, ``fused``): ``<kind>_xla_compiles``, ``<kind>_xla_compile_ms``,
+``<kind>_disk_cache_hits/misses/writes/errors``, ``<kind>_fast_compiles``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import struct
+import time
+
+import jax
+import numpy as np
+from jax._src.array import ArrayImpl as _ArrayImpl
+
+from .metrics import count
+
+_MAGIC = b"TORCHTPU-XLA-PROGRAM-1\n"
+FAST_MAX_ELEMENTS = int(os.environ.get("TORCHTPU_FAST_COMPILE_MAX_ELEMENTS", "65536"))
+FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                "xla_cpu_use_fusion_emitters": False}
+_PY = {bool: bool, int: int, float: float, complex: complex}
+
+
+class NotStable(Exception):
+    """A key part without a process-independent spelling: the program is not persisted."""
+
+
+def _other_sig(a):
+    t = _PY.get(type(a))
+    if t is not None:
+        return t  # a Python scalar: jax traces it as a weakly typed 0-d value of its kind
+    return ("np", np.shape(a), np.result_type(a).str)
+
+
+def signature(flat) -> tuple:
+    return tuple([a.aval if type(a) is _ArrayImpl else _other_sig(a) for a in flat])
+
+
+def stable(x) -> str:
+    """A process-independent spelling of a cache-key part, or NotStable."""
+    tx = type(x)
+    if x is None or tx is bool or tx is int or tx is str:
+        return f"{tx.__name__}:{x!r}"
+    if tx is float or tx is complex:
+        return f"{tx.__name__}:{x!r}"  # repr round-trips, and spells nan/-0.0 apart
+    if tx is tuple or tx is list:
+        return tx.__name__[0] + "(" + ",".join([stable(e) for e in x]) + ")"
+    if isinstance(x, type):
+        return f"T:{x.__module__}.{x.__qualname__}"
+    if isinstance(x, np.dtype):
+        return f"np:{x.str}"
+    mod = getattr(tx, "__module__", "") or ""
+    if mod.startswith("torch") and tx.__name__ in ("dtype", "device", "layout", "memory_format"):
+        return f"torch.{tx.__name__}:{x}"
+    if isinstance(x, jax.Device):
+        return f"dev:{x.platform}:{x.id}"
+    if hasattr(x, "op") and hasattr(x, "fn") and hasattr(x, "scalar_args"):  # a Lowering
+        fn = x.fn
+        fmod = getattr(fn, "__module__", "") or ""
+        if not fmod.startswith("torchtpu.") or fmod.startswith("torchtpu.pallas"):
+            raise NotStable(x.name)  # a user's function: its code is not in the fingerprint
+        return f"L:{x.name}:{fmod}.{getattr(fn, '__qualname__', '?')}"
+    if tx.__name__ == "ShapeDtypeStruct" or tx.__name__ == "ShapedArray":
+        return f"A:{x.dtype}{list(x.shape)}{'w' if getattr(x, 'weak_type', False) else ''}"
+    import enum
+
+    if isinstance(x, enum.Enum):
+        return f"E:{tx.__module__}.{tx.__qualname__}.{x.name}"
+    raise NotStable(tx.__name__)
+
+
+def _sig_text(sig) -> str:
+    parts = []
+    for s in sig:
+        if isinstance(s, type):
+            parts.append(s.__name__)
+        elif type(s) is tuple:
+            parts.append(repr(s))
+        else:
+            parts.append(f"{s.dtype}{list(s.shape)}{'w' if s.weak_type else ''}")
+    return ";".join(parts)
+
+
+_fp: list = []
+
+
+def fingerprint() -> str:
+    """Everything outside the key that decides what a trace produces."""
+    if not _fp:
+        import jaxlib
+        import torch
+
+        from .. import __version__
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        h = hashlib.sha256()
+        for d, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(d, f), "rb") as fh:
+                        h.update(os.path.relpath(os.path.join(d, f), root).encode() + b"\0")
+                        h.update(fh.read())
+        dev = jax.devices()[0]
+        cfg = jax.config
+        parts = [jax.__version__, getattr(jaxlib, "__version__", "?"), torch.__version__,
+                 __version__, dev.platform, getattr(dev, "device_kind", "?"),
+                 os.environ.get("XLA_FLAGS", "")]
+        for name in ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
+                     "jax_numpy_dtype_promotion", "jax_default_prng_impl",
+                     "jax_threefry_partitionable", "jax_enable_custom_prng"):
+            parts.append(f"{name}={getattr(cfg, name, None)!r}")
+        h.update("|".join(parts).encode())
+        _fp.append(h.hexdigest())
+    return _fp[0]
+
+
+def _device_ids(flat, jit_kwargs):
+    ids = set()
+    for a in flat:
+        if type(a) is _ArrayImpl:
+            ids.update(d.id for d in a.sharding.device_set)
+    sh = jit_kwargs.get("out_shardings")
+    if sh is not None:
+        ids.update(d.id for d in sh.device_set)
+    if not ids:
+        dflt = jax.config.jax_default_device
+        ids.add(dflt.id if isinstance(dflt, jax.Device) else jax.local_devices()[0].id)
+    return tuple(sorted(ids))
+
+
+def _elements(avals) -> int:
+    n = 0
+    for a in avals:
+        shape = getattr(a, "shape", None)
+        if shape is not None:
+            n += int(np.prod(shape, dtype=np.int64))
+    return n
+
+
+def _options(lowered) -> dict:
+    if FAST_MAX_ELEMENTS <= 0:
+        return {}
+    ins = jax.tree_util.tree_leaves(lowered.in_avals)
+    outs = jax.tree_util.tree_leaves(lowered.out_info)
+    if _elements(ins) + _elements(outs) <= FAST_MAX_ELEMENTS:
+        return FAST_OPTIONS
+    return {}
+
+
+def _cache():
+    from ..compile import cache
+
+    return cache
+
+
+class Program:
+    """A jitted function of flat arguments whose executables persist (see the module doc).
+
+    ``key``: the executor's cache key (made stable lazily; None: memory only)."""
+
+    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk")
+
+    def __init__(self, kind: str, fn, key=None, **jit_kwargs):
+        self.kind = kind
+        self.fn = fn
+        self.key = key
+        self.jit_kwargs = jit_kwargs
+        self.by_sig: dict = {}
+        self._disk = None  # the stable key text, computed at the first miss ("" if none)
+
+    def __call__(self, *flat):
+        c = self.by_sig.get(tuple([a.aval if type(a) is _ArrayImpl else _other_sig(a)
+                                   for a in flat]))
+        if c is not None:
+            return c(*flat)
+        return self._miss(flat)
+
+    def _stable_key(self) -> str:
+        if self._disk is None:
+            self._disk = ""
+            if self.key is not None and _cache().cache_dir() is not None:
+                try:
+                    self._disk = stable(self.key)
+                except NotStable:
+                    count(f"{self.kind}_disk_cache_unkeyable")
+        return self._disk
+
+    def _disk_key(self, sig, flat, options) -> str | None:
+        sk = self._stable_key()
+        if not sk:
+            return None
+        try:
+            text = _sig_text(sig)
+        except Exception:  # noqa: BLE001
+            return None
+        ids = _device_ids(flat, self.jit_kwargs)
+        h = hashlib.sha256()
+        for part in (fingerprint(), self.kind, sk, text, repr(ids), repr(self.jit_kwargs.get(
+                "donate_argnums", ())), repr(sorted((k, str(v)) for k, v in options.items())),
+                str(FAST_MAX_ELEMENTS)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return "p" + h.hexdigest()
+
+    def _miss(self, flat):
+        sig = signature(flat)
+        kind = self.kind
+        # the options depend on the sizes, which the signature fixes: decided before loading
+        fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
+        dkey = self._disk_key(sig, flat, {"fast": fast})
+        if dkey is not None:
+            compiled = _load(kind, dkey)
+            if compiled is not None:
+                try:
+                    out = compiled(*flat)
+                except jax.errors.JaxRuntimeError as e:
+                    if "not found" not in str(e):
+                        raise
+                    # an executable XLA cannot run (an incomplete serialization): rebuild it
+                    _cache()._discard(_cache()._path(dkey), e, kind)
+                else:
+                    self.by_sig[sig] = compiled
+                    return out
+        lowered = jax.jit(self.fn, **self.jit_kwargs).lower(*flat)
+        opts = _options(lowered) if fast else {}
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=opts or None)
+        count(f"{kind}_xla_compiles")
+        count(f"{kind}_xla_compile_ms", int((time.perf_counter() - t0) * 1000))
+        if opts:
+            count(f"{kind}_fast_compiles")
+        if dkey is not None:
+            _store(kind, dkey, compiled, lowered)
+        self.by_sig[sig] = compiled
+        return compiled(*flat)
+
+
+def _sig_elements(sig) -> int:
+    """Elements of the array inputs (the outputs are checked after lowering)."""
+    n = 0
+    for s in sig:
+        shape = s[1] if type(s) is tuple else getattr(s, "shape", ())
+        n += int(np.prod(shape, dtype=np.int64))
+    return n
+
+
+def _load(kind: str, key: str):
+    cache = _cache()
+    body = cache._read(key, _MAGIC, kind)
+    if body is None:
+        return None
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        (n,) = struct.unpack("<Q", body[:8])
+        digest, payload = body[8 + n:8 + n + 32], body[8 + n + 32:]
+        if hashlib.sha256(payload).digest() != digest:  # truncated or damaged: never loaded
+            raise ValueError("payload checksum mismatch")
+        in_tree, out_tree = pickle.loads(body[8:8 + n])
+        compiled = deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:  # noqa: BLE001 - any bad entry is a miss, rebuilt
+        cache._discard(cache._path(key), e, kind)
+        return None
+    count(f"{kind}_disk_cache_hits")
+    return compiled
+
+
+def _store(kind: str, key: str, compiled, lowered) -> None:
+    cache = _cache()
+    try:
+        from jax.experimental.serialize_executable import serialize
+
+        payload = serialize(compiled)[0]
+        trees = pickle.dumps((lowered.in_tree, lowered.out_tree))
+    except Exception as e:  # noqa: BLE001 - not serializable: kept in memory only
+        count(f"{kind}_disk_cache_write_errors")
+        cache._warn_once(f"torchtpu: could not serialize a {kind} program for the cache ({e})")
+        return
+    cache._write(key, _MAGIC, struct.pack("<Q", len(trees)), trees,
+                 hashlib.sha256(payload).digest(), payload, kind=kind)
