@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import gzip
 import json
 import os
 
@@ -159,7 +160,10 @@ def test_xla_trace_written_with_program_names(tmp_path):
     with torch.tpu.profiler.profile(config=cfg) as p:
         (x @ x).sum().item()
     (pb,) = glob.glob(os.path.join(run_dir, "plugins", "profile", "*", "*.xplane.pb"))
-    assert glob.glob(os.path.join(os.path.dirname(pb), "*.trace.json.gz"))  # Perfetto-readable
+    run = os.path.dirname(pb)
+    assert glob.glob(os.path.join(run, "*.trace.json.gz"))
+    with gzip.open(os.path.join(run, "perfetto_trace.json.gz")) as f:  # for ui.perfetto.dev
+        assert "metadata" not in json.load(f)
     data = jax.profiler.ProfileData.from_file(pb)
     modules = {dict(e.stats).get("hlo_module") for plane in data.planes for line in plane.lines
                for e in line.events}
@@ -169,6 +173,17 @@ def test_xla_trace_written_with_program_names(tmp_path):
     assert p.tpu_metrics["counters"]["host_syncs"] == 1
     # the host-sync wrappers are gone once the session ends
     assert _copy.device_to_host.__module__ == "torchtpu.eager.copy"
+
+
+def test_trace_without_torch_profiler(tmp_path):
+    x = torch.randn(16, 16, device="tpu")
+    with torch.tpu.profiler.trace(str(tmp_path)):
+        (x @ x).relu().sum().item()
+    (pb,) = glob.glob(os.path.join(str(tmp_path), "plugins", "profile", "*", "*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(pb)
+    modules = {dict(e.stats).get("hlo_module") for plane in data.planes for line in plane.lines
+               for e in line.events}
+    assert {"jit_aten.mm.default", "jit_aten.relu.default"} <= modules
 
 
 def test_metrics_region():

@@ -68,8 +68,22 @@ class XlaSession:
         return self.xspace
 
     def export(self, log_dir: str) -> None:
-        """Write the trace where TensorBoard/XProf look: ``log_dir/plugins/profile/<run>/``."""
+        """Write the trace where TensorBoard/XProf look: ``log_dir/plugins/profile/<run>/``
+        (``<host>.xplane.pb``, ``<host>.trace.json.gz``), plus ``perfetto_trace.json.gz``: the
+        same Chrome trace without its ``metadata`` field, which Perfetto's importer rejects."""
+        import gzip
+        import json
+        import os
+
+        before = set(_trace_jsons(log_dir))
         self.session.export(self.xspace, str(log_dir))
+        for path in set(_trace_jsons(log_dir)) - before:
+            with gzip.open(path, "rb") as f:
+                trace = json.load(f)
+            trace.pop("metadata", None)
+            with gzip.open(os.path.join(os.path.dirname(path), "perfetto_trace.json.gz"),
+                           "wt") as f:
+                json.dump(trace, f)
 
     def program_runs(self) -> list[dict]:
         """One dict per XLA program execution: ``module``, ``name``, ``executor``, ``device``,
@@ -81,6 +95,7 @@ class XlaSession:
         offset = None
         runs: dict = {}
         launches: dict = {}
+        executes: list = []
         device_runs = []
         for plane in data.planes:
             pname = plane.name
@@ -96,8 +111,14 @@ class XlaSession:
                                             _device_index(pname)))
                         continue
                     if name.startswith("PjitFunction("):
-                        launches.setdefault(name[len("PjitFunction("):-1], []).append(
-                            (int(ev.start_ns), lname))
+                        fn = name[len("PjitFunction("):-1]
+                        if fn.startswith("jit(") and fn.endswith(")"):
+                            fn = fn[4:-1]
+                        launches.setdefault(fn, []).append((int(ev.start_ns), lname))
+                        continue
+                    if name.startswith("CommonPjRtLoadedExecutable::ExecuteHelper"):
+                        # a call of a compiled executable (whatever Python object made it)
+                        executes.append((int(ev.start_ns), lname))
                         continue
                     stats = dict(ev.stats)
                     mod = stats.get("hlo_module")
@@ -122,16 +143,24 @@ class XlaSession:
         out.sort(key=lambda r: r[1])
         for v in launches.values():
             v.sort()
+        executes.sort()
         res = []
         for mod, s, e, dev, rid in out:
             fn = mod[4:] if mod.startswith("jit_") else mod
-            launch = _last_before(launches.get(fn, ()), s)
+            launch = _last_before(launches.get(fn, ()), s) or _last_before(executes, s)
             res.append({"module": mod, "name": display_name(mod), "executor": executor_of(mod),
                         "device": dev, "start_ns": s + offset, "end_ns": e + offset,
                         "launch_ns": None if launch is None else launch[0] + offset,
                         "launch_thread": None if launch is None else launch[1],
                         "run_id": rid})
         return res
+
+
+def _trace_jsons(log_dir) -> list:
+    import glob
+    import os
+
+    return glob.glob(os.path.join(str(log_dir), "plugins", "profile", "*", "*.trace.json.gz"))
 
 
 def _device_index(plane_name: str) -> int:
