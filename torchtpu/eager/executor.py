@@ -38,6 +38,9 @@ class _Slot:
         self.i = i
 
 
+_SCALARS: dict = {}
+
+
 class Traced:
     """A Python scalar (or list of scalars) passed to the program as a traced value, not baked
     into it (registry flag ``scalar_args``): changing it does not recompile."""
@@ -52,6 +55,24 @@ class Traced:
         if type(v) is list or type(v) is tuple:
             return np.asarray(v)  # one argument for a whole Scalar[] (a foreach step size)
         return v  # a Python scalar: jax makes it a weakly typed 0-d value
+
+    def device_value(self):
+        """``flat()`` for a jit call: a Python number as a cached weakly typed device scalar
+        (a Python float argument costs jit a host-to-device transfer per call, ~6 us here;
+        the cache makes a repeated value as cheap as a baked-in constant)."""
+        v = self.value
+        tv = type(v)
+        if tv is float or tv is int:
+            if v != v or v == 0:  # nan is never equal to itself; 0.0 == -0.0 == 0 as keys
+                return v
+            k = (tv, v)
+            d = _SCALARS.get(k)
+            if d is None:
+                if len(_SCALARS) >= 4096:
+                    _SCALARS.clear()
+                d = _SCALARS[k] = jax.device_put(v)  # uncommitted: usable on any device
+            return d
+        return self.flat()
 
     def key(self):
         v = self.value
@@ -73,15 +94,58 @@ def _trace_scalars(lowering, args, kwargs):
         names = [a.name for a in lowering.op._schema.arguments]
         pos = lowering.meta["scalar_pos"] = tuple(
             (names.index(n), n) for n in lowering.scalar_args if n in names)
-    args = list(args)
-    kwargs = dict(kwargs)
+    a = kw = None
     for i, name in pos:
         if i < len(args):
-            if args[i] is not None and not isinstance(args[i], Tensor):
-                args[i] = Traced(args[i])
-        elif kwargs.get(name) is not None and not isinstance(kwargs[name], Tensor):
-            kwargs[name] = Traced(kwargs[name])
-    return tuple(args), kwargs
+            if _traceable(args[i]):
+                if a is None:
+                    a = list(args)
+                a[i] = Traced(args[i])
+        elif _traceable(kwargs.get(name)):
+            if kw is None:
+                kw = dict(kwargs)
+            kw[name] = Traced(kwargs[name])
+    return (args if a is None else tuple(a)), (kwargs if kw is None else kw)
+
+
+def _traceable(x) -> bool:
+    """A ``scalar_args`` value that is traced: not None, not a tensor, and not the int 0 or 1
+    (bools included), which stay in the key: a lowering may pick cheaper code for them
+    (``add``'s default ``alpha=1``)."""
+    if x is None or isinstance(x, Tensor):
+        return False
+    return not (type(x) in (int, bool) and 0 <= x <= 1)
+
+
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+def _trace_wrapped(args, positions):
+    """Python numbers where the schema has a ``Tensor`` (wrapped numbers: ``x * lr``,
+    ``1 - beta ** step``) become Traced, so a value that changes every step does not
+    recompile; the key keeps their kind (int or float: it decides the result dtype), and the
+    ints 0 and 1 stay static (see ``_traceable``). ``args`` itself when there is none."""
+    out = None
+    for i in positions:
+        if i < len(args):
+            x = args[i]
+            tx = type(x)
+            if tx is float or (tx is int and (x > 1 or x < 0) and _INT64[0] <= x < _INT64[1]):
+                if out is None:
+                    out = list(args)
+                out[i] = Traced(x)
+    return args if out is None else tuple(out)
+
+
+def trace_scalars(lowering, args, kwargs):
+    """(args, kwargs, wrapped positions): the lowering's ``scalar_args`` as Traced, and the
+    positions whose wrapped numbers ``arg_keys`` traces; neither once the lowering turned out
+    to branch on such a value (``static_scalars``: then they are baked in)."""
+    if lowering.meta.get("static_scalars"):
+        return args, kwargs, ()
+    if lowering.scalar_args:
+        args, kwargs = _trace_scalars(lowering, args, kwargs)
+    return args, kwargs, lowering.wrapped_pos
 
 
 def _key(x, tensors):
@@ -106,17 +170,26 @@ def _key(x, tensors):
     return x
 
 
-def arg_keys(args, kwargs, tensors):
+def arg_keys(args, kwargs, tensors, wrapped=()):
     """(key of the positional arguments, key of the keyword arguments); the tensors (and Traced
     scalars) go to ``tensors``. Shared by the Strict and Fused hot paths: the common argument,
-    a plain tensor, is handled without a call."""
+    a plain tensor, is handled without a call. A Python number at one of the ``wrapped``
+    positions becomes a Traced (the same test as ``_trace_wrapped``, which rebuilds the
+    arguments for tracing at a cache miss)."""
     ka = []
     for x in args:
         if type(x) is Tensor:
             tensors.append(x)
             ka.append(Tensor)
         else:
-            ka.append(_key(x, tensors))
+            tx = type(x)
+            if wrapped and (tx is float or (tx is int and (x > 1 or x < 0) and
+                                            _INT64[0] <= x < _INT64[1])) and len(ka) in wrapped:
+                x = Traced(x)
+                tensors.append(x)
+                ka.append((Traced, tx))
+            else:
+                ka.append(_key(x, tensors))
     return tuple(ka), (tuple([(k, _key(v, tensors)) for k, v in kwargs.items()]) if kwargs else ())
 
 
@@ -534,19 +607,19 @@ def run(lowering, kind, args, kwargs, mode=None):
         gen = kwargs.pop("generator")
     if lowering.reads_layout:
         kwargs = with_layout(args, kwargs)
-    traced_scalars = lowering.scalar_args and not lowering.meta.get("static_scalars")
-    if traced_scalars:
-        orig = (args, kwargs)
-        args, kwargs = _trace_scalars(lowering, args, kwargs)
+    orig = (args, kwargs)
+    args, kwargs, wrapped = trace_scalars(lowering, args, kwargs)
+    traced_scalars = args is not orig[0] or kwargs is not orig[1]
     tensors: list = []
-    key_args, key_kwargs = arg_keys(args, kwargs, tensors)
+    key_args, key_kwargs = arg_keys(args, kwargs, tensors, wrapped)
     flat = []
     specs = []
     offs = None
     for t in tensors:
         if type(t) is Traced:
-            flat.append(t.flat())
+            flat.append(t.device_value())
             specs.append(None)
+            traced_scalars = True
             continue
         try:
             arr = t.untyped_storage()._tpu_buffer.array
@@ -589,7 +662,8 @@ def run(lowering, kind, args, kwargs, mode=None):
         COUNTERS["eager_cache_misses"] += 1
         ws = _write_slots(kind, args, kwargs)
         entry = _CACHE[key] = _Entry(
-            _build(lowering, kind, args, kwargs, specs, tensors, ws, dev, groups, key), ws)
+            _build(lowering, kind, _trace_wrapped(args, wrapped), kwargs, specs, tensors, ws,
+                   dev, groups, key), ws)
     else:
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:

@@ -187,11 +187,9 @@ def record(lowering, kind, args, kwargs):
     if lowering.reads_layout:
         kwargs = executor.with_layout(args, kwargs)
     orig = (args, kwargs)
-    traced_scalars = lowering.scalar_args and not lowering.meta.get("static_scalars")
-    if traced_scalars:
-        args, kwargs = executor._trace_scalars(lowering, args, kwargs)
+    args, kwargs, wrapped = executor.trace_scalars(lowering, args, kwargs)
     tensors: list = []
-    key_args, key_kwargs = _arg_keys(args, kwargs, tensors)
+    key_args, key_kwargs = _arg_keys(args, kwargs, tensors, wrapped)
     refs = []
     aval_ids = []
     flat_avals = []
@@ -263,8 +261,10 @@ def record(lowering, kind, args, kwargs):
     akey = (skey, tuple(aval_ids))
     hit = _AVALS.get(akey)
     if hit is None:
-        hit = _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals,
-                          traced_scalars, groups)
+        traced_scalars = args is not orig[0] or kwargs is not orig[1] or any(
+            type(t) is Traced for t in tensors)
+        hit = _trace_node(lowering, kind, executor._trace_wrapped(args, wrapped), kwargs, specs,
+                          tensors, flat_avals, traced_scalars, groups)
         if hit is None:  # it branches on a scalar: its scalars are baked in from now on
             return record(lowering, kind, orig[0], orig[1])
         _AVALS[akey] = hit

@@ -63,6 +63,15 @@ def _check_alpha(dt, alpha):
             raise RuntimeError("Boolean alpha only supported for Boolean results.")
         if dt != torch.bool and alpha is True:
             return
+    if is_array(alpha):  # a traced Python number (scalar_args): its kind is its dtype's
+        kind = jnp.dtype(alpha.dtype).kind
+        if _is_intlike(dt) and kind == "f":
+            raise RuntimeError("For integral input tensors, argument alpha must not be a "
+                               "floating point number.")
+        if not dt.is_complex and kind == "c":
+            raise RuntimeError("For non-complex input tensors, argument alpha must not be a "
+                               "complex number.")
+        return
     if _is_intlike(dt) and isinstance(alpha, float):
         raise RuntimeError("For integral input tensors, argument alpha must not be a floating point number.")
     if not dt.is_complex and isinstance(alpha, complex):
@@ -98,19 +107,21 @@ def _real_dtype(dt):
 
 # ---------------------------------------------------------------- add / sub / mul / div
 
-@register(aten.add.Tensor, aten.add.Scalar)
+# alpha traced (an optimizer's ``p.add_(g, alpha=-lr)`` with a scheduled lr); the default 1
+# stays static (eager/executor.py ``_traceable``) and costs nothing
+@register(aten.add.Tensor, aten.add.Scalar, scalar_args=("alpha",))
 def add(self, other, alpha=1):
     dt = result_type(self, other)
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
-    if alpha != 1:
+    if is_array(alpha) or alpha != 1:
         b = b * cast(alpha, dt)
     if dt == torch.bool:
         return jnp.logical_or(a, b)
     return a + b
 
 
-@register(aten.sub.Tensor, aten.sub.Scalar)
+@register(aten.sub.Tensor, aten.sub.Scalar, scalar_args=("alpha",))
 def sub(self, other, alpha=1):
     dt = result_type(self, other)
     if dt == torch.bool:
@@ -118,7 +129,7 @@ def sub(self, other, alpha=1):
                            "Use the `^` or `logical_xor()` operator instead.")
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
-    if alpha != 1:
+    if is_array(alpha) or alpha != 1:
         b = b * cast(alpha, dt)
     return a - b
 

@@ -72,6 +72,16 @@ class Lowering:
     reads_layout: bool = False
     meta: dict = field(default_factory=dict)
     graph_only: bool = False
+    # positions of the schema's ``Tensor`` arguments: a Python number there is a wrapped
+    # number (``x * lr``), which the executors pass as a traced scalar (set after init)
+    wrapped_pos: tuple = ()
+
+    def __post_init__(self):
+        try:
+            self.wrapped_pos = tuple(i for i, a in enumerate(self.op._schema.arguments)
+                                     if not a.kwarg_only and str(a.type) == "Tensor")
+        except AttributeError:  # not an OpOverload (tests register stand-ins)
+            self.wrapped_pos = ()
 
     @property
     def name(self) -> str:
