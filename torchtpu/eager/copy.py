@@ -14,6 +14,7 @@ import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax, to_torch
 from ..runtime.metrics import count
 from . import checks as _checks
@@ -22,7 +23,8 @@ from . import views
 
 @functools.lru_cache(maxsize=None)
 def _reader(spec):
-    return jax.jit(lambda arr, off: views.read(arr, spec, off))
+    return _program_cache.Program("eager", lambda arr, off: views.read(arr, spec, off),
+                                  ("copy.read", spec))
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,7 +35,7 @@ def _writer(spec, shape, dtype):
         v = jnp.broadcast_to(value.astype(jd), shape)
         return views.write(arr, spec, off, v)
 
-    return jax.jit(write)
+    return _program_cache.Program("eager", write, ("copy.write", spec, shape, dtype))
 
 
 def value_of(t: torch.Tensor):

@@ -9,14 +9,16 @@ import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax
 from .executor import _device_index
 
 
 @functools.lru_cache(maxsize=None)
 def _zeros_fn(shape, jdtype, device):
-    return jax.jit(lambda: jnp.zeros(shape, jdtype),
-                   out_shardings=jax.sharding.SingleDeviceSharding(device))
+    return _program_cache.Program("eager", lambda: jnp.zeros(shape, jdtype),
+                                  ("factories.zeros", shape, jdtype, device),
+                                  out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
 def _zeros(shape, dtype, device_index):

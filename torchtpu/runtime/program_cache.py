@@ -38,7 +38,7 @@ _MAGIC = b"TORCHTPU-XLA-PROGRAM-1\n"
 FAST_MAX_ELEMENTS = int(os.environ.get("TORCHTPU_FAST_COMPILE_MAX_ELEMENTS", "65536"))
 FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                 "xla_cpu_use_fusion_emitters": False}
-_PY = {bool: bool, int: int, float: float, complex: complex}
+_PY = {bool: bool, int: int, float: float, complex: complex, type(None): type(None)}
 
 
 class NotStable(Exception):
@@ -49,7 +49,8 @@ def _other_sig(a):
     t = _PY.get(type(a))
     if t is not None:
         return t  # a Python scalar: jax traces it as a weakly typed 0-d value of its kind
-    return ("np", np.shape(a), np.result_type(a).str)
+    dt = np.result_type(a)
+    return ("np", np.shape(a), dt.name + dt.str)
 
 
 def signature(flat) -> tuple:
@@ -68,7 +69,7 @@ def stable(x) -> str:
     if isinstance(x, type):
         return f"T:{x.__module__}.{x.__qualname__}"
     if isinstance(x, np.dtype):
-        return f"np:{x.str}"
+        return f"np:{x.name}{x.str}"  # the name: ml_dtypes' types share a .str ('<V1')
     mod = getattr(tx, "__module__", "") or ""
     if mod.startswith("torch") and tx.__name__ in ("dtype", "device", "layout", "memory_format"):
         return f"torch.{tx.__name__}:{x}"
@@ -224,6 +225,8 @@ class Program:
         return "p" + h.hexdigest()
 
     def _miss(self, flat):
+        if any(isinstance(a, jax.core.Tracer) for a in flat):  # called inside a trace: inline
+            return jax.jit(self.fn, **self.jit_kwargs)(*flat)
         sig = signature(flat)
         kind = self.kind
         # the options depend on the sizes, which the signature fixes: decided before loading
@@ -240,7 +243,7 @@ class Program:
                     # an executable XLA cannot run (an incomplete serialization): rebuild it
                     _cache()._discard(_cache()._path(dkey), e, kind)
                 else:
-                    self.by_sig[sig] = compiled
+                    self.by_sig[sig] = _fast(compiled)
                     return out
         lowered = jax.jit(self.fn, **self.jit_kwargs).lower(*flat)
         opts = _options(lowered) if fast else {}
@@ -252,8 +255,15 @@ class Program:
             count(f"{kind}_fast_compiles")
         if dkey is not None:
             _store(kind, dkey, compiled, lowered)
-        self.by_sig[sig] = compiled
-        return compiled(*flat)
+        out = compiled(*flat)
+        self.by_sig[sig] = _fast(compiled)
+        return out
+
+
+def _fast(compiled):
+    """The executable's C++ call path (set by its first call), skipping a Python frame."""
+    c = getattr(compiled, "_call", None)
+    return c if c is not None else compiled
 
 
 def _sig_elements(sig) -> int:
