@@ -147,3 +147,30 @@ def test_serve_tpu_matches_cpu(tmp_path):
     assert all(t and len(t.split()) >= 2 for t in texts), texts
     assert "".join(chunks).strip() and len(chunks) > 2, chunks
     assert results["tpu"] == results["cpu"]
+
+
+def test_continuous_batching_cache_budget_is_a_fraction_of_free_memory(monkeypatch):
+    """The KV cache budget continuous batching computes with its default config: a fraction of
+    the tpu device's free memory (on the CPU platform 0.3 of the host's available memory), not
+    90% of all host RAM less the process's RSS, which got the server OOM-killed."""
+    from types import SimpleNamespace
+
+    from transformers.generation.continuous_batching import cache, initialization
+
+    from torchtpu.runtime import devices, memory
+
+    gib = 1 << 30
+    if devices.platform() == "cpu":
+        monkeypatch.setattr(memory, "host_memory", lambda: (4 * gib, 16 * gib))
+        expect = int(4 * gib * 0.3)
+    else:
+        expect = int(torch.tpu.mem_get_info()[0] * 0.9)
+    config = transformers.ContinuousBatchingConfig()
+    initialization.resolve_max_memory_percent(config, False, torch.device("tpu", 0))
+    handler = SimpleNamespace(cb_config=config)
+    budget = cache.PagedAttentionMemoryHandler.get_available_memory(handler)
+    assert budget == pytest.approx(expect, rel=0.01)
+    # a value the user sets is kept
+    config = transformers.ContinuousBatchingConfig(max_memory_percent=0.5)
+    initialization.resolve_max_memory_percent(config, False, torch.device("tpu", 0))
+    assert config.max_memory_percent == 0.5
