@@ -10,7 +10,8 @@ The saved layout (``StableHLOGraphModule.save(d)``), readable with JAX and numpy
 - ``d/program.jaxexport``: ``jax.export.Exported.serialize()``; the function takes
   ``(*state in state_names order, *flat user tensor inputs)`` and returns the flat user outputs
   followed by the new values of the buffers (and inputs) the program mutates;
-- ``d/state.npz``: parameters, buffers and constants, keyed by ``state_names`` (bfloat16 and
+- ``d/state.npz``: the parameters, buffers and constants the program reads, keyed by
+  ``state_names`` (bfloat16 and
   float8 arrays as their bits, unsigned ints of the same width: ``z[name].view(aval.dtype)``
   with the function's ``in_avals`` restores every dtype);
 - ``d/meta.json``: ``state_names``, ``state_dtypes``, ``input_names``, ``output_names``,
@@ -163,6 +164,8 @@ def exported_program_to_stablehlo(ep: ExportedProgram, options: StableHLOExportO
     for i, (p, spec) in enumerate(zip(placeholders, sig.input_specs)):
         val = p.meta.get("val")
         if spec.kind in _STATE_KINDS:
+            if not p.users:
+                continue  # state the program never reads (an eval BatchNorm's batch count)
             v = ep.state_dict[spec.target] if spec.target in ep.state_dict \
                 else ep.constants[spec.target]
             state_names.append(spec.target)
