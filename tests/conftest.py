@@ -4,6 +4,8 @@ Options (also settable by environment variable):
   --opinfo=fast|full   (TORCHTPU_OPINFO)   tests/test_opinfo.py: the fast CI subset (default;
                        the first samples of float32 + one other dtype per op) or the full run.
   --opinfo-timeout=S   (TORCHTPU_OPINFO_TIMEOUT) per-test time limit of tests/test_opinfo.py.
+  --runslow            (TORCHTPU_SLOW_TESTS=1) also run tests marked ``slow`` (minutes each:
+                       e.g. the two real servers of tests/test_serve.py); skipped otherwise.
 """
 from __future__ import annotations
 
@@ -21,9 +23,13 @@ def pytest_addoption(parser):
     parser.addoption("--opinfo-timeout", type=int,
                      default=int(os.environ.get("TORCHTPU_OPINFO_TIMEOUT", "300")),
                      help="seconds per OpInfo test before it fails as timed out")
+    parser.addoption("--runslow", action="store_true",
+                     default=os.environ.get("TORCHTPU_SLOW_TESTS", "") not in ("", "0"),
+                     help="also run tests marked slow")
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes minutes; run with --runslow")
     # test_opinfo.py reads the mode while it collects (parametrisation depends on it)
     os.environ["TORCHTPU_OPINFO"] = config.getoption("--opinfo")
     # The suite's compiles go to a fresh persistent cache, not the user's: a run neither depends
@@ -34,6 +40,15 @@ def pytest_configure(config):
 
 
 _session_cache: list = []
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow or TORCHTPU_SLOW_TESTS=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_unconfigure(config):

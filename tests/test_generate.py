@@ -98,6 +98,7 @@ def test_sampling_top_k_1_is_greedy(models):
     torch.testing.assert_close(got, generate(cpu, "cpu", max_new_tokens=6, do_sample=False))
 
 
+@pytest.mark.slow
 def test_beam_search_matches_cpu(models):
     cpu, tpu = models
     kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, num_return_sequences=2,

@@ -91,6 +91,7 @@ def test_train_evaluate_accumulate_save_resume_match_cpu(tmp_path):
     assert_params_close(cpu.model, resumed.model)
 
 
+@pytest.mark.slow
 def test_bf16_autocasts_on_tpu(tmp_path):
     seen = []
 

@@ -129,6 +129,7 @@ class Server:
         return texts, chunks
 
 
+@pytest.mark.slow
 def test_serve_tpu_matches_cpu(tmp_path):
     model_dir = tmp_path / "tiny-chat"
     save_tiny_chat_model(model_dir)
