@@ -54,7 +54,15 @@ def _other_sig(a):
 
 
 def signature(flat) -> tuple:
+    """What selects an executable: abstract values, and with several local devices the
+    committed arrays' shardings too (an executable runs on the device it was compiled for)."""
+    if _MULTI[0]:
+        return tuple([(a.aval, a.sharding if a.committed else None) if type(a) is _ArrayImpl
+                      else _other_sig(a) for a in flat])
     return tuple([a.aval if type(a) is _ArrayImpl else _other_sig(a) for a in flat])
+
+
+_MULTI = [False]  # several local devices (set at the first miss, when JAX is up)
 
 
 def stable(x) -> str:
@@ -93,6 +101,8 @@ def stable(x) -> str:
 def _sig_text(sig) -> str:
     parts = []
     for s in sig:
+        if type(s) is tuple and s[0] != "np":
+            s = s[0]  # (aval, sharding): the device ids are keyed separately
         if isinstance(s, type):
             parts.append(s.__name__)
         elif type(s) is tuple:
@@ -137,13 +147,18 @@ def fingerprint() -> str:
 
 
 def _device_ids(flat, jit_kwargs):
+    """The devices a program runs on: its committed inputs' and outputs' (uncommitted inputs,
+    such as cached scalars, follow them), else the uncommitted inputs', else the default."""
     ids = set()
+    loose = set()
     for a in flat:
         if type(a) is _ArrayImpl:
-            ids.update(d.id for d in a.sharding.device_set)
+            (ids if a.committed else loose).update(d.id for d in a.sharding.device_set)
     sh = jit_kwargs.get("out_shardings")
     if sh is not None:
         ids.update(d.id for d in sh.device_set)
+    if not ids:
+        ids = loose
     if not ids:
         dflt = jax.config.jax_default_device
         ids.add(dflt.id if isinstance(dflt, jax.Device) else jax.local_devices()[0].id)
@@ -191,8 +206,11 @@ class Program:
         self._disk = None  # the stable key text, computed at the first miss ("" if none)
 
     def __call__(self, *flat):
-        c = self.by_sig.get(tuple([a.aval if type(a) is _ArrayImpl else _other_sig(a)
-                                   for a in flat]))
+        if _MULTI[0]:
+            c = self.by_sig.get(signature(flat))
+        else:
+            c = self.by_sig.get(tuple([a.aval if type(a) is _ArrayImpl else _other_sig(a)
+                                       for a in flat]))
         if c is not None:
             return c(*flat)
         return self._miss(flat)
@@ -207,7 +225,8 @@ class Program:
                     count(f"{self.kind}_disk_cache_unkeyable")
         return self._disk
 
-    def _disk_key(self, sig, flat, options) -> str | None:
+    def _disk_key(self, sig, flat, options):
+        """(disk key, the id of the device the program runs on), or None (memory only)."""
         sk = self._stable_key()
         if not sk:
             return None
@@ -216,24 +235,29 @@ class Program:
         except Exception:  # noqa: BLE001
             return None
         ids = _device_ids(flat, self.jit_kwargs)
+        if len(ids) != 1:
+            return None  # a program over several devices: kept in memory only
         h = hashlib.sha256()
         for part in (fingerprint(), self.kind, sk, text, repr(ids), repr(self.jit_kwargs.get(
                 "donate_argnums", ())), repr(sorted((k, str(v)) for k, v in options.items())),
                 str(FAST_MAX_ELEMENTS)):
             h.update(part.encode())
             h.update(b"\0")
-        return "p" + h.hexdigest()
+        return "p" + h.hexdigest(), ids[0]
 
     def _miss(self, flat):
         if any(isinstance(a, jax.core.Tracer) for a in flat):  # called inside a trace: inline
             return jax.jit(self.fn, **self.jit_kwargs)(*flat)
+        if not _MULTI[0] and jax.local_device_count() > 1:
+            _MULTI[0] = True
         sig = signature(flat)
         kind = self.kind
         # the options depend on the sizes, which the signature fixes: decided before loading
         fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
         dkey = self._disk_key(sig, flat, {"fast": fast})
         if dkey is not None:
-            compiled = _load(kind, dkey)
+            dkey, device_id = dkey
+            compiled = _load(kind, dkey, device_id)
             if compiled is not None:
                 try:
                     out = compiled(*flat)
@@ -270,12 +294,14 @@ def _sig_elements(sig) -> int:
     """Elements of the array inputs (the outputs are checked after lowering)."""
     n = 0
     for s in sig:
+        if type(s) is tuple and s[0] != "np":
+            s = s[0]
         shape = s[1] if type(s) is tuple else getattr(s, "shape", ())
         n += int(np.prod(shape, dtype=np.int64))
     return n
 
 
-def _load(kind: str, key: str):
+def _load(kind: str, key: str, device_id: int):
     cache = _cache()
     body = cache._read(key, _MAGIC, kind)
     if body is None:
@@ -288,7 +314,9 @@ def _load(kind: str, key: str):
         if hashlib.sha256(payload).digest() != digest:  # truncated or damaged: never loaded
             raise ValueError("payload checksum mismatch")
         in_tree, out_tree = pickle.loads(body[8:8 + n])
-        compiled = deserialize_and_load(payload, in_tree, out_tree)
+        device = next(d for d in jax.local_devices() if d.id == device_id)
+        compiled = deserialize_and_load(payload, in_tree, out_tree, backend=device.client,
+                                        execution_devices=[device])
     except Exception as e:  # noqa: BLE001 - any bad entry is a miss, rebuilt
         cache._discard(cache._path(key), e, kind)
         return None

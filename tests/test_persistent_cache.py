@@ -1,0 +1,202 @@
+"""Eager programs persist across processes (runtime/program_cache.py).
+
+A second process running the same Strict and Fused code compiles nothing: every program comes
+from the compile cache folder. Entries are safe: a corrupt, truncated, foreign or garbage entry
+is a counted miss that is rebuilt (never a crash, never a wrong result); two processes writing
+the same entries at once leave them usable; an executable is keyed by the device it runs on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from torchtpu.runtime import program_cache as pc
+from torchtpu.runtime.metrics import COUNTERS
+
+# Strict ops (scalars, a matmul, a strided view read, a factory, a seeded random op), a Fused
+# graph, and, with two devices, the same op on tpu:1 and a Program keyed alike on both devices.
+SCRIPT = r"""
+import json, torch, jax, jax.numpy as jnp
+from torchtpu.runtime import program_cache as pc
+torch.manual_seed(0)
+a = torch.arange(12., device="tpu").reshape(3, 4)
+b = (a * 2.5 + 1).t().contiguous()                 # strided read of a transposed view
+c = a @ b + torch.zeros(3, 3, device="tpu")
+r = torch.rand(5, device="tpu")
+with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+    f = ((a - 1).sin() * 3).sum(dim=1)
+    f = f.cpu()
+d1 = (torch.arange(4., device="tpu:1") * 2.5 + 1).cpu()
+p = pc.Program("eager", lambda x: x * 3 + 1, ("test.program",))
+x0 = jax.device_put(jnp.arange(3.), jax.devices()[0])
+x1 = jax.device_put(jnp.arange(3.), jax.devices()[1])
+y0, y1 = p(x0), p(x1)
+c_ = torch.tpu.metrics()["counters"]
+print(json.dumps({"b": b.cpu().tolist(), "c": c.cpu().tolist(), "r": r.cpu().tolist(),
+                  "f": f.tolist(), "d1": d1.tolist(), "y": [y0.tolist(), y1.tolist()],
+                  "y_dev": [next(iter(y0.devices())).id, next(iter(y1.devices())).id],
+                  "counters": {k: v for k, v in c_.items() if "disk" in k or "compile" in k}}))
+"""
+
+
+def _start(cache):
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(cache),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    return subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _expected():
+    a = torch.arange(12.).reshape(3, 4)
+    b = (a * 2.5 + 1).t().contiguous()
+    return {"b": b.tolist(), "c": (a @ b).tolist(), "f": ((a - 1).sin() * 3).sum(dim=1),
+            "d1": (torch.arange(4.) * 2.5 + 1).tolist()}
+
+
+def test_second_process_compiles_nothing_and_concurrent_writers_are_safe(tmp_path):
+    cache = tmp_path / "cache"
+    # two cold processes writing the same entries at the same time
+    first = [_start(cache), _start(cache)]
+    cold = [_result(p) for p in first]
+    warm = _result(_start(cache))
+    exp = _expected()
+    for run in cold + [warm]:
+        assert run["b"] == exp["b"]
+        torch.testing.assert_close(torch.tensor(run["c"]), torch.tensor(exp["c"]))
+        torch.testing.assert_close(torch.tensor(run["f"]), exp["f"])
+        assert run["d1"] == exp["d1"]
+        assert run["y"] == [[1.0, 4.0, 7.0]] * 2
+        assert run["y_dev"] == [0, 1]  # each device's executable runs on that device
+        assert run["r"] == cold[0]["r"]  # the seeded random op: same program, same numbers
+    # a cold process compiles each program or loads what the other one wrote meanwhile
+    n = []
+    for run in cold:
+        c = run["counters"]
+        n.append(c.get("eager_xla_compiles", 0) + c.get("eager_disk_cache_hits", 0))
+        assert c.get("fused_xla_compiles", 0) + c.get("fused_disk_cache_hits", 0) == 1
+        # every program compiled is written (the Program on tpu:0 and tpu:1 with one key: two)
+        assert c.get("eager_disk_cache_writes", 0) == c.get("eager_xla_compiles", 0)
+    assert n[0] == n[1] > 5
+    w = warm["counters"]
+    assert w.get("eager_xla_compiles", 0) == 0 and w.get("eager_compiles", 0) == 0
+    assert w.get("fused_xla_compiles", 0) == 0
+    assert w.get("eager_disk_cache_errors", 0) == 0 and w.get("fused_disk_cache_errors", 0) == 0
+    assert w["eager_disk_cache_hits"] == n[0]
+    assert w["fused_disk_cache_hits"] == 1
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "c"))
+    return tmp_path / "c"
+
+
+def _entries(root):
+    return sorted(os.path.join(d, n) for d, _, ns in os.walk(root) for n in ns
+                  if n.endswith(".xla"))
+
+
+_n = [0]
+
+
+def _program(tag):
+    return pc.Program("eager", lambda x: jnp.cos(x) * 2 - 1, ("test.safety", tag))
+
+
+def _fresh_tag():
+    _n[0] += 1
+    return f"{os.getpid()}-{_n[0]}"
+
+
+def _check(prog, x):
+    np.testing.assert_allclose(np.asarray(prog(x)), np.cos(np.asarray(x)) * 2 - 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty", "foreign",
+                                    "other_format"])
+def test_damaged_entry_is_rebuilt(cache_dir, damage):
+    tag = _fresh_tag()
+    x = jnp.linspace(0, 1, 7, dtype=jnp.float32)
+    _check(_program(tag), x)
+    [path] = _entries(cache_dir)
+    data = open(path, "rb").read()
+    if damage == "flip":  # one payload byte changed: the checksum refuses it
+        data = data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:]
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "garbage":
+        data = os.urandom(len(data))
+    elif damage == "empty":
+        data = b""
+    elif damage == "foreign":  # another key's entry under this name
+        _check(_program(tag + "other"), x)
+        other = [p for p in _entries(cache_dir) if p != path][0]
+        data = open(other, "rb").read()
+    elif damage == "other_format":
+        data = b"TORCHTPU-XLA-PROGRAM-0\n" + data[23:]
+    open(path, "wb").write(data)
+    errors = COUNTERS["eager_disk_cache_errors"]
+    compiles = COUNTERS["eager_xla_compiles"]
+    _check(_program(tag), x)  # a new Program: as a new process would (warned once a process)
+    assert COUNTERS["eager_xla_compiles"] == compiles + 1
+    assert COUNTERS["eager_disk_cache_errors"] == errors + (damage != "other_format")
+    # the rebuilt entry was rewritten and is loaded next time
+    hits = COUNTERS["eager_disk_cache_hits"]
+    _check(_program(tag), x)
+    assert COUNTERS["eager_disk_cache_hits"] == hits + 1
+    assert COUNTERS["eager_xla_compiles"] == compiles + 1
+
+
+def test_keys_separate_what_changes_a_program(cache_dir):
+    tag = _fresh_tag()
+    p = _program(tag)
+    p(jnp.ones(3, jnp.float32))
+    p(jnp.ones(4, jnp.float32))          # shape
+    p(jnp.ones(3, jnp.float64))          # dtype
+    p(jnp.ones(3, jnp.float32) + 0.5)    # same signature: no new entry
+    _program(tag + "x")(jnp.ones(3, jnp.float32))  # another executor key
+    assert len(_entries(cache_dir)) == 4
+    scalar = pc.Program("eager", lambda x, s: x * s, ("test.scalar", tag))
+    assert float(scalar(jnp.ones(()), 2)[()]) == 2.0  # Python int and float: two programs
+    assert float(scalar(jnp.ones(()), 2.5)[()]) == 2.5
+    assert len(_entries(cache_dir)) == 6
+
+
+def test_unstable_key_stays_in_memory(cache_dir):
+    p = pc.Program("eager", lambda x: x + 1, ("test.unstable", object()))
+    before = COUNTERS["eager_disk_cache_unkeyable"]
+    assert float(p(jnp.ones(()))[()]) == 2.0
+    assert COUNTERS["eager_disk_cache_unkeyable"] == before + 1
+    assert _entries(cache_dir) == []
+
+
+def test_stable_spellings():
+    # values that compare equal but build different programs are spelt apart
+    assert pc.stable(0.0) != pc.stable(-0.0)
+    assert pc.stable(1) != pc.stable(1.0) != pc.stable(True)
+    assert pc.stable(np.dtype("float32")) != pc.stable(np.dtype(jnp.bfloat16))
+    assert pc.stable((torch.float32, torch.device("tpu", 0))) == \
+        pc.stable((torch.float32, torch.device("tpu", 0)))
+    with pytest.raises(pc.NotStable):
+        pc.stable(lambda: 0)
+
+
+def test_cache_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", "")
+    p = _program(_fresh_tag())
+    _check(p, jnp.ones(2, jnp.float32))
+    assert not any(tmp_path.iterdir())
