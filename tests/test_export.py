@@ -289,3 +289,20 @@ def test_op_without_lowering_fails_loudly():
     ep = torch.export.export(M(), (torch.randn(3),))
     with pytest.raises(ExportError, match="torchtpu_export_test::host_only.*host callback"):
         exported_program_to_stablehlo(ep)
+
+
+def test_input_mutation_written_back():
+    """An input the model writes in place is an output of the artifact (after the user
+    outputs) and __call__ writes it back, as running the module would."""
+    class Accumulate(nn.Module):
+        def forward(self, x, acc):
+            acc.add_(x)
+            return x * 2
+
+    x = torch.randn(3)
+    prog = exported_program_to_stablehlo(torch.export.export(Accumulate(), (x, torch.zeros(3))))
+    assert prog.output_names[1] == "user_input_mutation:acc"
+    acc = torch.ones(3, device="tpu")
+    out = prog(x.to("tpu"), acc)
+    torch.testing.assert_close(out.cpu(), x * 2)
+    torch.testing.assert_close(acc.cpu(), 1 + x)

@@ -303,16 +303,22 @@ class StableHLOGraphModule:
 
     def __call__(self, *args, **kwargs):
         """Run on "tpu" with the program's state; returns what the model returned (tpu tensors).
-        Mutated buffers are kept in the program's state, as the module's would be."""
+        Mutated buffers are kept in the program's state, as the module's would be; inputs the
+        model writes in place are written."""
         from ..runtime import buffer as _buffer
 
-        arrays = [_to_array(t) for t in self._flat_inputs(args, kwargs)]
+        inputs = self._flat_inputs(args, kwargs)
+        arrays = [_to_array(t) for t in inputs]
         outs = self._call(*self.state, *arrays)
         n = self.n_user_outputs
         for name, new in zip(self.output_names[n:], outs[n:]):
             kind, _, target = name.partition(":")
             if kind == "buffer_mutation" and target in self.state_names:
                 self.state[self.state_names.index(target)] = new
+            elif kind == "user_input_mutation" and target in self.input_names:
+                with torch.no_grad():
+                    t = inputs[self.input_names.index(target)]
+                    t.copy_(_buffer.wrap(new).to(t.device))
         res = [_buffer.wrap(o) for o in outs[:n]]
         if self._ep is not None:
             user_specs = [s for s in self._ep.graph_signature.output_specs
