@@ -39,6 +39,12 @@ class GroupMesh:
     def enter(self, block):
         """The global array whose block on this process is ``block`` (no copy)."""
         shape = (block.shape[0] * self.n,) + tuple(block.shape[1:])
+        # (reading the device list here first also avoids a rare jaxlib failure seen when
+        # make_array_from_single_device_arrays read it first: "input arrays must have one
+        # shard each" for a single-device array, on a process's first collectives)
+        if len(block.sharding._internal_device_list) != 1:
+            raise RuntimeError(f"tpu_dist: a collective's operand is not a single-device array "
+                               f"({block.sharding})")
         return jax.make_array_from_single_device_arrays(shape, self.sharding, [block])
 
     def run(self, kind: str, static: tuple, blocks) -> tuple:

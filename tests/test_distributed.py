@@ -1,0 +1,205 @@
+"""torch.distributed on "tpu" (backend "tpu_dist"): collectives, DDP, faults.
+
+Multi-process tests launch 2 ranks on 127.0.0.1 (torchrun or torch.multiprocessing.spawn),
+each launch bounded in time and killed by process group if it overruns. The scripts under
+tests/dist_scripts/ compare every result with a single-process CPU reference and print
+"ALL OK"; a launch passes only if it exits 0 and printed that line.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "dist_scripts")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device per process
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _run(cmd, timeout, env=None):
+    """Run ``cmd`` in its own session; kill the whole session if it overruns."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env or _env(), start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"{cmd} did not finish within {timeout} s:\n{out[-4000:]}")
+    return p.returncode, out
+
+
+def _torchrun(script, *args, nproc=2, timeout=400, env=None):
+    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(_port()), os.path.join(SCRIPTS, script), *args]
+    return _run(cmd, timeout, env)
+
+
+def _spawn(script, *args, nproc=2, timeout=400, env=None):
+    cmd = [sys.executable, os.path.join(SCRIPTS, "spawn_launch.py"), str(nproc), str(_port()),
+           os.path.join(SCRIPTS, script), *args]
+    return _run(cmd, timeout, env)
+
+
+def _ranks(script, *args, timeout=300, env=None):
+    """Start 2 ranks as plain processes (env://); returns [(returncode, output)] per rank."""
+    port = _port()
+    procs = []
+    for r in range(2):
+        e = _env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, script), *args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=e, start_new_session=True))
+    res = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"{script} {args} did not finish within {timeout} s:\n{out[-4000:]}")
+        res.append((p.returncode, out))
+    return res
+
+
+def _ok(rc, out):
+    assert rc == 0 and "ALL OK" in out, out[-6000:]
+
+
+# ---- in this process: registration and a group of one ----
+
+def test_backend_registered_and_default_for_tpu():
+    assert "TPU_DIST" in dist.Backend._plugins and "TPU" in dist.Backend._plugins
+    assert dist.Backend.default_device_backend_map["tpu"] == "tpu_dist"
+    assert dist.Backend._plugins["TPU_DIST"].extended_api
+
+
+def test_group_of_one_in_process():
+    store = dist.HashStore()
+    dist.init_process_group("tpu_dist", store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        assert dist.get_backend() == "tpu_dist"
+        x = torch.arange(6.0, device="tpu").reshape(2, 3)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        torch.testing.assert_close(x.cpu(), torch.arange(6.0).reshape(2, 3))
+        out = torch.empty(2, 3, device="tpu")
+        dist.all_gather_into_tensor(out, x)
+        torch.testing.assert_close(out.cpu(), x.cpu())
+        w = dist.broadcast(x, src=0, async_op=True)
+        assert w.wait() and w.is_completed()
+        assert w.get_future().value()[0] is x
+        objs = [None]
+        dist.all_gather_object(objs, {"k": [1, 2]})
+        assert objs == [{"k": [1, 2]}]
+        dist.barrier()
+        m = torch.tpu.metrics()["per_op"]
+        assert m["dist_calls"]["all_reduce"] >= 1 and m["dist_bytes"]["all_reduce"] >= 24
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- two processes ----
+
+def test_collectives_torchrun_strict():
+    """Every collective (ops x dtypes, views, 0-dim, async, coalesced, rooted, uneven
+    all_to_all, p2p, subgroups, objects, CPU tensors) vs a CPU reference, under torchrun."""
+    _ok(*_torchrun("collectives_check.py"))
+
+
+def test_collectives_spawn_fused_default_backend():
+    """The same checks in Fused eager mode, launched with torch.multiprocessing.spawn and
+    init_process_group() with no backend (the default for device "tpu" is "tpu_dist")."""
+    _ok(*_spawn("collectives_check.py", "--mode", "fused", "--init", "default"))
+
+
+def test_ddp_matches_single_process(tmp_path):
+    """DDP (plain, small buckets, no_sync, Fused, torch.compile, bf16/fp16 hooks) on 2 ranks
+    vs one process on the full batch; the ranks share one compile-cache folder."""
+    env = _env(TORCHTPU_CACHE_DIR=tmp_path / "cache")
+    _ok(*_torchrun("ddp_check.py", "plain", "buckets", "no_sync", "fused", "compile",
+                   "bf16_hook", "fp16_hook", env=env, timeout=600))
+
+
+# ---- faults ----
+
+def test_dead_rank_raises_runtime_error():
+    (rc0, out0), (rc1, _) = _ranks("fault_check.py", "dead", env={"FAULT_TIMEOUT": 60})
+    assert rc0 == 0 and "RAISED" in out0, out0[-4000:]
+    line = next(l for l in out0.splitlines() if l.startswith("RAISED"))
+    assert "group '0'" in line and "all_reduce" in line and "sequence number" in line, line
+    assert float(line.split("after ")[1].split("s:")[0]) < 60, line
+
+
+def test_hung_rank_watchdog_reports_and_exits():
+    t0 = time.monotonic()
+    (rc0, out0), _ = _ranks("fault_check.py", "hang", env={"FAULT_TIMEOUT": 3})
+    assert rc0 == 6, out0[-4000:]
+    assert "all_reduce (sequence number 2) timed out" in out0, out0[-4000:]
+    assert "NO TIMEOUT" not in out0
+    assert time.monotonic() - t0 < 120
+
+
+def test_mismatched_collectives_raise_on_every_rank():
+    res = _ranks("fault_check.py", "mismatch", env={"TORCHTPU_DIST_CHECK": 1})
+    for r, (rc, out) in enumerate(res):
+        assert rc == 0 and f"RAISED rank {r}" in out, out[-4000:]
+        assert "collectives differ across ranks" in out and "all_gather" in out, out[-4000:]
+
+
+def test_torchrun_sigterm_ends_ranks_promptly():
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+           str(_port()), os.path.join(SCRIPTS, "fault_check.py"), "loop"]
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            log.seek(0)
+            if "READY" in log.read():
+                break
+            assert p.poll() is None, "torchrun exited early"
+            time.sleep(0.5)
+        else:
+            pytest.fail("ranks never became ready")
+        time.sleep(2)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert took < 30, took
+    # no rank survives its agent
+    out = subprocess.run(["pgrep", "-f", "fault_check.py loop", "-s", str(p.pid)],
+                         capture_output=True, text=True).stdout
+    assert not out.strip(), out
