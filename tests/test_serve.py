@@ -29,33 +29,17 @@ START_TIMEOUT = 300
 REQUEST_TIMEOUT = 300
 PROMPTS = ["hello world", "the cat sat on the mat", "how are you today", "what is your name"]
 CB_FLAGS = ["--cb-num-blocks", "16", "--cb-block-size", "16", "--cb-max-batch-tokens", "64"]
-WORDS = ("the a cat dog sat on mat ran far fast slow big small red blue green tree house sun "
-         "moon star sky sea hello world how are you today what is your name my friend good day "
-         "night").split()
 
 
-def save_tiny_chat_model(path) -> None:
-    """A tiny Llama, its word-level tokenizer and a chat template, saved to ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _example():
+    """examples/tiny_chat_model.py (the walk-through in examples/serve.md uses it too)."""
+    import importlib.util
 
-    special = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-    vocab = {t: i for i, t in enumerate(special + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
-                          "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=len(vocab), max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    model.generation_config.do_sample = False
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "tiny_chat_model.py")
+    spec = importlib.util.spec_from_file_location("tiny_chat_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:
@@ -132,7 +116,7 @@ class Server:
 @pytest.mark.slow
 def test_serve_tpu_matches_cpu(tmp_path):
     model_dir = tmp_path / "tiny-chat"
-    save_tiny_chat_model(model_dir)
+    _example().save_tiny_chat_model(model_dir)
     results, timings = {}, {}
     for device in ("cpu", "tpu"):
         server = Server(model_dir, device, tmp_path / f"server-{device}.log")
@@ -152,18 +136,20 @@ def test_serve_tpu_matches_cpu(tmp_path):
 
 def test_continuous_batching_cache_budget_is_a_fraction_of_free_memory(monkeypatch):
     """The KV cache budget continuous batching computes with its default config: a fraction of
-    the tpu device's free memory (on the CPU platform 0.3 of the host's available memory), not
+    the tpu device's free memory (on the CPU platform 0.1 of the host's available memory), not
     90% of all host RAM less the process's RSS, which got the server OOM-killed."""
     from types import SimpleNamespace
 
     from transformers.generation.continuous_batching import cache, initialization
 
+    from torchtpu.integrations.transformers import CPU_PLATFORM_MEMORY_PERCENT
     from torchtpu.runtime import devices, memory
 
     gib = 1 << 30
     if devices.platform() == "cpu":
         monkeypatch.setattr(memory, "host_memory", lambda: (4 * gib, 16 * gib))
-        expect = int(4 * gib * 0.3)
+        assert 0 < CPU_PLATFORM_MEMORY_PERCENT <= 0.2
+        expect = int(4 * gib * CPU_PLATFORM_MEMORY_PERCENT)
     else:
         expect = int(torch.tpu.mem_get_info()[0] * 0.9)
     config = transformers.ContinuousBatchingConfig()
