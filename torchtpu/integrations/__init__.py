@@ -5,7 +5,8 @@ has no extension point, a narrow patch of the one function that picks the device
 right after that library's module is imported (a post-import hook: nothing is imported early,
 and nothing changes unless "tpu" is the current accelerator when the function is called).
 ``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
-``transformers.py``.
+``transformers.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1`` (opt-in) makes ``import torch_tpu`` work
+for tools that look for Google's module name (Ray Train): see ``torch_tpu/__init__.py``.
 """
 from __future__ import annotations
 
@@ -84,8 +85,29 @@ def tpu_is_accelerator() -> bool:
     return acc is not None and acc.type == "tpu"
 
 
+class _TorchTpuCompatFinder(importlib.abc.MetaPathFinder):
+    """Serves ``torch_tpu`` from ``torchtpu/integrations/torch_tpu`` (opt-in). It sits last on
+    ``sys.meta_path``, so it is asked only when no other finder has a ``torch_tpu``."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch_tpu":
+            return None
+        import importlib.util
+
+        here = os.path.join(os.path.dirname(__file__), "torch_tpu")
+        return importlib.util.spec_from_file_location(
+            "torch_tpu", os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+
+
+def _flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("", "0", "false", "no")
+
+
 def install() -> None:
-    if os.environ.get("TORCHTPU_INTEGRATIONS", "1").strip().lower() in ("0", "false", "no"):
+    if _flag("TORCHTPU_TORCH_TPU_COMPAT", "0") and not any(
+            isinstance(f, _TorchTpuCompatFinder) for f in sys.meta_path):
+        sys.meta_path.append(_TorchTpuCompatFinder())
+    if not _flag("TORCHTPU_INTEGRATIONS", "1"):
         return
     from . import accelerate, transformers
 
