@@ -46,7 +46,7 @@ class Data(torch.utils.data.Dataset):
 def args(out, cpu, **kw):
     kw = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "max_steps": 4,
           "learning_rate": 1e-2, "logging_steps": 1, "report_to": [], "save_strategy": "no",
-          "disable_tqdm": True, "use_cpu": cpu, "dataloader_pin_memory": False, **kw}
+          "disable_tqdm": True, "use_cpu": cpu, **kw}
     return transformers.TrainingArguments(output_dir=str(out), **kw)
 
 
