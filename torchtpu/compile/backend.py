@@ -28,6 +28,7 @@ from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
 from . import aot_cache as _aot_cache
+from . import buckets as _buckets
 from . import cache as _cache
 from . import lower as _lower
 from . import options as _options
@@ -74,6 +75,7 @@ class CompiledGraph:
         self.view_outputs = self.low.out_views if name.startswith("inference") else {}
         self._lock = threading.Lock()
         self._warned_dynamic = False
+        self._plan = False  # buckets.analyse's answer, computed at the first call
 
     @staticmethod
     def _out_devices(gm):
@@ -86,6 +88,12 @@ class CompiledGraph:
         return devs
 
     def __call__(self, args):
+        bucketed = None
+        if self._plan is False:
+            self._plan = self._analyse()
+        if isinstance(self._plan, _buckets.Plan):
+            orig_args = list(args)
+            bucketed = self._pad(args)
         arrays = []
         slots = []
         sig = []
@@ -179,6 +187,8 @@ class CompiledGraph:
                 res.append(args[v])
             else:
                 res.append(v)
+        if bucketed is not None:
+            res = self._cut(res, consts, orig_args, *bucketed)
         if self.view_outputs:
             # an inference graph's output that is a view of another output is that view, as in
             # eager (aot_autograd regenerates such aliases itself only around training graphs)
@@ -189,6 +199,76 @@ class CompiledGraph:
                 res[j] = v
         args.clear()  # boxed calling convention: let inputs die early
         return res if is_seq else res[0]
+
+    def _analyse(self):
+        """buckets.analyse for this graph, when bucketing is on: a Plan, a reason, or None."""
+        if not _buckets.enabled(self._bucket_opts()):
+            return "bucketing is off (bucket_size=0)"
+        try:
+            plan = _buckets.analyse(self.low.gm, self.mutated)
+        except Exception as e:  # noqa: BLE001 - never fail a graph over the analysis
+            plan = f"analysis failed ({type(e).__name__}: {e})"
+        if isinstance(plan, _buckets.Plan) and self.view_outputs:
+            plan = "outputs that are views of other outputs"
+        return plan
+
+    def _bucket_opts(self) -> dict:
+        opts = dict(_options.dynamic_bucket_defaults())
+        opts.update({k: self.opts[k] for k in ("bucket_size", "num_dynamic_buckets")
+                     if k in self.opts})
+        return opts
+
+    def _pad(self, args):
+        """Replace dynamic-size inputs by zero-padded ones (bucket sizes): (sizes, buckets)."""
+        plan = self._plan
+        vals = plan.symbol_values(args)
+        opts = self._bucket_opts()
+        buckets = {s: _buckets.bucket(v, opts) for s, v in vals.items()}
+        for i, (kind, info) in enumerate(plan.inputs):
+            a = args[i]
+            if kind == "sym":
+                args[i] = buckets[info]
+            elif kind == "tensor" and info and isinstance(a, Tensor):
+                pads = [(0, 0)] * a.dim()
+                for d, sym in info:
+                    pads[d] = (0, buckets[sym] - a.shape[d])
+                if all(p == (0, 0) for p in pads):
+                    continue
+                COUNTERS["compile_bucket_pads"] += 1
+                if a.device.type == "tpu":  # through the host: no program per size to compile
+                    arr = _copy.value_of(a)
+                    host = np.pad(np.asarray(jax.device_get(arr)), pads)
+                    COUNTERS["host_syncs"] += 1
+                    args[i] = _wrap(jax.device_put(host, _dev_of(arr)))
+                else:
+                    flat = [p for d in reversed(pads) for p in d]
+                    args[i] = torch.nn.functional.pad(a, flat)
+        return vals, buckets
+
+    def _cut(self, res, consts, orig_args, vals, buckets):
+        """Cut the padding off the outputs (views of the padded results)."""
+        for j, dims in enumerate(self._plan.outputs):
+            kind, v = consts[j]
+            if kind == "input":
+                res[j] = orig_args[v]
+                continue
+            t = res[j]
+            if not dims or not isinstance(t, Tensor):
+                continue
+            for d, e in dims:
+                real = int(e.subs(vals))
+                padded = int(e.subs(buckets))
+                if real == padded:
+                    continue
+                sym = next(iter(e.free_symbols))
+                c = padded // buckets[sym]
+                if c == 1:
+                    t = t.narrow(d, 0, real)
+                else:
+                    t = t.unflatten(d, (c, buckets[sym])).narrow(d + 1, 0, vals[sym]) \
+                        .flatten(d, d + 1)
+            res[j] = t
+        return res
 
     def _donatable(self, args, arrays, slots):
         """Positions (in ``arrays``) of mutated inputs whose buffer nothing else holds."""
@@ -236,17 +316,16 @@ class CompiledGraph:
     def _compile(self, arrays, slots, statics, donate, sig=None):
         if any(isinstance(v, (torch.SymInt,)) for v in statics.values()):
             raise _lower.Unsupported("symbolic inputs without hints")
-        if statics and not self._warned_dynamic and any(
-                isinstance(p.meta.get("val"), torch.SymInt) for p in self.low.placeholders):
+        if isinstance(self._plan, str) and not self._warned_dynamic:
             self._warned_dynamic = True
-            if _options.get(self.opts, "bucket_size") is not None:
-                warnings.warn("torchtpu.compile: option bucket_size (padding dynamic dims to "
-                              "buckets) is not supported yet; each distinct shape is compiled "
-                              "as its own XLA program", stacklevel=3)
-            else:
-                warnings.warn("torchtpu.compile: dynamic shapes are specialised: each distinct "
-                              "shape is compiled as its own XLA program (torch.compile(..., "
-                              "dynamic=False) is the default for 'tpu')", stacklevel=3)
+            warnings.warn("torchtpu.compile: a graph with dynamic sizes is specialised, "
+                          "compiled once per distinct size, not per bucket: padding it could "
+                          "change a result "
+                          f"({self._plan}). Only graphs that treat dynamic dimensions position "
+                          "by position are padded to buckets (see torchtpu/compile/buckets.py)",
+                          stacklevel=3)
+        elif isinstance(self._plan, _buckets.Plan):
+            count("compile_bucket_programs")
         t0 = time.perf_counter()
         copts = _options.compiler_options(self.opts)
         gkey = None

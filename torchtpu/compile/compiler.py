@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .options import custom_compiler_options, get_custom_compiler_options  # noqa: F401
+from .options import set_dynamic_buckets  # noqa: F401
 
 
 def backend(gm, example_inputs, **kwargs):
@@ -18,4 +19,5 @@ def cache_dir():
     return _d()
 
 
-__all__ = ["custom_compiler_options", "get_custom_compiler_options", "backend", "cache_dir"]
+__all__ = ["custom_compiler_options", "get_custom_compiler_options", "backend", "cache_dir",
+           "set_dynamic_buckets"]

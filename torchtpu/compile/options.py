@@ -5,7 +5,9 @@ Recognised ``options=`` keys:
 - ``donate`` (bool, default True): donate the buffers of inputs the graph overwrites.
 - ``persistent_cache`` (bool, default True): use the on-disk compile cache.
 - ``xla_options`` / ``compiler_options`` (dict): XLA compiler options for this model's programs.
-- ``bucket_size`` (int): padding dynamic dims to buckets; not supported yet (warns once).
+- ``bucket_size`` / ``num_dynamic_buckets`` (int): how dynamic sizes round up to buckets for
+  graphs that can be padded exactly (compile/buckets.py); ``bucket_size=0`` turns it off.
+  Process-wide defaults: ``torch.tpu.compiler.set_dynamic_buckets``.
 Anything else, and any ``mode=``, does not apply to XLA: ignored with a one-time warning.
 """
 from __future__ import annotations
@@ -14,9 +16,10 @@ import contextlib
 import threading
 import warnings
 
-KNOWN = {"donate", "persistent_cache", "xla_options", "compiler_options", "bucket_size"}
+KNOWN = {"donate", "persistent_cache", "xla_options", "compiler_options", "bucket_size",
+         "num_dynamic_buckets"}
 _warned: set = set()
-_global = {"compiler_options": {}}
+_global = {"compiler_options": {}, "buckets": {}}
 _local = threading.local()
 
 
@@ -90,6 +93,23 @@ class custom_compiler_options(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         _local.stack.pop()
         return False
+
+
+def set_dynamic_buckets(num_dynamic_buckets: int | None = None,
+                        bucket_size: int | None = None) -> None:
+    """Process-wide defaults for how dynamic sizes round up to buckets (compile/buckets.py);
+    ``torch.compile(..., options={"bucket_size": ..., "num_dynamic_buckets": ...})`` overrides
+    them per model. ``bucket_size=0`` turns bucketing off."""
+    b = {}
+    if num_dynamic_buckets is not None:
+        b["num_dynamic_buckets"] = int(num_dynamic_buckets)
+    if bucket_size is not None:
+        b["bucket_size"] = int(bucket_size)
+    _global["buckets"] = b
+
+
+def dynamic_bucket_defaults() -> dict:
+    return dict(_global["buckets"])
 
 
 def get_custom_compiler_options() -> dict:

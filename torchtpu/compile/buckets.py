@@ -1,0 +1,293 @@
+"""Dynamic dimensions padded to buckets, where padding provably cannot change a result.
+
+A graph Dynamo traced with symbolic sizes (``dynamic=True``, ``mark_dynamic``, automatic
+dynamic shapes) is compiled once per *bucket* instead of once per size when ``analyse`` proves
+that running it at the bucket size on zero-padded inputs and cutting the padding off the
+outputs gives exactly the unpadded results. The proof is structural: every op of the graph must
+treat each dimension that carries a dynamic size position by position (elementwise ops, views
+that keep the dynamic factor innermost in its group, matmuls, reductions, softmax and norms over
+*other* dimensions, embeddings), no dynamic size may reach a value (only shapes), no random op,
+no input mutated along a dynamic dimension, and every dynamic output dimension must be a plain
+size or a constant times it. Anything else (a reduction or a contraction over a dynamic
+dimension, as in a loss averaged over the sequence, or attention over it) is compiled per size,
+with a one-time warning naming the op that prevents bucketing.
+
+Buckets (options ``bucket_size`` and ``num_dynamic_buckets``, through ``torch.compile(...,
+options=...)`` or ``torch.tpu.compiler.set_dynamic_buckets``): with ``bucket_size=b`` only,
+sizes round up to a multiple of ``b``; otherwise to a power of two of at least ``bucket_size``
+(default 8), and ``num_dynamic_buckets`` (default unlimited) caps how many such powers are used:
+sizes above the largest round up to a multiple of it. ``bucket_size=0`` turns bucketing off.
+"""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+from torch._ops import OpOverload
+
+aten = torch.ops.aten
+
+# ops that act on the dims given by their arguments and treat every other dim position-wise:
+# op -> function(node, ndim of its first input) -> the dims it mixes, or None if not handled
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+          aten._reshape_alias.default, aten.view_copy.default}
+_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
+         aten._to_copy.default, torch.ops.prims.convert_element_type.default,
+         aten.contiguous.default}
+
+
+def _dims(d, ndim):
+    if d is None:
+        return list(range(ndim))
+    d = [d] if isinstance(d, int) else list(d)
+    return [x % ndim if ndim else 0 for x in d] if d else list(range(ndim))
+
+
+def _mixed_dims(node):
+    """{input position: dims of that input the op mixes}, or None (op not understood)."""
+    t = node.target
+    a = node.args
+    kw = node.kwargs
+    nd = [_ndim(x) for x in a]
+    if t in (aten.mm.default,):
+        return {0: [1], 1: [0]}
+    if t is aten.addmm.default:
+        return {1: [1], 2: [0]}
+    if t is aten.bmm.default:
+        return {0: [2], 1: [1]}
+    if t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+             aten.any.dim, aten.any.dims, aten.all.dim, aten.prod.dim_int, aten.argmax.default,
+             aten.argmin.default, aten.var.correction, aten.std.correction,
+             aten.logsumexp.default):
+        d = a[1] if len(a) > 1 else kw.get("dim")
+        return {0: _dims(d, nd[0])}
+    if t in (aten.sum.default, aten.mean.default, aten.amax.default, aten.any.default,
+             aten.all.default, aten.prod.default):
+        return {0: list(range(nd[0]))}
+    if t in (aten._softmax.default, aten._log_softmax.default, aten.cumsum.default):
+        return {0: _dims(a[1], nd[0])}
+    if t in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
+        return {0: _dims(a[2], nd[0]), 1: _dims(a[2], nd[1])}
+    if t is aten.native_layer_norm.default:
+        k = len(a[1])
+        return {0: list(range(nd[0] - k, nd[0])), 2: list(range(nd[2] or 0)),
+                3: list(range(nd[3] or 0))}
+    if t is aten.embedding.default:
+        # the table: every row may be read; indices computed in the graph could hold anything
+        # in the padding (an index check would fail), so only an input's zero padding is safe
+        if not (isinstance(a[1], torch.fx.Node) and a[1].op == "placeholder"):
+            return None
+        return {0: list(range(nd[0]))}
+    if t in (aten.cat.default,):
+        d = a[1] if len(a) > 1 else 0
+        return {0: ("list", d)}
+    if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.split.Tensor,
+             aten.split_with_sizes.default):
+        d = a[1] if len(a) > 1 else 0
+        return {0: _dims(d, nd[0])}
+    if t in (aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
+             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default):
+        return {}
+    return None
+
+
+def _ndim(x):
+    v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def _sizes(v):
+    return [s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(int(s))
+            for s in v.shape]
+
+
+def _syms(e) -> set:
+    return set(e.free_symbols) if isinstance(e, sympy.Basic) else set()
+
+
+def _monomial_ok(e) -> bool:
+    """A dynamic size we can cut the padding off: ``s`` or ``c * s`` (c a constant)."""
+    syms = _syms(e)
+    if not syms:
+        return True
+    if len(syms) != 1:
+        return False
+    s = next(iter(syms))
+    c = sympy.simplify(e / s)
+    return bool(c.is_Integer and c > 0)
+
+
+def _view_ok(src, dst) -> bool:
+    """A reshape keeps each dynamic factor innermost in its group of merged/split dims (so the
+    padded layout maps onto itself: ``(b, s, h) -> (b*s, h) -> (b, s, h)``)."""
+    src = [e for e in src if e != 1]
+    dst = [e for e in dst if e != 1]
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        while sympy.simplify(pi - pj) != 0:
+            num, den = sympy.simplify(pj / pi).as_numer_denom()
+            if den == 1 and i + 1 < len(src):  # the destination group is the larger one
+                i += 1
+                gi.append(i)
+                pi = pi * src[i]
+            elif num == 1 or (num.is_number and den.is_number and num < den) or den != 1:
+                if j + 1 >= len(dst):
+                    return False
+                j += 1
+                gj.append(j)
+                pj = pj * dst[j]
+            else:
+                return False
+        dyn_i = [k for k in gi if _syms(src[k])]
+        dyn_j = [k for k in gj if _syms(dst[k])]
+        if dyn_i or dyn_j:
+            if len(dyn_i) != 1 or len(dyn_j) != 1 or dyn_i[0] != gi[-1] or dyn_j[0] != gj[-1]:
+                return False
+            if _syms(src[dyn_i[0]]) != _syms(dst[dyn_j[0]]):
+                return False
+        i += 1
+        j += 1
+    return i == len(src) and j == len(dst)
+
+
+def analyse(gm: torch.fx.GraphModule, mutated=()):
+    """A ``Plan`` when padding the graph's dynamic dims is provably exact, else the reason (a
+    string naming the op) why not, or None when the graph has no dynamic size at all."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dynamic = False
+    inputs = []
+    for i, p in enumerate(phs):
+        v = p.meta.get("val")
+        if isinstance(v, torch.SymInt):
+            if not isinstance(v.node.expr, sympy.Symbol):
+                return "a size input that is an expression"
+            inputs.append(("sym", v.node.expr))
+            dynamic = True
+        elif isinstance(v, torch.Tensor):
+            dims = []
+            for d, e in enumerate(_sizes(v)):
+                if _syms(e):
+                    if not isinstance(e, sympy.Symbol):
+                        return "an input whose size is an expression"
+                    dims.append((d, e))
+                    if i in mutated:
+                        return "an input mutated along a dynamic dimension"
+            inputs.append(("tensor", dims))
+            dynamic = dynamic or bool(dims)
+        else:
+            inputs.append(("other", None))
+    if not dynamic:
+        return None
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = n.target
+        v = n.meta.get("val")
+        if t is operator.getitem or not isinstance(t, OpOverload):
+            if t in (operator.mul, operator.add, operator.sub, operator.floordiv,
+                     operator.getitem) or getattr(t, "__name__", "") == "sym_size":
+                continue
+            if isinstance(t, OpOverload) and t is aten.sym_size.int:
+                continue
+            return f"{getattr(t, '__name__', t)}"
+        if t is aten.sym_size.int or t is aten.sym_numel.default:
+            continue
+        name = str(t)
+        if torch.Tag.nondeterministic_seeded in t.tags:
+            return f"{name} (random: padding would change its numbers)"
+        # a dynamic size used as a value (not a shape) would take the bucket's value
+        for arg in n.args:
+            if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt) \
+                    and t not in _SHAPE_USERS:
+                return f"{name} (a dynamic size used as a value)"
+        outs = v if isinstance(v, (list, tuple)) else [v]
+        for o in outs:
+            if isinstance(o, torch.Tensor) and not all(_monomial_ok(e) for e in _sizes(o)):
+                return f"{name} (a dynamic size that is not a multiple of one size)"
+        if t in _VIEWS:
+            src = _sizes(n.args[0].meta["val"])
+            if not _view_ok(src, _sizes(v)):
+                return f"{name} (a reshape that moves a dynamic size)"
+            continue
+        if t in _SAME or torch.Tag.pointwise in t.tags:
+            continue
+        mixed = _mixed_dims(n)
+        if mixed is None:
+            return f"{name} (not known to keep dynamic dimensions position-wise)"
+        for pos, dims in mixed.items():
+            if pos >= len(n.args):
+                continue
+            arg = n.args[pos]
+            if isinstance(dims, tuple) and dims[0] == "list":  # cat: every list element
+                for x in arg:
+                    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+                    if isinstance(xv, torch.Tensor) and _syms(_sizes(xv)[dims[1] % xv.dim()]):
+                        return f"{name} (along a dynamic dimension)"
+                continue
+            av = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(av, torch.Tensor):
+                continue
+            sz = _sizes(av)
+            if any(_syms(sz[d]) for d in dims if d < len(sz)):
+                return f"{name} (mixes positions along a dynamic dimension)"
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    outs = []
+    for o in (out if isinstance(out, (list, tuple)) else [out]):
+        v = o.meta.get("val") if isinstance(o, torch.fx.Node) else o
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return "a dynamic size returned as a value"
+        if isinstance(v, torch.Tensor):
+            outs.append([(d, e) for d, e in enumerate(_sizes(v)) if _syms(e)])
+        else:
+            outs.append([])
+    return Plan(inputs, outs)
+
+
+_SHAPE_USERS = _VIEWS | {aten.expand.default, aten.full.default, aten.zeros.default,
+                         aten.ones.default, aten.empty.memory_format, aten.new_zeros.default,
+                         aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+                         aten.empty_strided.default, aten.arange.default, aten.arange.start,
+                         aten.arange.start_step}
+
+
+class Plan:
+    """Which inputs/outputs carry which dynamic sizes (symbols)."""
+
+    def __init__(self, inputs, outputs):
+        self.inputs = inputs  # per placeholder: ("sym", s) | ("tensor", [(dim, s)]) | other
+        self.outputs = outputs  # per output: [(dim, size expression)]
+
+    def symbol_values(self, args) -> dict:
+        """The actual value of each dynamic size in this call."""
+        vals = {}
+        for (kind, info), a in zip(self.inputs, args):
+            if kind == "sym":
+                vals[info] = int(a)
+            elif kind == "tensor" and isinstance(a, torch.Tensor):
+                for d, s in info:
+                    vals[s] = a.shape[d]
+        return vals
+
+
+def bucket(n: int, opts: dict) -> int:
+    """The padded size for a dynamic size ``n`` (see the module doc)."""
+    size = opts.get("bucket_size")
+    count = opts.get("num_dynamic_buckets")
+    if count is None and size is not None:
+        return -(-n // size) * size
+    base = size or 8
+    b = base
+    k = 1
+    while b < n:
+        if count is not None and k >= count:
+            return -(-n // b) * b
+        b *= 2
+        k += 1
+    return b
+
+
+def enabled(opts: dict) -> bool:
+    return opts.get("bucket_size", 8) != 0 and opts.get("num_dynamic_buckets", 1) != 0
