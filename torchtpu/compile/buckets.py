@@ -199,10 +199,8 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
         if torch.Tag.nondeterministic_seeded in t.tags:
             return f"{name} (random: padding would change its numbers)"
         # a dynamic size used as a value (not a shape) would take the bucket's value
-        for arg in n.args:
-            if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt) \
-                    and t not in _SHAPE_USERS:
-                return f"{name} (a dynamic size used as a value)"
+        if _size_as_value(n):
+            return f"{name} (a dynamic size used as a value)"
         outs = v if isinstance(v, (list, tuple)) else [v]
         for o in outs:
             if isinstance(o, torch.Tensor) and not all(_monomial_ok(e) for e in _sizes(o)):
@@ -251,6 +249,32 @@ _SHAPE_USERS = _VIEWS | {aten.expand.default, aten.full.default, aten.zeros.defa
                          aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
                          aten.empty_strided.default, aten.arange.default, aten.arange.start,
                          aten.arange.start_step}
+
+
+def _sym_nodes(x) -> bool:
+    if isinstance(x, (list, tuple)):
+        return any(_sym_nodes(e) for e in x)
+    return isinstance(x, torch.fx.Node) and isinstance(
+        x.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _size_as_value(n) -> bool:
+    """Whether a symbolic size reaches an argument that is a value, not a shape: anywhere
+    for ops outside ``_SHAPE_USERS``; their ``Scalar`` arguments (a fill value) otherwise,
+    except ``arange``'s bounds (positions stay positions)."""
+    t = n.target
+    schema = t._schema.arguments
+    named = dict(zip([a.name for a in schema], n.args))
+    named.update(n.kwargs)
+    for arg in schema:
+        x = named.get(arg.name)
+        if x is None or not _sym_nodes(x):
+            continue
+        if t not in _SHAPE_USERS:
+            return True
+        if str(arg.type) in ("Scalar", "float", "bool") and "arange" not in str(t):
+            return True
+    return False
 
 
 class Plan:
