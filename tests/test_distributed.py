@@ -134,9 +134,10 @@ def test_collectives_torchrun_strict():
 
 
 def test_collectives_spawn_fused_default_backend():
-    """The same checks in Fused eager mode, launched with torch.multiprocessing.spawn and
+    """The same checks (three dtypes) in Fused eager mode, launched with torch.multiprocessing.spawn and
     init_process_group() with no backend (the default for device "tpu" is "tpu_dist")."""
-    _ok(*_spawn("collectives_check.py", "--mode", "fused", "--init", "default"))
+    _ok(*_spawn("collectives_check.py", "--mode", "fused", "--init", "default",
+                "--dtypes", "float32,int64,bool"))
 
 
 def test_ddp_matches_single_process(tmp_path):

@@ -62,7 +62,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="strict")
     ap.add_argument("--init", default="tpu_dist")
+    ap.add_argument("--dtypes", default=",".join(str(d).split(".")[1] for d in DTYPES),
+                    help="comma-separated subset of the dtypes to check")
     a = ap.parse_args()
+    DTYPES[:] = [getattr(torch, d) for d in a.dtypes.split(",")]
     if a.init == "default":
         dist.init_process_group(timeout=datetime.timedelta(seconds=120))
     else:
@@ -71,7 +74,11 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.tpu.set_device(local)
     dev = torch.device("tpu", local)
-    assert dist.get_backend() == "tpu_dist", dist.get_backend()
+    from torchtpu.distributed.process_group import ProcessGroupTPU
+
+    # with no backend named, torch records "undefined" but creates the device's default group
+    assert dist.get_backend() == ("tpu_dist" if a.init == "tpu_dist" else "undefined")
+    assert isinstance(dist.group.WORLD, ProcessGroupTPU), dist.group.WORLD
     if a.mode == "fused":
         torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE)
     ranks = range(n)
@@ -160,7 +167,7 @@ def main():
                        torch.tensor([-0.0, float("inf"), float("nan"), 1e-40]).view(torch.int32))
     ok("broadcast bit-exact")
 
-    for dt in [torch.float32, torch.bfloat16, torch.int64]:
+    for dt in [d for d in DTYPES if d != torch.bool]:
         for op in [R.SUM, R.MAX] + ([R.AVG] if dt.is_floating_point else []):
             # reduce_scatter_tensor and reduce_scatter (list)
             x = inp(rank, (2 * n, 3), dt, 10).to(dev)
