@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchtpu.eager import copy as _copy
+
 SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
@@ -109,7 +111,11 @@ def bench_collectives(args, rank, n, dev, gloo):
                     fn = (lambda x=x, y=y, g=(gloo if who == "gloo" else None):
                           dist.reduce_scatter_tensor(y, x, group=g))
                     full = nbytes * n
-                sync = torch.tpu.synchronize if who == "tpu_dist" else (lambda: None)
+                # wait for the last result only (collectives run in issue order);
+                # torch.tpu.synchronize() would wait for every live array (milliseconds here)
+                sync = ((lambda y=(x if kind == "all_reduce" else y):
+                         _copy.value_of(y).block_until_ready())
+                        if who == "tpu_dist" else (lambda: None))
                 if who == "raw JAX":
                     blk = elems * n if kind == "reduce_scatter" else elems
                     fn, sync = raw_program(kind, pg, blk)

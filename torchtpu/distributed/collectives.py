@@ -35,6 +35,7 @@ class GroupMesh:
         self.mesh = Mesh(np.array(self.devices, dtype=object), (AX,))
         self.sharding = NamedSharding(self.mesh, P(AX))
         self.local = self.devices[me]
+        self._local_list = jax.sharding.SingleDeviceSharding(self.local)._internal_device_list
 
     def enter(self, block):
         """The global array whose block on this process is ``block`` (no copy)."""
@@ -42,10 +43,18 @@ class GroupMesh:
         # (reading the device list here first also avoids a rare jaxlib failure seen when
         # make_array_from_single_device_arrays read it first: "input arrays must have one
         # shard each" for a single-device array, on a process's first collectives)
-        if len(block.sharding._internal_device_list) != 1:
-            raise RuntimeError(f"tpu_dist: a collective's operand is not a single-device array "
-                               f"({block.sharding})")
-        return jax.make_array_from_single_device_arrays(shape, self.sharding, [block])
+        if block.sharding._internal_device_list != self._local_list:
+            raise RuntimeError(f"tpu_dist: a collective's operand is not on this process's "
+                               f"device ({block.sharding})")
+        if _ArrayImpl is None:
+            return jax.make_array_from_single_device_arrays(shape, self.sharding, [block])
+        # what make_array_from_single_device_arrays builds, without its Python-side checks
+        # (done above: one array, on this process's device; shape and dtype are ours)
+        aval = _avals.get((shape, block.dtype))
+        if aval is None:
+            aval = _avals[(shape, block.dtype)] = _core.update_aval_with_sharding(
+                _core.ShapedArray(shape, block.dtype), self.sharding)
+        return _ArrayImpl(aval, self.sharding, [block], committed=True, _skip_checks=True)
 
     def run(self, kind: str, static: tuple, blocks) -> tuple:
         """Run program ``kind`` on this process's ``blocks``; this process's result blocks.
@@ -54,16 +63,26 @@ class GroupMesh:
         the order they were issued: XLA:CPU runs independent programs concurrently, and two
         collectives reaching the transport in different orders on two ranks mismatch."""
         fn = _program(kind, self, static)
-        tok = _token.get(self.local)
-        if tok is None:
-            tok = jax.device_put(np.zeros((1,), np.uint32), self.local)
-        outs = fn(self.enter(tok), *[self.enter(b) for b in blocks])
-        _token[self.local] = outs[0].addressable_shards[0].data
+        last = _token.get(self.local)
+        if last is None:
+            gtok = self.enter(jax.device_put(np.zeros((1,), np.uint32), self.local))
+        elif last[0] is self:
+            gtok = last[1]  # the previous program ran on this mesh: its token as is
+        else:
+            gtok = self.enter(last[1].addressable_shards[0].data)
+        outs = fn(gtok, *[self.enter(b) for b in blocks])
+        _token[self.local] = (self, outs[0])
         return tuple(o.addressable_shards[0].data for o in outs[1:])
 
 
-# this process's order token per device (see GroupMesh.run)
+# this process's order token per device: (mesh, the last program's global token output)
 _token: dict = {}
+_avals: dict = {}
+try:
+    from jax._src import core as _core
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # another jax: the public constructor
+    _ArrayImpl = None
 
 
 def _unsigned(dtype):

@@ -172,6 +172,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._gm = GroupMesh(devs, rank)
         self._dev = self._gm.local
         self._zeros: dict = {}
+        self._checked = _check_enabled()  # read once, when the group is made
 
     # ---- identity ----
     @property
@@ -221,7 +222,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             self._flush_p2p()
         self._seq += 1
         seq = self._seq
-        if _check_enabled():
+        if self._checked:
             self._check(coll, seq, inputs, outputs, sig)
         count("dist_calls", op=coll)
         count("dist_bytes", _nbytes(inputs), op=coll)
@@ -629,10 +630,16 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._timeout = timeout
 
 
+_C10D_PRIVATE = {"_allgather_base", "_reduce_scatter_base", "_set_group_name",
+                 "_set_group_desc", "_get_backend"}
+
+
 def _no_dynamo(cls):
-    """Dynamo must call these methods, not trace them (DISTRIBUTED.md: compiled DDP)."""
+    """Dynamo must call the c10d entry points, not trace them (DISTRIBUTED.md: compiled DDP);
+    our own helpers are only reached through them."""
     for name, fn in list(vars(cls).items()):
-        if callable(fn) and not isinstance(fn, type) and not name.startswith("__"):
+        if callable(fn) and not isinstance(fn, type) and (
+                not name.startswith("_") or name in _C10D_PRIVATE):
             setattr(cls, name, torch.compiler.disable(fn))
     return cls
 
