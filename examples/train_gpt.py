@@ -12,6 +12,7 @@ final loss, validation loss, throughput and, on "tpu", the counters of torch.tpu
     python examples/train_gpt.py --steps 60 --layers 2   # a short run (what `make demo` does)
     python examples/train_gpt.py --eager-mode fused      # TorchTPU's DEFER_AND_FUSE mode
     python examples/train_gpt.py --compile               # torch.compile(backend="tpu")
+    torchrun --nproc-per-node 2 examples/train_gpt.py --batch-size 8   # DDP, 2 ranks x 8
 
 With the same --seed, the model is initialised on CPU and then moved, and batches are drawn
 on CPU, so "tpu" and "cpu" runs see identical weights and data and their losses agree to
@@ -188,6 +189,22 @@ EAGER_MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKIN
                "fused": "DEFER_AND_FUSE"}
 
 
+def setup_distributed(args):
+    """Under torchrun (WORLD_SIZE > 1) or with --ddp: join the process group, one device per
+    rank (tpu:{LOCAL_RANK}, as cuda:{LOCAL_RANK} would be). Returns (rank, world size)."""
+    args.ddp = args.ddp or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not args.ddp:
+        return 0, 1
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device.startswith("tpu"):
+        args.device = f"tpu:{local}"
+        torch.tpu.set_device(local)
+    dist.init_process_group("tpu_dist" if args.device.startswith("tpu") else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
 def setup_device(args) -> torch.device:
     device = torch.device(args.device)
     if device.type == "tpu":
@@ -286,6 +303,10 @@ def metrics_summary() -> list[str]:
 
 
 def train(args) -> dict:
+    rank, world = setup_distributed(args)
+    if rank != 0:  # one rank reports
+        args.quiet, args.sample = True, 0
+        sys.stdout = open(os.devnull, "w")
     device = setup_device(args)
     data = CharData(pathlib.Path(args.data))
     torch.manual_seed(args.seed)
@@ -296,6 +317,10 @@ def train(args) -> dict:
     opt = make_optimizer(model, args.lr, args.weight_decay,
                          foreach=None if args.foreach == "auto" else args.foreach == "on")
     step_model = maybe_compile(model, args)
+    if args.ddp:  # gradients averaged across ranks; each rank trains on its slice of the batch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        step_model = DDP(step_model, device_ids=[device.index] if device.type == "tpu" else None)
     gen = torch.Generator().manual_seed(args.seed)
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
 
@@ -304,7 +329,8 @@ def train(args) -> dict:
              if device.type == "tpu" else "")
           + f"  params={n_params / 1e6:.2f}M  vocab={data.vocab_size}  "
           f"layers={args.layers} heads={args.heads} embd={args.embd}  "
-          f"batch={args.batch_size}x{args.seq_len}  steps={args.steps}", flush=True)
+          f"batch={args.batch_size}x{args.seq_len}  steps={args.steps}"
+          + (f"  DDP: {world} ranks x batch {args.batch_size}" if args.ddp else ""), flush=True)
     if device.type == "tpu":
         torch.tpu.reset_metrics()
 
@@ -315,7 +341,7 @@ def train(args) -> dict:
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
     bar = Progress(args.steps) if not args.quiet else None
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = args.batch_size * args.seq_len * world
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # device losses not yet read (reading one is a host sync)
     t_start = time.perf_counter()
@@ -328,7 +354,12 @@ def train(args) -> dict:
             t_steady = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        x, y = data.batch("train", args.batch_size, args.seq_len, gen)
+        # every rank draws the same global batch and takes its slice: the run equals one
+        # process training on the combined batch (--batch-size x ranks)
+        x, y = data.batch("train", args.batch_size * world, args.seq_len, gen)
+        if world > 1:
+            x = x[rank * args.batch_size:(rank + 1) * args.batch_size]
+            y = y[rank * args.batch_size:(rank + 1) * args.batch_size]
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         _, loss = step_model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -339,7 +370,12 @@ def train(args) -> dict:
         pending.append(loss.detach())
         last = step == args.steps - 1
         if step == 0 or last or (step + 1) % args.log_every == 0:
-            losses.extend(torch.stack(pending).float().cpu().tolist())  # one sync per log
+            logged = torch.stack(pending).float()
+            if world > 1:  # the combined batch's loss: the mean of the ranks' slices
+                import torch.distributed as dist
+
+                dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+            losses.extend(logged.cpu().tolist())  # one sync per log
             pending.clear()
             now = time.perf_counter()
             if step == 0:
@@ -388,6 +424,10 @@ def train(args) -> dict:
         text = sample(model, data, args, device, args.sample)
         print("\nsample\n" + "-" * 60 + "\n" + text + "\n" + "-" * 60)
     sys.stdout.flush()
+    if args.losses_json and rank == 0:
+        import json
+
+        pathlib.Path(args.losses_json).write_text(json.dumps(losses))
     return result
 
 
@@ -423,6 +463,10 @@ def parse_args(argv=None):
     p.add_argument("--sample", type=int, default=0, help="characters to sample at the end")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--losses-json", default="", help="write the logged losses to this file")
+    p.add_argument("--ddp", action="store_true",
+                   help="DistributedDataParallel (on by itself under torchrun); --batch-size is "
+                        "per rank, the loss is the combined batch's")
     return p.parse_args(argv)
 
 

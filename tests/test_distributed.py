@@ -204,3 +204,23 @@ def test_torchrun_sigterm_ends_ranks_promptly():
     out = subprocess.run(["pgrep", "-f", "fault_check.py loop", "-s", str(p.pid)],
                          capture_output=True, text=True).stdout
     assert not out.strip(), out
+
+
+def test_train_gpt_ddp_matches_one_process(tmp_path):
+    """examples/train_gpt.py under torchrun (2 ranks x batch 4) has the loss curve of one
+    process on the combined batch (8)."""
+    script = os.path.join(HERE, "..", "examples", "train_gpt.py")
+    common = ["--steps", "8", "--layers", "1", "--embd", "48", "--heads", "2", "--seq-len",
+              "32", "--log-every", "1", "--eval-batches", "0", "--quiet", "--warmup", "3"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    rc, out = _run([sys.executable, script, *common, "--batch-size", "8", "--losses-json",
+                    str(one)], 300)
+    assert rc == 0, out[-4000:]
+    rc, out = _torchrun(os.path.join("..", "..", "examples", "train_gpt.py"), *common,
+                        "--batch-size", "4", "--losses-json", str(two), timeout=300)
+    assert rc == 0, out[-4000:]
+    import json
+
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert len(a) == len(b) == 8
+    torch.testing.assert_close(torch.tensor(b), torch.tensor(a))
