@@ -9,7 +9,8 @@ Per size and collective, every contender runs the same fixed number of back-to-b
 end of each repeat; the table shows the median over repeats of the time per call, and the bus
 bandwidth in nccl-tests' convention (all_reduce 2(n-1)/n x bytes / t; all_gather and
 reduce_scatter (n-1)/n x the full buffer / t). "raw JAX" calls the same jitted shard_map program
-on prebuilt global arrays: the floor of this design (no tensor reads or writes, no Work).
+on prebuilt global arrays, each call taking the previous one's order token as tpu_dist's
+programs do: the floor of this design (no tensor reads or writes, no Work).
 
 DDP: the GPT of examples/train_gpt.py, one step = forward, backward, AdamW. Both ranks run N
 steps without DDP (no communication), then N steps under DDP, at the same time, so the CPU
@@ -72,10 +73,10 @@ def raw_program(kind, pg, elems):
     x = jax.device_put(np.ones((rows,), np.float32), gm.local)
     tok = jax.device_put(np.zeros((1,), np.uint32), gm.local)
     gx, gt = gm.enter(x), gm.enter(tok)
-    out = [None]
+    out = [(gt,)]
 
-    def call():
-        out[0] = fn(gt, gx)
+    def call():  # each call takes the previous one's order token, as tpu_dist's do
+        out[0] = fn(out[0][0], gx)
 
     def sync():
         jax.block_until_ready(out[0])

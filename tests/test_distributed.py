@@ -148,6 +148,12 @@ def test_ddp_matches_single_process(tmp_path):
                    "bf16_hook", "fp16_hook", env=env, timeout=600))
 
 
+def test_device_used_before_init_process_group_torchrun():
+    """The first device use joins the cluster (torchrun's agent store); device_id=,
+    set_device(local_rank), tpu:{local_rank} and "tpu" all name this rank's device."""
+    _ok(*_torchrun("bootstrap_check.py", timeout=300))
+
+
 # ---- faults ----
 
 def test_dead_rank_raises_runtime_error():
