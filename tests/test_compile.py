@@ -19,9 +19,10 @@ TPU = torch.device("tpu")
 
 
 def _files(root, aot: bool):
-    """Cache files: XLA entries, or (``aot``) AOTAutogradCache entries."""
+    """Cache files: compiled-graph XLA entries, or (``aot``) AOTAutogradCache entries (not the
+    eager programs' entries, named ``p...``, runtime/program_cache.py)."""
     return [os.path.join(d, n) for d, _, ns in os.walk(root) for n in ns
-            if (os.sep + "aot" + os.sep in d + os.sep) == aot]
+            if (os.sep + "aot" + os.sep in d + os.sep) == aot and (aot or not n.startswith("p"))]
 
 
 def _run_twice(code: str, cache_dir):

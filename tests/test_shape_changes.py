@@ -109,6 +109,8 @@ def test_variable_length_training_matches_cpu_and_says_it_specialises():
     opt_t = torch.optim.SGD(tpu.parameters(), lr=0.1)
     step = torch.compile(tpu, backend="tpu")
     lengths = [17, 23, 17, 40]
+    bucketed = COUNTERS["compile_bucket_programs"]
+    programs = COUNTERS["compile_cache_misses"]
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for n in lengths:
@@ -132,6 +134,10 @@ def test_variable_length_training_matches_cpu_and_says_it_specialises():
                                or "not known to keep" in msgs[0])
     for p, q in zip(tpu.parameters(), cpu.parameters()):
         torch.testing.assert_close(p.cpu(), q.detach())
+    # the loss averages over the sequence and the weight gradients sum over it: forward and
+    # backward are compiled per length (17, 23, 40), none padded
+    assert COUNTERS["compile_bucket_programs"] - bucketed == 0
+    assert COUNTERS["compile_cache_misses"] - programs == 6
 
 
 def test_reduction_over_dynamic_dim_is_not_padded():
@@ -145,3 +151,31 @@ def test_reduction_over_dynamic_dim_is_not_padded():
             xt = x.to(TPU)
             torch._dynamo.mark_dynamic(xt, 1)
             torch.testing.assert_close(g(xt).cpu(), f(x))
+
+
+def test_rowwise_forward_of_a_training_step_is_bucketed():
+    """The compiled part is row-wise (embedding, tanh, linear); the loss runs eagerly. The
+    forward graph returns the sizes its backward needs: their real values, not the bucket's."""
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 32))
+    tpu = copy.deepcopy(cpu).to(TPU)
+    f = torch.compile(tpu, backend="tpu")
+    bucketed = COUNTERS["compile_bucket_programs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (17, 23, 40):
+            ids = torch.randint(0, 32, (2, n), generator=torch.Generator().manual_seed(n))
+            it = ids.to(TPU)
+            torch._dynamo.mark_dynamic(it, 1)
+            out_c, out_t = cpu(ids), f(it)
+            assert out_t.shape == out_c.shape
+            loss_c = out_c.square().mean()
+            loss_t = out_t.square().mean()
+            loss_c.backward()
+            loss_t.backward()
+            torch.testing.assert_close(loss_t.cpu(), loss_c.detach())
+            for p, q in zip(tpu.parameters(), cpu.parameters()):
+                torch.testing.assert_close(p.grad.cpu(), q.grad)
+                p.grad = q.grad = None
+    assert COUNTERS["compile_bucket_programs"] - bucketed == 2  # forward: buckets 32, 64

@@ -249,6 +249,9 @@ class CompiledGraph:
         """Cut the padding off the outputs (views of the padded results)."""
         for j, dims in enumerate(self._plan.outputs):
             kind, v = consts[j]
+            if type(dims) is tuple:  # a size output: its real value
+                res[j] = int(dims[1].subs(vals))
+                continue
             if kind == "input":
                 res[j] = orig_args[v]
                 continue

@@ -235,6 +235,10 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
     outs = []
     for o in (out if isinstance(out, (list, tuple)) else [out]):
         v = o.meta.get("val") if isinstance(o, torch.fx.Node) else o
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Expr):
+            # a size saved for the backward: returned as its real value, not the bucket's
+            outs.append(("sym", v.node.expr))
+            continue
         if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return "a dynamic size returned as a value"
         if isinstance(v, torch.Tensor):
@@ -282,7 +286,7 @@ class Plan:
 
     def __init__(self, inputs, outputs):
         self.inputs = inputs  # per placeholder: ("sym", s) | ("tensor", [(dim, s)]) | other
-        self.outputs = outputs  # per output: [(dim, size expression)]
+        self.outputs = outputs  # per output: [(dim, size expression)], or ("sym", expression)
 
     def symbol_values(self, args) -> dict:
         """The actual value of each dynamic size in this call."""
