@@ -12,7 +12,7 @@ stderr too (its ``Work.wait`` raises the RuntimeError).
 """
 from __future__ import annotations
 
-import itertools
+import collections
 import os
 import sys
 import threading
@@ -20,40 +20,45 @@ import time
 
 EXIT_CODE = 6  # what the process exits with after a timeout (SIGABRT's number, no core)
 
-_inflight: dict = {}
-_lock = threading.Lock()
-_ids = itertools.count()
+# In-flight collectives, oldest first. They finish in issue order (every program threads the
+# order token), so the thread only ever looks at the oldest: registering costs an append.
+_inflight: collections.deque = collections.deque()
 _thread: list = []
+_on = [None]
+
+
+class _Entry:
+    __slots__ = ("pg", "coll", "seq", "t0", "secs", "arrays")
+
+    def __init__(self, pg, coll, seq, secs):
+        self.pg, self.coll, self.seq, self.secs = pg, coll, seq, secs
+        self.t0 = time.monotonic()
+        self.arrays = None  # None: still being launched
 
 
 def _enabled() -> bool:
-    return os.environ.get("TORCHTPU_DIST_WATCHDOG", "1") not in ("", "0")
+    if _on[0] is None:
+        _on[0] = os.environ.get("TORCHTPU_DIST_WATCHDOG", "1") not in ("", "0")
+    return _on[0]
 
 
-def start(pg, coll: str, seq: int, timeout) -> int:
+def start(pg, coll: str, seq: int, timeout):
     """Register a collective about to launch; returns its token."""
-    tok = next(_ids)
     if not _enabled():
-        return tok
-    secs = timeout.total_seconds() if timeout is not None else 1800.0
-    with _lock:
-        _inflight[tok] = [pg, coll, seq, time.monotonic(), secs, None]
+        return None
+    e = _Entry(pg, coll, seq, timeout.total_seconds() if timeout is not None else 1800.0)
+    _inflight.append(e)
     if not _thread:
         t = threading.Thread(target=_loop, name="torchtpu-dist-watchdog", daemon=True)
         _thread.append(t)
         t.start()
-    return tok
+    return e
 
 
-def finish(tok: int, arrays) -> None:
+def finish(e, arrays) -> None:
     """The collective was launched: watch its result arrays until they are computed."""
-    with _lock:
-        e = _inflight.get(tok)
-        if e is not None:
-            if arrays:
-                e[5] = list(arrays)
-            else:
-                del _inflight[tok]
+    if e is not None:
+        e.arrays = list(arrays)
 
 
 def _report(msg: str) -> None:
@@ -64,28 +69,31 @@ def _report(msg: str) -> None:
         pass
 
 
+def _done(e) -> bool:
+    """Whether the oldest entry finished (reporting a failure on stderr)."""
+    if e.arrays is None or not all(a.is_ready() for a in e.arrays):
+        return False
+    for a in e.arrays:
+        try:
+            a.block_until_ready()
+        except Exception as ex:  # noqa: BLE001  (Work.wait raises it, named)
+            _report(f"{e.pg._where(e.coll, e.seq)} failed: {str(ex).splitlines()[0]}")
+            break
+    return True
+
+
 def _loop() -> None:
     while True:
         time.sleep(0.5)
-        now = time.monotonic()
-        with _lock:
-            items = list(_inflight.items())
-        for tok, (pg, coll, seq, t0, secs, arrays) in items:
-            if arrays is not None and all(a.is_ready() for a in arrays):
-                err = None
-                for a in arrays:
-                    try:
-                        a.block_until_ready()
-                    except Exception as ex:  # noqa: BLE001
-                        err = ex
-                        break
-                with _lock:
-                    _inflight.pop(tok, None)
-                if err is not None:
-                    _report(f"{pg._where(coll, seq)} failed: {str(err).splitlines()[0]}")
+        while _inflight:
+            e = _inflight[0]
+            if _done(e):
+                _inflight.popleft()
                 continue
-            if now - t0 > secs:
-                _report(f"{pg._where(coll, seq)} timed out: not finished after "
-                        f"{now - t0:.1f} s (timeout {secs:.1f} s). Watchdog: the process "
+            waited = time.monotonic() - e.t0
+            if waited > e.secs:
+                _report(f"{e.pg._where(e.coll, e.seq)} timed out: not finished after "
+                        f"{waited:.1f} s (timeout {e.secs:.1f} s). Watchdog: the process "
                         f"exits with code {EXIT_CODE}.")
                 os._exit(EXIT_CODE)
+            break
