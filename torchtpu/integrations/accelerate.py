@@ -88,6 +88,14 @@ def _patch_modeling(mod) -> None:
 
     get_max_memory._torchtpu = True
     mod.get_max_memory = get_max_memory
+    # modules that bound the original before this ran (accelerate imported before torchtpu)
+    import sys
+
+    for name, attr in (("accelerate.utils", "get_max_memory"),
+                       ("transformers.integrations.accelerate", "accelerate_max_memory")):
+        other = sys.modules.get(name)
+        if other is not None and getattr(other, attr, None) is orig:
+            setattr(other, attr, get_max_memory)
 
 
 def install() -> None:
