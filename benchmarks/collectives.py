@@ -170,10 +170,14 @@ def bench_ddp(args, rank, n, dev):
     t_local = run(model, args.ddp_steps)
     dist.barrier()
     t_ddp = run(DDP(model, device_ids=[dev.index]), args.ddp_steps)
+    dist.barrier()
+    t_view = run(DDP(model, device_ids=[dev.index], gradient_as_bucket_view=True),
+                 args.ddp_steps)
     if rank == 0:
         print(f"GPT step (2 layers, embd 96, batch 16x64 per rank): local {t_local * 1e3:.1f} ms, "
-              f"DDP on {n} ranks {t_ddp * 1e3:.1f} ms; scaling efficiency "
-              f"{t_local / t_ddp:.2f}", flush=True)
+              f"DDP on {n} ranks {t_ddp * 1e3:.1f} ms (scaling efficiency "
+              f"{t_local / t_ddp:.2f}), with gradient_as_bucket_view {t_view * 1e3:.1f} ms "
+              f"({t_local / t_view:.2f})", flush=True)
 
 
 def main():
