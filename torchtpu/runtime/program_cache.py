@@ -206,11 +206,23 @@ class Program:
         self._disk = None  # the stable key text, computed at the first miss ("" if none)
 
     def __call__(self, *flat):
-        if _MULTI[0]:
-            c = self.by_sig.get(signature(flat))
-        else:
-            c = self.by_sig.get(tuple([a.aval if type(a) is _ArrayImpl else _other_sig(a)
-                                       for a in flat]))
+        # the common case (one local device, every argument a jax array) in one dict lookup;
+        # anything else (a Python scalar or numpy argument, several devices) takes _lookup
+        try:
+            c = self.by_sig[tuple([a.aval for a in flat])] if not _MULTI[0] else None
+        except (AttributeError, KeyError):
+            c = None
+        if c is None:
+            return self._lookup(flat)
+        try:
+            return c(*flat)
+        except TypeError:
+            if any(isinstance(a, jax.core.Tracer) for a in flat):  # inside a trace: inline
+                return jax.jit(self.fn, **self.jit_kwargs)(*flat)
+            raise
+
+    def _lookup(self, flat):
+        c = self.by_sig.get(signature(flat))
         if c is not None:
             return c(*flat)
         return self._miss(flat)
