@@ -39,10 +39,13 @@ p = pc.Program("eager", lambda x: x * 3 + 1, ("test.program",))
 x0 = jax.device_put(jnp.arange(3.), jax.devices()[0])
 x1 = jax.device_put(jnp.arange(3.), jax.devices()[1])
 y0, y1 = p(x0), p(x1)
+g = torch.compile(lambda x: (x * 3).sin() + 1, backend="tpu")  # one compiled graph, two devices
+g0, g1 = g(torch.ones(3, device="tpu:0")), g(torch.ones(3, device="tpu:1"))
 c_ = torch.tpu.metrics()["counters"]
 print(json.dumps({"b": b.cpu().tolist(), "c": c.cpu().tolist(), "r": r.cpu().tolist(),
                   "f": f.tolist(), "d1": d1.tolist(), "y": [y0.tolist(), y1.tolist()],
                   "y_dev": [next(iter(y0.devices())).id, next(iter(y1.devices())).id],
+                  "g": [g0.cpu().tolist(), g1.cpu().tolist(), str(g0.device), str(g1.device)],
                   "counters": {k: v for k, v in c_.items() if "disk" in k or "compile" in k}}))
 """
 
@@ -81,6 +84,9 @@ def test_second_process_compiles_nothing_and_concurrent_writers_are_safe(tmp_pat
         assert run["d1"] == exp["d1"]
         assert run["y"] == [[1.0, 4.0, 7.0]] * 2
         assert run["y_dev"] == [0, 1]  # each device's executable runs on that device
+        g = (torch.ones(3) * 3).sin() + 1
+        torch.testing.assert_close(torch.tensor(run["g"][0]), g)
+        assert run["g"][0] == run["g"][1] and run["g"][2:] == ["tpu:0", "tpu:1"]
         assert run["r"] == cold[0]["r"]  # the seeded random op: same program, same numbers
     # a cold process compiles each program or loads what the other one wrote meanwhile
     n = []
@@ -97,6 +103,7 @@ def test_second_process_compiles_nothing_and_concurrent_writers_are_safe(tmp_pat
     assert w.get("eager_disk_cache_errors", 0) == 0 and w.get("fused_disk_cache_errors", 0) == 0
     assert w["eager_disk_cache_hits"] == n[0]
     assert w["fused_disk_cache_hits"] == 1
+    assert w.get("xla_compiles", 0) == 0 and w["compile_disk_cache_hits"] >= 2  # both devices
 
 
 @pytest.fixture

@@ -332,10 +332,13 @@ class CompiledGraph:
         t0 = time.perf_counter()
         copts = _options.compiler_options(self.opts)
         gkey = None
+        # the device the program runs on: part of the program key (the HLO does not name it),
+        # and an executable from disk is loaded onto it alone
+        dev = _dev_of(arrays[0]) if arrays else _devices.jax_device(0)
         if sig is not None and _options.get(self.opts, "persistent_cache", True):
             try:
                 gkey = self._graph_key(sig, arrays, donate, copts)
-                hit = _cache.load_graph(gkey)
+                hit = _cache.load_graph(gkey, dev)
             except Exception:  # noqa: BLE001
                 hit = None
             if hit is not None:
@@ -358,8 +361,8 @@ class CompiledGraph:
         cacheable = not self.low.fallback_ops and _options.get(self.opts, "persistent_cache", True)
         if cacheable:
             try:
-                key = _cache.key_of(lowered.as_text(), copts)
-                compiled = _cache.load(key, lowered)
+                key = _cache.key_of(lowered.as_text(), copts, (dev.id,))
+                compiled = _cache.load(key, lowered, dev)
             except Exception:  # noqa: BLE001
                 compiled = None
         if compiled is None:

@@ -52,11 +52,14 @@ def _env_fingerprint() -> str:
 _fp = []
 
 
-def key_of(hlo_text: str, compiler_options: dict) -> str:
+def key_of(hlo_text: str, compiler_options: dict, devices=()) -> str:
+    """``devices``: the ids of the devices the executable runs on (the HLO does not say)."""
     if not _fp:
         _fp.append(_env_fingerprint())
     h = hashlib.sha256()
     h.update(_fp[0].encode())
+    if devices:
+        h.update(repr(tuple(devices)).encode())
     h.update(repr(sorted((str(k), str(v)) for k, v in compiler_options.items())).encode())
     h.update(hlo_text.encode())
     return h.hexdigest()
@@ -145,11 +148,15 @@ def _write(key: str, magic: bytes, *parts: bytes, kind: str = "compile") -> None
         _warn_once(f"torchtpu.compile: could not write compile-cache entry ({e})")
 
 
-def _deserialize(key: str, payload: bytes, in_tree, out_tree):
+def _deserialize(key: str, payload: bytes, in_tree, out_tree, device=None):
     from jax.experimental.serialize_executable import deserialize_and_load
 
     try:
-        compiled = deserialize_and_load(payload, in_tree, out_tree)
+        if device is None:
+            compiled = deserialize_and_load(payload, in_tree, out_tree)
+        else:  # loaded onto its own device only (not every device of the platform)
+            compiled = deserialize_and_load(payload, in_tree, out_tree, backend=device.client,
+                                            execution_devices=[device])
     except Exception as e:  # noqa: BLE001 - any bad entry is just a miss
         _discard(_path(key), e)
         return None
@@ -158,7 +165,7 @@ def _deserialize(key: str, payload: bytes, in_tree, out_tree):
     return compiled
 
 
-def load(key: str, lowered):
+def load(key: str, lowered, device=None):
     """The compiled executable for ``key`` (this process's, else from disk), or None (a miss)."""
     hit = _MEMO.get(key)
     if hit is not None:
@@ -166,7 +173,7 @@ def load(key: str, lowered):
         return hit
     body = _read(key, _MAGIC)
     compiled = None if body is None else _deserialize(key, body, lowered.in_tree,
-                                                      lowered.out_tree)
+                                                      lowered.out_tree, device)
     if compiled is not None:
         _MEMO[key] = compiled
     return compiled
@@ -245,7 +252,7 @@ def _hash_code(h, code_obj) -> None:
             h.update(repr(c).encode())
 
 
-def load_graph(key: str):
+def load_graph(key: str, device=None):
     """(compiled, meta) for a graph key (this process's, else from disk), or None."""
     import pickle
     import struct
@@ -263,7 +270,7 @@ def load_graph(key: str):
     except Exception as e:  # noqa: BLE001
         _discard(_path(key), e)
         return None
-    compiled = _deserialize(key, body[8 + n:], meta["in_tree"], meta["out_tree"])
+    compiled = _deserialize(key, body[8 + n:], meta["in_tree"], meta["out_tree"], device)
     if compiled is None:
         return None
     _MEMO[key] = (compiled, meta)
