@@ -125,6 +125,14 @@ def test_group_of_one_in_process():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_collective_programs_on_n_devices_of_one_process(n):
+    """Every program body for group sizes 3 and 4 (the multi-process tests use 2), on
+    in-process XLA:CPU devices, against numpy."""
+    env = _env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    _ok(*_run([sys.executable, os.path.join(SCRIPTS, "programs_check.py"), str(n)], 300, env))
+
+
 # ---- two processes ----
 
 def test_collectives_torchrun_strict():
