@@ -117,6 +117,14 @@ def main():
         for r in range(n):
             for a, b in zip(every[r], params):
                 assert torch.equal(a, b), f"{cfg}: rank {r} parameters differ from rank {rank}"
+        if cfg.endswith("hook") and n > 2:
+            # a sum of more than two bf16/fp16 gradients depends on the order (gloo's ring and
+            # XLA's differ): the gloo reference is exact for 2 ranks only
+            done.append(cfg)
+            if rank == 0:
+                print("OK", cfg, "(ranks identical; reference compared for 2 ranks only)",
+                      flush=True)
+            continue
         if cfg.endswith("hook"):
             # the same hook on CPU DDP over gloo: same rounding of the compressed gradients
             if gloo is None:
