@@ -220,6 +220,7 @@ def test_torchrun_sigterm_ends_ranks_promptly():
     assert not out.strip(), out
 
 
+@pytest.mark.slow  # ~1.5 min; test_ddp_matches_single_process covers DDP's equivalence
 def test_train_gpt_ddp_matches_one_process(tmp_path):
     """examples/train_gpt.py under torchrun (2 ranks x batch 4) has the loss curve of one
     process on the combined batch (8)."""
