@@ -8,6 +8,10 @@ accelerator and accelerate found no device of its own:
 
 - ``PartialState.default_device`` returns ``tpu:<current device>`` where it would return CPU
   (single-process runs; ``cpu=True`` still means CPU);
+- under a launcher (``LOCAL_RANK`` set: torchrun, accelerate launch), ``_prepare_backend``
+  returns the "tpu_dist" process group in accelerate's one-process-per-device mode
+  (``MULTI_GPU``, the DDP mode; each rank trained alone before) and ``set_device`` picks
+  ``tpu:<local rank>``;
 - ``DynamoBackend`` gains the member ``TPU`` (``torch_compile_backend="tpu"``);
 - ``get_max_memory()`` (``device_map="auto"``) lists the tpu devices by index with their free
   memory from ``torch.tpu.mem_get_info``; on the CPU platform, whose device memory is the host's,
@@ -16,8 +20,15 @@ accelerator and accelerate found no device of its own:
 from __future__ import annotations
 
 import functools
+import os
 
 from . import tpu_is_accelerator, when_imported
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _patch_state(mod) -> None:
@@ -38,6 +49,34 @@ def _patch_state(mod) -> None:
     prop = property(default_device)
     prop.fget._torchtpu = True
     cls.default_device = prop
+
+    # One process per device (torchrun, accelerate launch): accelerate finds no backend for
+    # "tpu" and each rank would train alone; join them in a "tpu_dist" process group instead.
+    orig_prepare = cls._prepare_backend
+    orig_set_device = cls.set_device
+    multi = mod.DistributedType.MULTI_GPU  # accelerate's "one process per accelerator" DDP mode
+
+    @functools.wraps(orig_prepare)
+    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        found, kind = orig_prepare(self, cpu, sagemaker_dp, backend)
+        if (kind == mod.DistributedType.NO and not cpu and not sagemaker_dp
+                and int(os.environ.get("LOCAL_RANK", -1)) != -1 and tpu_is_accelerator()):
+            return backend or "tpu_dist", multi
+        return found, kind
+
+    @functools.wraps(orig_set_device)
+    def set_device(self):
+        if self.device is None and self.distributed_type == multi and tpu_is_accelerator() \
+                and not torch_cuda_available():
+            import torch
+
+            self.device = torch.device("tpu", self.local_process_index)
+            torch.tpu.set_device(self.device)
+            return
+        return orig_set_device(self)
+
+    cls._prepare_backend = _prepare_backend
+    cls.set_device = set_device
 
 
 def _add_enum_member(enum_cls, name: str, value: str) -> None:
