@@ -165,8 +165,14 @@ def test_device_used_before_init_process_group_torchrun():
 # ---- faults ----
 
 def test_dead_rank_raises_runtime_error():
+    """The survivor's collective raises a RuntimeError naming group, collective and sequence
+    number, and the process ends promptly (not after JAX's shutdown barrier timeout). Known:
+    JAX's coordination service then reports the dead peer and terminates the survivor
+    (SIGABRT, after the exception; jaxlib 0.10.2 cannot hand that report to Python)."""
+    t0 = time.monotonic()
     (rc0, out0), (rc1, _) = _ranks("fault_check.py", "dead", env={"FAULT_TIMEOUT": 60})
-    assert rc0 == 0 and "RAISED" in out0, out0[-4000:]
+    assert time.monotonic() - t0 < 150
+    assert rc0 in (0, -signal.SIGABRT) and "RAISED" in out0, out0[-4000:]
     line = next(l for l in out0.splitlines() if l.startswith("RAISED"))
     assert "group '0'" in line and "all_reduce" in line and "sequence number" in line, line
     assert float(line.split("after ")[1].split("s:")[0]) < 60, line

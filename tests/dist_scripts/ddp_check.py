@@ -68,6 +68,8 @@ def train(cfg, init, rank, n, dev, group=None):
     if dev.type == "tpu":
         kw["device_ids"] = [dev.index]
     model = DDP(inner, process_group=group, **kw)
+    if cfg == "compile_outer":  # Dynamo's DDPOptimizer splits the graph at bucket boundaries
+        model = torch.compile(model, backend="tpu")
     if cfg.endswith("hook"):
         # DDP refuses bf16_compress_hook by name unless CUDA/NCCL or XPU/XCCL is present, so
         # it is called through a wrapper (the same hook, under another name)

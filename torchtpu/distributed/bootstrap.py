@@ -15,6 +15,7 @@ surfaces as a RuntimeError of the collective that saw it.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -26,7 +27,8 @@ from ..runtime import devices as _devices
 
 _KEY = "torchtpu_coordinator"
 
-state = {"joined": False, "rank": 0, "world_size": 1, "local_rank": 0, "errors": []}
+state = {"joined": False, "rank": 0, "world_size": 1, "local_rank": 0, "errors": [],
+         "failed": False}
 _lock = threading.Lock()
 
 
@@ -76,7 +78,11 @@ def _agent_store(timeout: datetime.timedelta):
 
 
 def _on_missed_heartbeat(*args) -> None:
-    """Replaces JAX's abort: remember it; collectives in flight fail and name themselves."""
+    """Replaces JAX's abort on a missed heartbeat: remember it; collectives in flight fail
+    and name themselves. (jaxlib 0.10.2 cannot pass the error status to Python: when the
+    coordination service reports a dead peer, the call fails with std::bad_cast and the
+    process terminates, as JAX's default handler would abort it: the collective that lost
+    the peer has raised its RuntimeError by then.)"""
     state["errors"].append("the JAX coordination service lost a peer (missed heartbeats): "
                            + " ".join(str(a) for a in args))
 
@@ -102,12 +108,23 @@ def _initialize(coordinator: str, bind: str | None, world_size: int, rank: int,
     gs.client = _jax.get_distributed_runtime_client(
         coordinator, rank, init_timeout=init_s, heartbeat_timeout=hb,
         shutdown_timeout=shutdown_s, missed_heartbeat_callback=_on_missed_heartbeat,
-        use_compression=True)
+        use_compression=True, shutdown_on_destruction=False)
+    atexit.register(_skip_shutdown_after_failure)  # runs before JAX's own (LIFO)
     gs.client.connect()
     gs.coordinator_address = coordinator
     gs.process_id = rank
     gs.num_processes = world_size
     gs.initialize_preemption_sync_manager()  # a no-op with the service off
+
+
+def _skip_shutdown_after_failure() -> None:
+    """After a collective failed (a peer died), JAX's exit-time shutdown barrier would wait
+    for the dead peer (up to the shutdown timeout): leave without it."""
+    if state["failed"]:
+        from jax._src import distributed as jd
+
+        jd.global_state.client = None
+        jd.global_state.service = None
 
 
 def join(store, rank: int, world_size: int, timeout: datetime.timedelta | None = None) -> None:

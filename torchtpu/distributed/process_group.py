@@ -209,6 +209,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 f"{self._global_ranks}): {coll} (sequence number {seq})")
 
     def _failure(self, coll: str, seq: int, err: BaseException) -> RuntimeError:
+        bootstrap.state["failed"] = True
         extra = "; ".join(bootstrap.state["errors"])
         msg = f"{self._where(coll, seq)} failed: {str(err).splitlines()[0] if str(err) else err!r}"
         if extra:
