@@ -27,21 +27,11 @@ from torch._inductor.output_code import OutputCode
 from ..runtime.metrics import count
 from . import cache as _cache
 
-_source_fp: list[str] = []
-
 
 def _source_fingerprint() -> str:
-    if not _source_fp:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        h = hashlib.sha256()
-        for d, dirs, files in sorted(os.walk(root)):
-            dirs.sort()
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    with open(os.path.join(d, f), "rb") as fh:
-                        h.update(f.encode() + b"\0" + fh.read())
-        _source_fp.append(h.hexdigest()[:16])
-    return _source_fp[0]
+    from ..runtime.program_cache import source_fingerprint
+
+    return source_fingerprint()[:16]
 
 
 def entry_dir(opts: dict) -> str | None:

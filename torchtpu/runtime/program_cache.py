@@ -116,6 +116,24 @@ def _sig_text(sig) -> str:
 
 
 _fp: list = []
+_source_fp: list = []
+
+
+def source_fingerprint() -> str:
+    """A hash of every torchtpu source file (path and contents): persisted programs and
+    AOTAutogradCache entries written by other code are never loaded."""
+    if not _source_fp:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        h = hashlib.sha256()
+        for d, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    with open(os.path.join(d, f), "rb") as fh:
+                        h.update(os.path.relpath(os.path.join(d, f), root).encode() + b"\0")
+                        h.update(fh.read())
+        _source_fp.append(h.hexdigest())
+    return _source_fp[0]
 
 
 def fingerprint() -> str:
@@ -126,15 +144,7 @@ def fingerprint() -> str:
 
         from .. import __version__
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        h = hashlib.sha256()
-        for d, dirs, files in sorted(os.walk(root)):
-            dirs.sort()
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    with open(os.path.join(d, f), "rb") as fh:
-                        h.update(os.path.relpath(os.path.join(d, f), root).encode() + b"\0")
-                        h.update(fh.read())
+        h = hashlib.sha256(source_fingerprint().encode())
         dev = jax.devices()[0]
         cfg = jax.config
         parts = [jax.__version__, getattr(jaxlib, "__version__", "?"), torch.__version__,
