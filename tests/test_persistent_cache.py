@@ -58,7 +58,12 @@ def _start(cache):
 
 
 def _result(proc):
-    out, err = proc.communicate(timeout=240)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # bounded: never left running after the test
+        proc.communicate()
+        raise
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
