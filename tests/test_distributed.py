@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,76 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, "dist_scripts")
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one device per process
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def _run(cmd, timeout, env=None):
-    """Run ``cmd`` in its own session; kill the whole session if it overruns."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env or _env(), start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"{cmd} did not finish within {timeout} s:\n{out[-4000:]}")
-    return p.returncode, out
-
-
-def _torchrun(script, *args, nproc=2, timeout=400, env=None):
-    cmd = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(_port()), os.path.join(SCRIPTS, script), *args]
-    return _run(cmd, timeout, env)
-
-
-def _spawn(script, *args, nproc=2, timeout=400, env=None):
-    cmd = [sys.executable, os.path.join(SCRIPTS, "spawn_launch.py"), str(nproc), str(_port()),
-           os.path.join(SCRIPTS, script), *args]
-    return _run(cmd, timeout, env)
-
-
-def _ranks(script, *args, timeout=300, env=None):
-    """Start 2 ranks as plain processes (env://); returns [(returncode, output)] per rank."""
-    port = _port()
-    procs = []
-    for r in range(2):
-        e = _env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, script), *args],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=e, start_new_session=True))
-    res = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            pytest.fail(f"{script} {args} did not finish within {timeout} s:\n{out[-4000:]}")
-        res.append((p.returncode, out))
-    return res
-
-
-def _ok(rc, out):
-    assert rc == 0 and "ALL OK" in out, out[-6000:]
+from dist_launch import HERE, SCRIPTS, TORCHRUN
+from dist_launch import child_env as _env
+from dist_launch import free_port as _port
+from dist_launch import ok as _ok
+from dist_launch import ranks as _ranks
+from dist_launch import run as _run
+from dist_launch import spawn as _spawn
+from dist_launch import torchrun as _torchrun
 
 
 # ---- in this process: registration and a group of one ----
