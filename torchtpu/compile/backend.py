@@ -32,6 +32,7 @@ from . import buckets as _buckets
 from . import cache as _cache
 from . import lower as _lower
 from . import options as _options
+from . import spmd as _spmd
 
 Tensor = torch.Tensor
 _wrap = _buffer.wrap
@@ -332,6 +333,8 @@ class CompiledGraph:
         t0 = time.perf_counter()
         copts = _options.compiler_options(self.opts)
         gkey = None
+        if self.low.mesh is not None:
+            return self._compile_spmd(arrays, slots, statics, donate, copts, t0)
         # the device the program runs on: part of the program key (the HLO does not name it),
         # and an executable from disk is loaded onto it alone
         dev = _dev_of(arrays[0]) if arrays else _devices.jax_device(0)
@@ -378,6 +381,29 @@ class CompiledGraph:
                                            "checks": self.low.check_info})
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
         return _Entry(compiled, consts, donate, self.low.check_info)
+
+
+    def _compile_spmd(self, arrays, slots, statics, donate, copts, t0):
+        """A graph with collectives: one SPMD program over their mesh (spmd.py). Not in the
+        persistent caches (an executable for several processes' devices)."""
+        spmd = _spmd.SPMD(*self.low.mesh)
+        fn = self.low.trace_fn(slots, statics, self.out_devices)
+        local = [(a.shape, a.dtype) for a in arrays]
+        if self.n_random:
+            local.append(((self.n_random, 4), np.uint32))
+        body = spmd.wrap(fn, [s for s, _ in local])
+        body.__name__ = "compiled_spmd." + self.name.rstrip("0123456789")
+        jitted = jax.jit(body, donate_argnums=tuple(j + 1 for j in donate))
+        lowered = jitted.lower(*spmd.shapes(local))
+        count("compile_traces")
+        count("compile_spmd_programs")
+        t1 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=copts or None)
+        count("xla_compiles")
+        count("xla_compile_ms", int((time.perf_counter() - t1) * 1000))
+        count("compile_ms", int((time.perf_counter() - t0) * 1000))
+        return _Entry(spmd.program(compiled), self.low.const_outputs, donate,
+                      self.low.check_info)
 
 
 def _dev_of(a):

@@ -140,6 +140,7 @@ class GraphLowering:
                 else:
                     raise Unsupported(f"{op_name(n.target)} writes to a non-input value")
         self.random_index = {n: i for i, n in enumerate(self.random_nodes)}
+        self.mesh = self._mesh()
         self.host_plan, self.host_mutated = self._host_plan()
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.out_node = out_node
@@ -152,6 +153,25 @@ class GraphLowering:
                         and self.ph_index[o] not in self.mutated:
                     self.out_is_input[j] = self.ph_index[o]
         self.out_views = _output_views(outs if isinstance(outs, (list, tuple)) else [outs])
+
+    def _mesh(self):
+        """(axis, devices, this process's position) that the graph's collectives need, or None
+        (registry ``meta["mesh"]``; see spmd.py)."""
+        facts = set()
+        for n in self.gm.graph.nodes:
+            low = registry.get(n.target) if n.op == "call_function" \
+                and isinstance(n.target, OpOverload) else None
+            spec = low.meta.get("mesh") if low is not None else None
+            if spec is None:
+                continue
+            fact = spec[1](_arg_by_name(n, spec[0]))
+            if fact is not None:
+                facts.add((fact[0], tuple(fact[1]), fact[2]))
+        if len(facts) > 1:
+            raise Unsupported(
+                f"{self.name}: collectives over different process groups in one graph "
+                f"({sorted(f[0] for f in facts)}) are not supported by the tpu compiler yet")
+        return facts.pop() if facts else None
 
     # ---- mutations of CPU inputs, replayed on the host ----
 
@@ -355,6 +375,8 @@ class GraphLowering:
             if low.check is not None and self._checks_acc is not None:
                 ok = jnp.asarray(low.check[0](*args, **kwargs), jnp.bool_)
                 self._checks_acc.append((ok, (op_name(op),) + tuple(low.check[1:])))
+            if "mesh" in low.meta:
+                count("compile_collectives", op=op_name(op))  # once per program built
             if low.random:
                 kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
                 i = self.random_index.get(n)

@@ -56,6 +56,9 @@ def register() -> None:
     _install_record_stream()
     if not dist.is_available():
         return
+    from . import functional
+
+    functional.install()  # _c10d_functional kernels on "tpu" and their graph lowerings
     for name in ("tpu", "tpu_dist"):  # the last one registered is the default for "tpu"
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..runtime import devices as _devices
+from ..runtime import sync as _sync
 from ..runtime.metrics import count
 
 AX = "r"
@@ -76,8 +77,9 @@ class GroupMesh:
         return tuple(o.addressable_shards[0].data for o in outs[1:])
 
 
-# this process's order token per device: (mesh, the last program's global token output)
-_token: dict = {}
+# this process's order token per device: (mesh, the last program's global token output),
+# shared with the other programs that talk to other processes (runtime/sync.py)
+_token = _sync.order_tokens
 _avals: dict = {}
 try:
     from jax._src import core as _core

@@ -46,6 +46,15 @@ def _flush() -> None:
         fn()
 
 
+# Programs that exchange data with other processes (collectives, compiled graphs holding
+# collectives) must reach the transport in the order they were issued, on every process: XLA:CPU
+# runs independent programs concurrently. Each such program takes and returns this device's
+# order token: {jax device: (owner, the last such program's token output)}, the output a global
+# jax.Array whose one addressable shard is this process's token; the owner (the program's mesh)
+# lets its next program take the global array as is.
+order_tokens: dict = {}
+
+
 def _device_filter(index):
     if index is None:
         return None
