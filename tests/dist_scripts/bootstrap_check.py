@@ -14,8 +14,18 @@ def main():
     n = int(os.environ["WORLD_SIZE"])
     assert torch.tpu.device_count() == n  # tpu:0 .. tpu:{n-1}, all this rank's device
     torch.tpu.set_device(local)
-    assert torch.tpu.current_device() == local
     x = torch.full((3,), float(local + 1), device=f"tpu:{local}")  # joins the cluster here
+    # Every index names this rank's one device; tensors report tpu:0 (the autograd engine of a
+    # Python backend has one device queue), and the current device agrees with where "tpu",
+    # "tpu:{local}" and .to() put tensors, as FSDP2 and DTensor require.
+    here = torch.device("tpu", torch.tpu.current_device())
+    assert x.device == here, (x.device, here)
+    for t in (torch.zeros(2).to("tpu"), torch.tensor([1.0], device="tpu"),
+              torch.nn.Linear(2, 2).to(f"tpu:{local}").weight, torch.empty(1, device="tpu")):
+        assert t.device == here, (t.device, here)
+    w = torch.ones(3, device="tpu", requires_grad=True)
+    (w * x).sum().backward()
+    assert w.grad.device == here and w.grad.cpu().tolist() == [float(local + 1)] * 3
     dist.init_process_group(device_id=torch.device("tpu", local))
     assert dist.get_world_size() == n
     dist.all_reduce(x)

@@ -72,7 +72,7 @@ def _index(device) -> int:
 def set_device(device) -> None:
     idx = _index(device)
     _devices.jax_device(idx)
-    _current[0] = idx
+    _current[0] = _devices.canonical_index(idx)
 
 
 class device:

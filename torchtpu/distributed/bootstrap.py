@@ -148,7 +148,8 @@ def join(store, rank: int, world_size: int, timeout: datetime.timedelta | None =
         if world_size > 1:
             coord, bind = _coordinator(store, rank, timeout)
             _initialize(coord, bind, world_size, rank, timeout)
-            # tpu:0 .. tpu:{local_world_size - 1} all name this process's one device
+            # tpu:0 .. tpu:{local_world_size - 1} all name this process's one device, whose
+            # tensors report tpu:0 (runtime/devices.py says why)
             _devices.alias_count[0] = _env_int("LOCAL_WORLD_SIZE", world_size)
         state["joined"] = True
 

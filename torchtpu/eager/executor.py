@@ -279,12 +279,13 @@ def _check_cast(op_name, result_dt, self_dt):
 
 
 def _device_index(dev) -> int:
-    """The index a device argument names: "tpu" alone is the current device, as for CUDA."""
+    """The index a device argument names: "tpu" alone is the current device, as for CUDA (in a
+    multi-process job, every index names this process's one device: devices.canonical_index)."""
     if dev is None or dev.index is None:
         from ..device import tpu_module
 
         return tpu_module._current[0]
-    return dev.index
+    return _devices.canonical_index(dev.index)
 
 
 def _device_for_factory(kwargs, args):

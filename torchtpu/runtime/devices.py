@@ -31,9 +31,19 @@ before_backend: list = []
 after_backend: list = []
 _devs: list = []
 # In a multi-process job each process owns one device; CUDA habits name it tpu:{local_rank}
-# (``set_device(local_rank)``). ``alias_count`` > 1 makes tpu:0 .. tpu:{alias_count - 1} all
-# name that one device (tensors live on index 0; see torchtpu/distributed/bootstrap.py).
+# (``set_device(local_rank)``, ``device=f"tpu:{local_rank}"``). ``alias_count`` > 1 makes
+# tpu:0 .. tpu:{alias_count - 1} all name that one device, and tensors there report tpu:0
+# (``canonical_index``), which is then also the current device. Not tpu:{local_rank}: PyTorch's
+# autograd engine sizes its per-device queues by the device guard's count, which for a Python
+# backend is 1, so backward fails on any tensor with an index above 0 (and C++ fills a missing
+# index from that guard as 0). See torchtpu/distributed/bootstrap.py.
 alias_count = [0]
+
+
+def canonical_index(index: int) -> int:
+    """The index tensors on tpu:index report: ``index``, or 0 when every index is an alias of
+    this process's one device."""
+    return 0 if alias_count[0] else index
 
 
 def backend_created() -> bool:
