@@ -61,6 +61,11 @@ def train(cfg, init, rank, n, dev, group=None):
     kw = {}
     if cfg == "buckets":
         kw = {"bucket_cap_mb": 0.002, "gradient_as_bucket_view": True}
+    if cfg == "compile_outer":
+        # small buckets, so that DDPOptimizer splits this small model's graph at each bucket
+        # (it requires the first bucket, 1 MB by default, to be no larger than the others)
+        kw = {"bucket_cap_mb": 0.002}
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 2000
     if cfg == "find_unused":
         kw = {"find_unused_parameters": True}
     if cfg == "static_graph":
@@ -79,6 +84,12 @@ def train(cfg, init, rank, n, dev, group=None):
         model.register_comm_hook(group, bf16_hook if cfg == "bf16_hook"
                                  else default_hooks.fp16_compress_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if cfg == "compile_outer":
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        before = (counters["aot_autograd"]["total"],
+                  torch.tpu.metrics()["counters"].get("compile_graphs", 0))
     for step in range(STEPS):
         opt.zero_grad()
         if cfg == "no_sync":
@@ -90,6 +101,13 @@ def train(cfg, init, rank, n, dev, group=None):
             x, y = batch(step)
         nn.functional.mse_loss(model(x[sl].to(dev)), y[sl].to(dev)).backward()
         opt.step()
+    if cfg == "compile_outer":
+        # real graphs: one per bucket (DDPOptimizer's split), each a forward and a backward
+        subgraphs = counters["aot_autograd"]["total"] - before[0]
+        graphs = torch.tpu.metrics()["counters"].get("compile_graphs", 0) - before[1]
+        assert subgraphs >= 2 and graphs >= 2 * subgraphs, (subgraphs, graphs)
+        if rank == 0:
+            print(f"compile_outer: {subgraphs} subgraphs, {graphs} tpu graphs", flush=True)
     return m
 
 

@@ -202,20 +202,12 @@ class Stream(_BaseStream):
         from . import devices
 
         devices.jax_device(idx)  # validates the ordinal
-        self = _BaseStream.__new__(cls, device=torch.device("tpu", idx), priority=priority)
-        self._index = idx
-        return self
+        # the index lives in the C++ base only (no Python attribute): Dynamo wraps a Stream
+        # as soon as the base exists (compiled DDP creates one inside a compiled frame)
+        return _BaseStream.__new__(cls, device=torch.device("tpu", idx), priority=priority)
 
     def __init__(self, device=None, priority: int = 0, **kwargs):
         pass
-
-    @property
-    def device_index(self):
-        return self._index
-
-    @property
-    def device(self):
-        return torch.device("tpu", self._index)
 
     def query(self) -> bool:
         _flush()
