@@ -43,7 +43,7 @@ demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest $(TESTS) -q $(PYTEST_ARGS)
+	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
