@@ -5,7 +5,8 @@ function of (rank, case), so every rank computes the expected result on CPU from
 inputs. Eager: the ``_c10d_functional`` kernels run as device kernels (no host sync); compiled:
 ``torch.compile(backend="tpu")`` graphs hold the collectives as lowerings (the compile metrics
 count them; no CPU fallback). Prints "OK <case>" per check and "ALL OK <n>" at the end.
-Usage: functional_check.py [part ...] (parts: eager fused compiled train; default: all).
+Usage: functional_check.py [part ...] (parts: eager fused compiled_one compiled train
+fsdp_compiled tp_compiled; default: all).
 """
 from __future__ import annotations
 
@@ -251,35 +252,58 @@ def compiled(c):
         return torch.compile(fn, backend="tpu", fullgraph=True)
 
     run_all(c, "compiled", wrap)
+    lowered_check(before, pb, ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                               "all_to_all_single", "broadcast", "all_reduce_coalesced",
+                               "all_gather_into_tensor_coalesced",
+                               "reduce_scatter_tensor_coalesced"))
+    autograd_cases(c, "compiled", lambda fn: torch.compile(fn, backend="tpu"))
+
+
+def lowered_check(before, pb, ops):
     after, pa = counters()
     low = {k: v - pb.get("compile_collectives", {}).get(k, 0)
            for k, v in pa.get("compile_collectives", {}).items()}
     fb = pa.get("compile_cpu_fallbacks", {})
     assert not any("c10d" in k for k in fb), f"collectives ran as CPU callbacks: {fb}"
-    for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "broadcast", "all_reduce_coalesced",
-               "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"):
+    for op in ops:
         assert low.get(f"_c10d_functional::{op}.default", 0) > 0, (op, low)
     assert after.get("compile_spmd_programs", 0) > before.get("compile_spmd_programs", 0)
     ok(f"compiled collectives lowered into the programs {sorted(low.items())}")
 
-    # compute and collectives in one program, with the c10d in-place API (Dynamo rewrites it)
+
+def compiled_one(c):
+    """Compute and every kind of collective in one compiled program (fast: one compile)."""
+    torch._dynamo.reset()
+    before, pb = counters()
+    n, r, g = c.n, c.rank, c.group
+
     def step(x, w):
-        h = torch.tanh(x @ w)
-        dist.all_reduce(h)
-        return (h * 2).sum(1), funcol.all_gather_tensor(h.relu(), 0, c.group)
+        h = torch.tanh(x @ w)  # (2n, 5)
+        dist.all_reduce(h)  # the c10d in-place API: Dynamo rewrites it to a functional one
+        a = funcol.all_gather_tensor(h.relu(), 0, g)
+        b = funcol.reduce_scatter_tensor(h * 3, "avg", 0, g)
+        d = funcol.all_to_all_single(h - 1, None, None, g)
+        e = funcol.broadcast(x[:, :2] * 2, 1 % n, g)
+        f, k = funcol.all_reduce_coalesced([x.sum(0), w], "max", g)
+        return (h * 2).sum(1), a, b, d, e, f, k
 
-    vals = c.all_in((4, 3), 60)
-    w = inp(0, (3, 5), 61)
-    f = wrap(step)
-    for _ in range(2):  # the second call reuses the program (order token path)
-        got = f(vals[c.rank].to(c.dev), w.to(c.dev))
-    h = sum(torch.tanh(v @ w) for v in vals)
-    close(got[0], (h * 2).sum(1), "compiled step out0")
-    close(got[1], torch.cat([h.relu()] * c.n, 0), "compiled step out1")
-    ok("compiled compute + dist.all_reduce + all_gather in one program")
-
-    autograd_cases(c, "compiled", lambda fn: torch.compile(fn, backend="tpu"))
+    vals = c.all_in((2 * n, 3), 60)
+    ws = c.all_in((3, 5), 61)
+    cf = torch.compile(step, backend="tpu", fullgraph=True)
+    for _ in range(2):  # the second call reuses the program (the order token's path)
+        got = [t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+               for t in cf(vals[r].to(c.dev), ws[r].to(c.dev))]
+    hs = [torch.tanh(v @ w) for v, w in zip(vals, ws)]
+    h = sum(hs[1:], hs[0])
+    want = [(h * 2).sum(1), torch.cat([h.relu()] * n, 0), (h * 3).chunk(n, 0)[r],
+            torch.cat([(h - 1).chunk(n, 0)[r]] * n, 0), vals[1 % n][:, :2] * 2,
+            torch.stack([v.sum(0) for v in vals]).amax(0), torch.stack(ws).amax(0)]
+    for i, (a, b) in enumerate(zip(got, want)):
+        close(a, b, f"compiled one program output {i}")
+    ok("compiled compute + all_reduce/all_gather/reduce_scatter/all_to_all/broadcast/coalesced "
+       "in one program")
+    lowered_check(before, pb, ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                               "all_to_all_single", "broadcast", "all_reduce_coalesced"))
 
 
 # ---- a compiled tensor-parallel MLP trained with SGD vs one CPU process ----
@@ -300,34 +324,148 @@ class ColRow(nn.Module):
 
 
 def train(c):
+    """The same TP MLP trained on CPU tensors over gloo (PyTorch's semantics), on tpu in eager
+    and compiled: parameters equal after 3 SGD steps."""
     n, r = c.n, c.rank
     g = torch.Generator().manual_seed(5)
     w1 = torch.randn(6, 8 * n, generator=g) * 0.3
     w2 = torch.randn(8 * n, 4, generator=g) * 0.3
     data = [(torch.randn(5, 6, generator=g), torch.randn(5, 4, generator=g)) for _ in range(3)]
-    ref = nn.Sequential(nn.Linear(6, 8 * n, bias=False), nn.ReLU(), nn.Linear(8 * n, 4, bias=False))
-    with torch.no_grad():
-        ref[0].weight.copy_(w1.t())
-        ref[2].weight.copy_(w2.t())
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in data:
+
+    def run(dev, group, compile_it):
+        m = ColRow(w1.chunk(n, 1)[r].clone(), w2.chunk(n, 0)[r].clone(), group).to(dev)
+        f = torch.compile(m, backend="tpu") if compile_it else m
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x, y in data:
+            opt.zero_grad()
+            nn.functional.mse_loss(f(x.to(dev)), y.to(dev)).backward()
+            opt.step()
+        return [p.detach().cpu() for p in m.parameters()]
+
+    gloo = dist.new_group(backend="gloo")
+    want = run(torch.device("cpu"), gloo, False)
+    for mode in ("eager", "compiled"):
+        got = run(c.dev, c.group, mode == "compiled")
+        for name, a, b in zip(("w1", "w2"), got, want):
+            close(a, b, f"{mode} TP MLP {name}")
+    ok("tensor-parallel MLP, 3 SGD steps, eager and compiled vs CPU gloo")
+
+
+# ---- torch.compile of FSDP2 and tensor-parallel (DTensor) models vs one CPU process ----
+
+class MLP(nn.Module):
+    def __init__(self, d=8, h=16, d_in=6, d_out=3, blocks=2):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(blocks))
+        self.out = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.out(x)
+
+
+STEPS, BATCH = 3, 8
+
+
+def batches():
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g))
+            for _ in range(STEPS)]
+
+
+def reference(init):
+    """One CPU process on the full batches."""
+    import copy
+
+    m = copy.deepcopy(init)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for x, y in batches():
         opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
+        nn.functional.mse_loss(m(x), y).backward()
         opt.step()
-    m = ColRow(w1.chunk(n, 1)[r].clone(), w2.chunk(n, 0)[r].clone(), c.group).to(c.dev)
-    cm = torch.compile(m, backend="tpu")
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for x, y in data:
+    return dict(m.named_parameters())
+
+
+def compiled_training(c, m, x_of, what, compile_root=True, foreach=None):
+    """Train ``m`` compiled for STEPS AdamW steps; check graphs were compiled and every
+    parameter's full value equals the CPU reference (``c.init``)."""
+    from torch._dynamo.utils import counters as dyn
+
+    torch._dynamo.reset()
+    g0 = torch.tpu.metrics()["counters"].get("compile_graphs", 0)
+    a0 = dyn["aot_autograd"]["total"]
+    cm = torch.compile(m, backend="tpu") if compile_root else m
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=foreach)
+    for x, y in batches():
         opt.zero_grad()
-        nn.functional.mse_loss(cm(x.to(c.dev)), y.to(c.dev)).backward()
+        xx, yy = x_of(x, y)
+        nn.functional.mse_loss(cm(xx), yy).backward()
         opt.step()
-    close(m.w1, ref[0].weight.detach().t().chunk(n, 1)[r], "compiled TP MLP w1")
-    close(m.w2, ref[2].weight.detach().t().chunk(n, 0)[r], "compiled TP MLP w2")
-    ok("compiled tensor-parallel MLP, 3 SGD steps vs CPU")
+    graphs = torch.tpu.metrics()["counters"].get("compile_graphs", 0) - g0
+    assert graphs >= 2 and dyn["aot_autograd"]["total"] > a0, (what, graphs, {k: dict(v) for k, v in dyn.items()})
+    ref = reference(c.init)
+    for name, p in m.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        close(full, ref[name.replace("_orig_mod.", "")].detach(), f"{what} {name}")
+    return graphs
+
+
+def fsdp_compiled(c):
+    """Blocks compiled, then fully_shard per block and at the root (TorchTitan's order: FSDP2's
+    hooks sit on the compiled module's wrapper and run eagerly around the compiled graphs; a
+    whole model compiled over FSDP2 breaks its graph in the blocks' loop, which makes Dynamo
+    skip the frame: torch 2.13 does the same on CUDA)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    c.init = MLP()
+    mesh = init_device_mesh("tpu", (c.n,))
+    m = copy.deepcopy(c.init).to(c.dev)
+    for i, b in enumerate(m.blocks):
+        m.blocks[i] = torch.compile(b, backend="tpu")
+        fully_shard(m.blocks[i], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    sl = slice(c.rank * BATCH // c.n, (c.rank + 1) * BATCH // c.n)
+    graphs = compiled_training(c, m, lambda x, y: (x[sl].to(c.dev), y[sl].to(c.dev)),
+                               "compiled FSDP2", compile_root=False)
+    ok(f"compiled FSDP2 model ({graphs} graphs), {STEPS} AdamW steps vs one CPU process")
+
+
+def tp_compiled(c):
+    """ColwiseParallel / RowwiseParallel blocks (DTensor parameters) compiled: the DTensor
+    collectives become _c10d_functional nodes lowered into the graphs."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(0)
+    c.init = MLP()
+    mesh = init_device_mesh("tpu", (c.n,))
+    m = copy.deepcopy(c.init).to(c.dev)
+    for b in m.blocks:
+        parallelize_module(b, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    before, pb = counters()
+    # (foreach=False: the blocks' parameters are DTensors, the others plain tensors, which
+    # one foreach op cannot mix, on CUDA too)
+    graphs = compiled_training(c, m, lambda x, y: (x.to(c.dev), y.to(c.dev)),
+                               "compiled TP", foreach=False)
+    lowered_check(before, pb, ("all_reduce",))
+    ok(f"compiled tensor-parallel model ({graphs} graphs), {STEPS} AdamW steps vs one CPU "
+       "process")
 
 
 def main():
-    parts = sys.argv[1:] or ["eager", "fused", "compiled", "train"]
+    parts = sys.argv[1:] or ["eager", "fused", "compiled_one", "compiled", "train",
+                            "fsdp_compiled", "tp_compiled"]
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     rank, n = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
