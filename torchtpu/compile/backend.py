@@ -306,6 +306,10 @@ class CompiledGraph:
                     v = _copy.device_to_host(_copy.value_of(v)) if v.device.type == "tpu" else v
                     consts.append(hashlib.sha256(_lower._torch_to_np(v).tobytes()).digest()
                                   + repr((tuple(v.shape), v.dtype)).encode())
+                elif isinstance(v, torch.fx.GraphModule):  # a HOP's subgraph (score_mod)
+                    from ..lowering.hops import graph_code
+
+                    consts.append(graph_code(v).encode())
                 else:
                     consts.append(repr(v).encode())
             elif n.op == "call_function":

@@ -309,8 +309,13 @@ class GraphLowering:
                 out = self._call(n, op, tuple(rest), kwargs, rng)
                 return (token, *out) if isinstance(out, tuple) else (token, out)
             if isinstance(target, torch._ops.HigherOrderOperator):
-                raise Unsupported(f"{self.name}: higher-order op {target} is not supported by the "
-                                  "tpu compiler")
+                from ..lowering import hops
+
+                hop = hops.get(target)  # subgraph arguments are GraphModules (get_attr)
+                if hop is None:
+                    raise Unsupported(f"{self.name}: higher-order op {target} is not supported "
+                                      "by the tpu compiler")
+                return hop(*args, **kwargs)
             return target(*args, **kwargs)
         if target is aten.sym_size.int:
             return int(args[0].shape[args[1]])

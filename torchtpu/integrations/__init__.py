@@ -5,8 +5,9 @@ has no extension point, a narrow patch of the one function that picks the device
 right after that library's module is imported (a post-import hook: nothing is imported early,
 and nothing changes unless "tpu" is the current accelerator when the function is called).
 ``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
-``transformers.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1`` (opt-in) makes ``import torch_tpu`` work
-for tools that look for Google's module name (Ray Train): see ``torch_tpu/__init__.py``.
+``transformers.py``, ``flex_attention.py``, ``torchtitan.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1``
+(opt-in) makes ``import torch_tpu`` work for tools that look for Google's module name (Ray
+Train): see ``torch_tpu/__init__.py``.
 """
 from __future__ import annotations
 
@@ -109,7 +110,9 @@ def install() -> None:
         sys.meta_path.append(_TorchTpuCompatFinder())
     if not _flag("TORCHTPU_INTEGRATIONS", "1"):
         return
-    from . import accelerate, transformers
+    from . import accelerate, flex_attention, torchtitan, transformers
 
     accelerate.install()
     transformers.install()
+    flex_attention.install()
+    torchtitan.install()

@@ -1,0 +1,77 @@
+"""TorchTitan on "tpu" without Triton.
+
+TorchTitan picks its device and process group by itself: ``torchtitan.tools.utils`` asks
+``torch._utils._get_available_device_type()``, which returns the PrivateUse1 name ("tpu") once
+``torch.tpu.is_available()``, and ``init_distributed`` takes the backend from
+``torch.distributed.Backend.default_device_backend_map["tpu"]`` ("tpu_dist"). Its
+FlexAttention is ``torch.compile(flex_attention)`` with the default backend: graphs on "tpu"
+go to the tpu compiler (``compile/__init__.py``), which lowers the ``flex_attention`` HOPs
+(``lowering/flex_attention.py``); the device allowlist is ``flex_attention.py``'s patch.
+
+What remains is an import: every model (``torchtitan.models.common`` -> MoE -> token
+dispatcher) imports ``torchtitan.distributed.minimal_async_ep.kernels``, which runs
+``import triton`` (~1 GB, CUDA-only kernels for expert parallelism over symmetric memory).
+When Triton is not installed, that one module is served by a finder here as a module whose
+attributes are functions raising a RuntimeError that names the missing kernel and Triton;
+nothing else changes. Dense models (llama3) never call them. With Triton installed, TorchTitan's
+own module loads.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _missing(name: str):
+    def kernel(*args, **kwargs):
+        raise RuntimeError(
+            f"TorchTitan's {KERNELS}.{name} is a Triton kernel (CUDA expert parallelism over "
+            "symmetric memory) and Triton is not installed; it cannot run on 'tpu'")
+
+    kernel.__name__ = kernel.__qualname__ = name
+    return kernel
+
+
+class _KernelsLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        mod = types.ModuleType(spec.name)
+
+        def __getattr__(name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _missing(name)
+
+        mod.__getattr__ = __getattr__
+        mod.__doc__ = "Stand-in for TorchTitan's Triton kernels when Triton is absent " \
+                      "(torchtpu.integrations.torchtitan); every kernel raises RuntimeError."
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+class _KernelsFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != KERNELS or triton_available():
+            return None
+        return importlib.machinery.ModuleSpec(name, _KernelsLoader())
+
+
+def triton_available() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_finder = _KernelsFinder()
+
+
+def install() -> None:
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
