@@ -305,6 +305,21 @@ def compiled_one(c):
     lowered_check(before, pb, ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                                "all_to_all_single", "broadcast", "all_reduce_coalesced"))
 
+    # an input overwritten by an in-place collective (its buffer donated to the program)
+    def inplace(t):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t * 2
+
+    vals = c.all_in((3, 4), 62)
+    cf = torch.compile(inplace, backend="tpu", fullgraph=True)
+    for i in range(2):
+        t = (vals[r] + i).to(c.dev)
+        got = cf(t)
+        want = torch.stack(vals).amax(0) + i
+        close(t, want, "compiled in-place all_reduce: the input")
+        close(got, want * 2, "compiled in-place all_reduce: the output")
+    ok("compiled in-place all_reduce of an input")
+
 
 # ---- a compiled tensor-parallel MLP trained with SGD vs one CPU process ----
 
