@@ -116,3 +116,30 @@ def test_constant_scalar_reuses_one_program_per_kind():
     assert _compiles() == before + 1  # only .sum() of this shape is new
     (x * 3).sum().item()  # an int changes the key (it could change the result dtype)
     assert _compiles() == before + 2
+
+
+def test_compiled_function_of_changing_floats_recompiles_once():
+    """torch.compile(backend="tpu") keeps PyTorch's default ``dynamic=None``: the first call
+    specialises, the second value makes Dynamo pass the floats as graph inputs (one more graph
+    and XLA program), and every later value reuses it. The backend used to force
+    ``dynamic=False``, which compiled one graph per value up to Dynamo's recompile limit."""
+    import torch._dynamo
+
+    def step(w, x, lr, bc):
+        return w - lr / bc * (x @ w) * 1e-3
+
+    torch._dynamo.reset()
+    f = torch.compile(step, backend="tpu")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 16, generator=g)
+    w0 = torch.randn(16, 16, generator=g)
+    w, ref = w0.to("tpu"), w0
+    xt = x.to("tpu")
+    before = torch.tpu.metrics()["counters"].get("compile_cache_misses", 0)
+    for s in range(1, 11):
+        lr, bc = 0.1 * (1 - s / 40), 1 - 0.9 ** s
+        w = f(w, xt, lr, bc)
+        ref = step(ref, x, lr, bc)
+    misses = torch.tpu.metrics()["counters"].get("compile_cache_misses", 0) - before
+    assert misses == 2, misses
+    torch.testing.assert_close(w.cpu(), ref, rtol=1e-5, atol=1e-6)

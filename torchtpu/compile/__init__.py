@@ -3,7 +3,8 @@
 Importing this package is cheap (no Dynamo import). It
 - registers the Dynamo backend "tpu" (lazily: on the first torch.compile, or right away when
   Dynamo is already loaded);
-- makes ``dynamic=False`` the default for backend "tpu";
+- keeps PyTorch's ``dynamic=None`` default (automatic dynamic: a Python float that changes
+  becomes a graph input after one recompile, not a constant per value);
 - routes the default backend (Inductor, which cannot run on "tpu") to "tpu" when the graph's
   inputs live on "tpu"; CPU graphs keep PyTorch's behaviour unchanged.
 """
@@ -58,13 +59,9 @@ def _compile(model=None, *args, **kwargs):
     if isinstance(backend, str) and backend == "tpu" or not isinstance(backend, str) and \
             _is_tpu_backend(backend):
         register_backend()
-        if kwargs.get("dynamic") is None:
-            kwargs["dynamic"] = False
     elif backend == "inductor" and "backend" not in kwargs and _module_on_tpu(model):
         register_backend()
         kwargs["backend"] = "tpu"
-        if kwargs.get("dynamic") is None:
-            kwargs["dynamic"] = False
     return _orig_compile(model, *args, **kwargs)
 
 
