@@ -1,0 +1,79 @@
+"""TorchTitan (its PyPI release, pinned in the ``test`` extra) on "tpu": the llama3 debug model
+trains a few steps with TorchTitan's own trainer, 1 process and FSDP over 2 processes
+(torchrun), and its losses match the same run on CPU with gloo (tests/dist_scripts/
+titan_train.py: generated tokenizer and data, the same initial weights). Each run takes minutes
+on this machine (eager, one XLA program per op): both are slow tests. The pieces they need
+are covered by fast tests here and in test_flex_attention.py."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import dist_launch as dl
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                reason="torchtitan is not installed (pip install -e .[test])")
+SCRIPT = os.path.join(dl.SCRIPTS, "titan_train.py")
+STEPS = 3
+
+
+def test_torchtitan_picks_tpu_and_tpu_dist():
+    """TorchTitan's device utilities and its backend choice see "tpu" / "tpu_dist"; its
+    Triton-only kernels module imports without Triton and raises when called."""
+    from torchtitan.tools import utils
+
+    assert utils.device_type == "tpu"
+    assert utils.device_module is torch.tpu
+    import torch.distributed as dist
+
+    assert dist.Backend.default_device_backend_map["tpu"] == "tpu_dist"
+    if importlib.util.find_spec("triton") is None:
+        from torchtitan.distributed.minimal_async_ep import kernels
+
+        with pytest.raises(RuntimeError, match="Triton is not installed"):
+            kernels.copy_rows_to_peers_kernel()
+    from torchtitan.models.llama3 import model_registry
+
+    assert model_registry("debugmodel").name == "llama3"
+
+
+def _train(tmp_path, device, nproc, timeout):
+    out = str(tmp_path / f"{device}_{nproc}.json")
+    work = str(tmp_path / "work")
+    os.makedirs(work, exist_ok=True)
+    if nproc == 1:
+        code, log = dl.run([sys.executable, SCRIPT, device, out, work, str(STEPS)], timeout)
+    else:
+        code, log = dl.torchrun("titan_train.py", device, out, work, str(STEPS), nproc=nproc,
+                                timeout=timeout)
+    assert code == 0 and "ALL OK" in log, log[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def _compare(tpu, cpu):
+    assert len(tpu["loss"]) == len(cpu["loss"]) == STEPS
+    torch.testing.assert_close(torch.tensor(tpu["loss"]), torch.tensor(cpu["loss"]),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(tpu["grad_norm"]), torch.tensor(cpu["grad_norm"]),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_llama3_debug_one_process_matches_cpu(tmp_path):
+    cpu = _train(tmp_path, "cpu", 1, 900)
+    tpu = _train(tmp_path, "tpu", 1, 1200)
+    assert tpu["device"] == "tpu:0"
+    _compare(tpu, cpu)
+
+
+@pytest.mark.slow
+def test_llama3_debug_fsdp_two_processes_matches_cpu_gloo(tmp_path):
+    cpu = _train(tmp_path, "cpu", 2, 900)
+    tpu = _train(tmp_path, "tpu", 2, 1500)
+    _compare(tpu, cpu)
