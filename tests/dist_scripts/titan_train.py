@@ -129,11 +129,13 @@ def initial_state(trainer):
 def load_initial(trainer, state):
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    missing = []
     for model in trainer.model_parts:
         with torch.no_grad():
             for name, t in list(model.named_parameters()) + list(model.named_buffers()):
                 key = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
                 if key not in state:
+                    missing.append(name)
                     continue
                 full = state[key].to(t.dtype)
                 if isinstance(t, DTensor):
@@ -141,6 +143,7 @@ def load_initial(trainer, state):
                     t.to_local().copy_(src.to_local())
                 else:
                     t.copy_(full.to(t.device))
+    assert not missing, f"no initial value for {missing}"
 
 
 def main():
