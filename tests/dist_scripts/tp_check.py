@@ -10,7 +10,9 @@ match with float32 tolerance. Configurations:
   sp       + SequenceParallel norms, PrepareModuleInput, sharded embedding and loss_parallel
            (vocab-sharded logits), clip_grad_norm_, foreach AdamW
   dcp      get_state_dict / dcp.save / dcp.load / set_state_dict of the sp model and its
-           optimizer into a freshly initialised one: exact round trip, then equal next steps
+           optimizer into a freshly initialised one: exact round trip, then equal next steps;
+           full state dict into a plain CPU model (same logits), and broadcast from rank 0
+           into a TP model built on the meta device
   fsdp_tp  2-D: TP (sp plan) on mesh["tp"], fully_shard on mesh["dp"] (4 ranks: dp=2, tp=2),
            each dp rank training on its slice of the global batch
 Prints "OK <config>" per configuration and "ALL OK <n>"; any mismatch raises.
@@ -231,7 +233,9 @@ def check_tp(init, mesh, sp, dev):
 
 def check_dcp(init, mesh, dev, ckpt):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
     model = make_model(init, mesh, True, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     for step in range(2):
@@ -264,6 +268,32 @@ def check_dcp(init, mesh, dev, ckpt):
         train_step(m_, o_, *batch(2), True, dev)
     for name in a:
         assert torch.equal(full(a[name]), full(b[name])), f"dcp next step {name}"
+    # full state dict out to a plain CPU model (same outputs), and back in, broadcast from rank
+    # 0, to a TP model built on the meta device (TorchTitan's seed-checkpoint flow)
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                              cpu_offload=True))
+    ids, _ = batch(3)
+    logits = full(model(ids.to(dev)))  # every rank: the forward runs collectives
+    if dist.get_rank() == 0:
+        assert all(v.device.type == "cpu" and not isinstance(v, DTensor) for v in sd.values())
+        cpu_model = Llama()
+        cpu_model.load_state_dict(sd)
+        torch.testing.assert_close(logits, cpu_model(ids).detach())
+    else:
+        assert sd == {}, "cpu_offload full state dict is for rank 0 only"
+    with torch.device("meta"):
+        meta = Llama()
+    parallelize(meta, mesh, True)
+    meta.to_empty(device=dev)
+    meta.cos.copy_(init.cos)
+    meta.sin.copy_(init.sin)
+    set_model_state_dict(meta, sd, options=StateDictOptions(full_state_dict=True,
+                                                            broadcast_from_rank0=True))
+    c = dict(meta.named_parameters())
+    for name in a:
+        assert c[name].placements == a[name].placements, name
+        assert c[name].to_local().device.type == "tpu", name
+        assert torch.equal(full(c[name]), full(a[name])), f"broadcast_from_rank0 {name}"
     ok("dcp")
 
 

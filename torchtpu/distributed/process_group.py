@@ -198,6 +198,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _get_backend(self, device):
         return self
 
+    @property
+    def _device_types(self):
+        """The devices c10d may hand this group (its C++ list is empty for a Python group, and
+        DCP's ``broadcast_from_rank0`` indexed it). "cpu" too, since CPU tensors are accepted;
+        with it listed, object collectives keep choosing CPU tensors as before."""
+        return [torch.device("cpu"), torch.device("tpu")]
+
     supports_splitting = False
     supports_coalescing = False
 
