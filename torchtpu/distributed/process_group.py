@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..eager import copy as _copy
 from ..runtime.dtypes import to_jax
+from ..runtime import sync as _sync
 from ..runtime.metrics import count
 from . import bootstrap, watchdog
 from .collectives import GroupMesh, concat_rows, pack, split_rows, unpack
@@ -244,7 +245,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
         for t, v in writes:
             _write(t, v)
             arrays.append(v)
-        watchdog.finish(token, arrays)
+        # the watchdog watches the order token the program returned (it completes with the
+        # program), not the results: holding those until its next look (0.5 s) kept memory
+        # alive that FSDP2 had freed (every block's all-gather buffer during forward)
+        last = _sync.order_tokens.get(self._dev)
+        watchdog.finish(token, [last[1]] if last is not None else arrays)
         return Work(self, coll, seq, outputs, arrays)
 
     def _check(self, coll, seq, inputs, outputs, sig) -> None:
