@@ -13,6 +13,7 @@ final loss, validation loss, throughput and, on "tpu", the counters of torch.tpu
     python examples/train_gpt.py --eager-mode fused      # TorchTPU's DEFER_AND_FUSE mode
     python examples/train_gpt.py --compile               # torch.compile(backend="tpu")
     torchrun --nproc-per-node 2 examples/train_gpt.py --batch-size 8   # DDP, 2 ranks x 8
+    torchrun --nproc-per-node 2 examples/train_gpt.py --batch-size 8 --fsdp   # FSDP2 (fully_shard)
 
 With the same --seed, the model is initialised on CPU and then moved, and batches are drawn
 on CPU, so "tpu" and "cpu" runs see identical weights and data and their losses agree to
@@ -190,10 +191,10 @@ EAGER_MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKIN
 
 
 def setup_distributed(args):
-    """Under torchrun (WORLD_SIZE > 1) or with --ddp: join the process group, one device per
-    rank (tpu:{LOCAL_RANK}, as cuda:{LOCAL_RANK} would be). Returns (rank, world size)."""
-    args.ddp = args.ddp or int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not args.ddp:
+    """Under torchrun (WORLD_SIZE > 1), with --ddp or --fsdp: join the process group, one device
+    per rank (tpu:{LOCAL_RANK}, as cuda:{LOCAL_RANK} would be). Returns (rank, world size)."""
+    args.ddp = not args.fsdp and (args.ddp or int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    if not (args.ddp or args.fsdp):
         return 0, 1
     import torch.distributed as dist
 
@@ -302,10 +303,25 @@ def metrics_summary() -> list[str]:
     return lines
 
 
+def shard_model(model: nn.Module, device: torch.device, world: int) -> None:
+    """FSDP2: every block is one unit of sharding (its parameters all-gathered just before its
+    forward and backward and freed after), the root holds the rest (embeddings, the tied head,
+    the final norm). Parameters become DTensors sharded over a 1-D mesh of all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def train(args) -> dict:
     rank, world = setup_distributed(args)
     if rank != 0:  # one rank reports
-        args.quiet, args.sample = True, 0
+        args.quiet = True
+        if not args.fsdp:  # with FSDP2 every rank takes part in every forward (sampling too)
+            args.sample = 0
         sys.stdout = open(os.devnull, "w")
     device = setup_device(args)
     data = CharData(pathlib.Path(args.data))
@@ -314,6 +330,8 @@ def train(args) -> dict:
                 dropout=args.dropout, tie_weights=args.tie_weights)
     model = model.to(device)  # built on CPU, then moved: identical init on every device
     n_params = sum(p.numel() for p in model.parameters())
+    if args.fsdp:  # before the optimizer: it must hold the sharded parameters
+        shard_model(model, device, world)
     opt = make_optimizer(model, args.lr, args.weight_decay,
                          foreach=None if args.foreach == "auto" else args.foreach == "on")
     step_model = maybe_compile(model, args)
@@ -330,7 +348,9 @@ def train(args) -> dict:
           + f"  params={n_params / 1e6:.2f}M  vocab={data.vocab_size}  "
           f"layers={args.layers} heads={args.heads} embd={args.embd}  "
           f"batch={args.batch_size}x{args.seq_len}  steps={args.steps}"
-          + (f"  DDP: {world} ranks x batch {args.batch_size}" if args.ddp else ""), flush=True)
+          + (f"  DDP: {world} ranks x batch {args.batch_size}" if args.ddp else "")
+          + (f"  FSDP2: {world} ranks x batch {args.batch_size}" if args.fsdp else ""),
+          flush=True)
     if device.type == "tpu":
         torch.tpu.reset_metrics()
 
@@ -467,6 +487,10 @@ def parse_args(argv=None):
     p.add_argument("--ddp", action="store_true",
                    help="DistributedDataParallel (on by itself under torchrun); --batch-size is "
                         "per rank, the loss is the combined batch's")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 (torch.distributed.fsdp.fully_shard per block and at the root) "
+                        "instead of DDP; --batch-size is per rank, the loss is the combined "
+                        "batch's")
     return p.parse_args(argv)
 
 

@@ -61,7 +61,7 @@ def test_fsdp2_more_configurations():
     ok(*torchrun("fsdp_check.py", "noreshard", "root", "fused", timeout=600))
 
 
-@pytest.mark.slow  # ~1.5 min; examples/train_gpt.py --fsdp
+@pytest.mark.slow  # ~2-4 min (two runs of the example)
 def test_train_gpt_fsdp_matches_one_process(tmp_path):
     """examples/train_gpt.py --fsdp under torchrun (2 ranks x batch 4) has the loss curve of
     one process on the combined batch (8)."""
