@@ -9,9 +9,15 @@ sequence number, how long) and the process exits (code ``EXIT_CODE``), so torchr
 stderr too (its ``Work.wait`` raises the RuntimeError).
 
 ``TORCHTPU_DIST_WATCHDOG=0`` turns the watchdog off.
+
+The thread is stopped and joined at interpreter exit (``atexit``): a daemon thread still inside
+a jaxlib call when Python finalizes is killed by unwinding through C++ frames, which aborts the
+process ("terminate called after throwing an instance of ''  FATAL: exception not rethrown",
+seen on rank 0 after ``destroy_process_group``).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import sys
@@ -25,6 +31,7 @@ EXIT_CODE = 6  # what the process exits with after a timeout (SIGABRT's number, 
 _inflight: collections.deque = collections.deque()
 _thread: list = []
 _on = [None]
+_stop = threading.Event()
 
 
 class _Entry:
@@ -52,7 +59,14 @@ def start(pg, coll: str, seq: int, timeout):
         t = threading.Thread(target=_loop, name="torchtpu-dist-watchdog", daemon=True)
         _thread.append(t)
         t.start()
+        atexit.register(_shutdown)
     return e
+
+
+def _shutdown() -> None:
+    _stop.set()
+    for t in _thread:
+        t.join(timeout=5.0)
 
 
 def finish(e, arrays) -> None:
@@ -83,9 +97,8 @@ def _done(e) -> bool:
 
 
 def _loop() -> None:
-    while True:
-        time.sleep(0.5)
-        while _inflight:
+    while not _stop.wait(0.5):
+        while _inflight and not _stop.is_set():
             e = _inflight[0]
             if _done(e):
                 _inflight.popleft()
