@@ -65,11 +65,9 @@ def test_group_of_one_eager_and_compiled():
 
 def test_functional_collectives_two_ranks():
     """Eager (every functional collective, in-place and out= overloads, uneven all_to_all,
-    autograd variants; no host sync), Fused (cut around collectives), one compiled program
-    holding compute and every kind of collective, and a tensor-parallel MLP trained in eager
-    and compiled vs CPU gloo."""
-    ok(*torchrun("functional_check.py", "eager", "fused", "compiled_one", "train",
-                 timeout=400))
+    autograd variants; no host sync), Fused (cut around collectives), and one compiled program
+    holding compute and every kind of collective, plus an in-place collective on an input."""
+    ok(*torchrun("functional_check.py", "eager", "fused", "compiled_one", timeout=400))
 
 
 @pytest.mark.slow
@@ -79,10 +77,11 @@ def test_functional_collectives_compiled_each_two_ranks():
 
 
 @pytest.mark.slow
-def test_compiled_fsdp2_and_tensor_parallel_two_ranks():
-    """torch.compile of an FSDP2 model (blocks compiled, then fully_shard) and of a
+def test_compiled_training_fsdp2_and_tensor_parallel_two_ranks():
+    """A tensor-parallel MLP with funcol.all_reduce trained in eager and compiled vs CPU gloo;
+    torch.compile of an FSDP2 model (blocks compiled, then fully_shard) and of a
     tensor-parallel (DTensor) model: 3 AdamW steps vs one CPU process."""
-    ok(*torchrun("functional_check.py", "fsdp_compiled", "tp_compiled", timeout=600))
+    ok(*torchrun("functional_check.py", "train", "fsdp_compiled", "tp_compiled", timeout=600))
 
 
 @pytest.mark.slow
