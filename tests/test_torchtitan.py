@@ -42,15 +42,22 @@ def test_torchtitan_picks_tpu_and_tpu_dist():
     assert model_registry("debugmodel").name == "llama3"
 
 
-def _train(tmp_path, device, nproc, timeout):
+# TorchTitan 0.3.0's default SPMD backend ("spmd_types") passes dp_mesh_dims to fully_shard, which
+# torch 2.13's FSDP2 accepts only for DTensor parameters (CPU gloo fails the same way): use the
+# DTensor backend TorchTitan also offers
+FSDP_ARGS = ("--parallelism.spmd_backend", "partial_dtensor")
+
+
+def _train(tmp_path, device, nproc, timeout, *extra):
     out = str(tmp_path / f"{device}_{nproc}.json")
     work = str(tmp_path / "work")
     os.makedirs(work, exist_ok=True)
     if nproc == 1:
-        code, log = dl.run([sys.executable, SCRIPT, device, out, work, str(STEPS)], timeout)
+        code, log = dl.run([sys.executable, SCRIPT, device, out, work, str(STEPS), *extra],
+                           timeout)
     else:
-        code, log = dl.torchrun("titan_train.py", device, out, work, str(STEPS), nproc=nproc,
-                                timeout=timeout)
+        code, log = dl.torchrun("titan_train.py", device, out, work, str(STEPS), *extra,
+                                nproc=nproc, timeout=timeout)
     assert code == 0 and "ALL OK" in log, log[-6000:]
     with open(out) as f:
         return json.load(f)
@@ -74,6 +81,6 @@ def test_llama3_debug_one_process_matches_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_llama3_debug_fsdp_two_processes_matches_cpu_gloo(tmp_path):
-    cpu = _train(tmp_path, "cpu", 2, 900)
-    tpu = _train(tmp_path, "tpu", 2, 1500)
+    cpu = _train(tmp_path, "cpu", 2, 900, *FSDP_ARGS)
+    tpu = _train(tmp_path, "tpu", 2, 1500, *FSDP_ARGS)
     _compare(tpu, cpu)

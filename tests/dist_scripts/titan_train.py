@@ -153,9 +153,22 @@ def main():
             "--training.steps", str(STEPS), "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--metrics.log_freq", "1",
             "--dump_folder", os.path.join(WORK, f"dump_{DEVICE}"),
-            "--validator.freq", "1000", "--checkpoint.interval", "1000", *EXTRA]
+            "--validator.freq", "1000", "--checkpoint.interval", "1000",
+            # float32 training: TorchTitan autocasts a single device to bf16, and CPU autocast
+            # and "tpu" (CUDA's op lists) differ, so only float32 runs can match at float32 tolerance
+            "--training.mixed_precision_param", "float32", *EXTRA]
     config = ConfigManager().parse_args(args)
     trainer = config.build()
+    if DEVICE == "cpu":
+        # TorchTitan sets FSDP's gradient divide factor to 1.0, which FSDP2 turns into
+        # ReduceOp.PREMUL_SUM(1.0), and gloo has no PREMUL_SUM: a plain SUM (pre/post divide by
+        # 1.0) is the same arithmetic
+        from torch.distributed.fsdp import FSDPModule
+
+        for model in trainer.model_parts:
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
     load_initial(trainer, initial_state(trainer))
     rec = {"loss": [], "grad_norm": [], "device": str(trainer.device)}
     orig_log = trainer.metrics_processor.log
