@@ -84,6 +84,12 @@ def test_tensor_parallel_fused(tmp_path):
 
 
 @pytest.mark.slow
+def test_tensor_parallel_compiled():
+    """The sequence-parallel model under torch.compile(backend="tpu") matches one CPU process."""
+    _ok(*_torchrun("tp_check.py", "sp_compile", timeout=600))
+
+
+@pytest.mark.slow
 def test_fsdp2_x_tp_4_ranks():
     """2-D: TP on mesh["tp"], fully_shard on mesh["dp"] of a (2, 2) mesh, 4 processes."""
     _ok(*_torchrun("tp_check.py", "fsdp_tp", nproc=4, timeout=1200))

@@ -13,6 +13,8 @@ match with float32 tolerance. Configurations:
            optimizer into a freshly initialised one: exact round trip, then equal next steps;
            full state dict into a plain CPU model (same logits), and broadcast from rank 0
            into a TP model built on the meta device
+  sp_compile  the sp model under torch.compile(backend="tpu") (forward and backward
+           compiled, collectives lowered into the programs; loss_parallel and AdamW eager)
   fsdp_tp  2-D: TP (sp plan) on mesh["tp"], fully_shard on mesh["dp"] (4 ranks: dp=2, tp=2),
            each dp rank training on its slice of the global batch
 Prints "OK <config>" per configuration and "ALL OK <n>"; any mismatch raises.
@@ -220,15 +222,22 @@ def make_model(init, tp_mesh, sp, dev):
     return m
 
 
-def check_tp(init, mesh, sp, dev):
+def check_tp(init, mesh, sp, dev, compiled=False):
+    name = ("sp" if sp else "tp") + ("_compile" if compiled else "")
     ref, _, ref_losses = reference(init, STEPS, sp)
     model = make_model(init, mesh, sp, dev)
+    # foreach only when every parameter is a DTensor: a foreach op over a mix of DTensors and
+    # plain tensors raises in DTensor (on any device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=sp)
+    run = torch.compile(model, backend="tpu") if compiled else model
+    before = torch.tpu.metrics()["counters"].get("compile_collectives", 0)
     for step in range(STEPS):
-        loss = train_step(model, opt, *batch(step), sp, dev)
+        loss = train_step(run, opt, *batch(step), sp, dev)
         torch.testing.assert_close(loss.cpu(), torch.tensor(ref_losses[step]))
-    compare_params(model, ref, "sp" if sp else "tp")
-    ok("sp" if sp else "tp")
+    compare_params(model, ref, name)
+    if compiled:  # the collectives were lowered into the compiled programs
+        assert torch.tpu.metrics()["counters"].get("compile_collectives", 0) > before
+    ok(name)
 
 
 def check_dcp(init, mesh, dev, ckpt):
@@ -340,6 +349,8 @@ def main():
             check_tp(init, mesh, False, dev)
         elif cfg == "sp":
             check_tp(init, mesh, True, dev)
+        elif cfg == "sp_compile":
+            check_tp(init, mesh, True, dev, compiled=True)
         elif cfg == "dcp":
             ckpt = args.ckpt
             if ckpt is None:  # one folder for all ranks (one host), removed afterwards
