@@ -8,7 +8,6 @@ only if it exits 0 and printed "ALL OK".
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -39,6 +38,7 @@ def _net():
     return Net()
 
 
+@pytest.mark.slow  # ~1 min (a 2-rank launch); the suite's default budget holds test_fsdp's
 def test_dcp_save_round_trip_and_plain_cpu_load(saved, tmp_path):
     """2 ranks: save, load into fresh sharded model + optimizer bitwise, one more step
     identical. Then, in this process (no process group): the checkpoint converted with

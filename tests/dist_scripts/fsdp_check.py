@@ -236,9 +236,9 @@ def measure_memory(rank, n, dev, mesh):
             opt.step()
             opt.zero_grad(set_to_none=False)
             probe("step_end")
-        if os.environ.get("FSDP_CHECK_DEBUG") and rank == 0:
-            print(kind, f"{time.perf_counter() - t_kind:.1f} s", {k: [round(x / 2**20, 2) for x in v] for k, v in samples.items()},
-                  flush=True)
+        if os.environ.get("FSDP_CHECK_DEBUG") and rank == 0:  # every sample, KiB
+            print(kind, f"{time.perf_counter() - t_kind:.1f} s",
+                  {k: [round(x / 1024, 1) for x in v] for k, v in samples.items()}, flush=True)
         res[kind] = {k: max(v[-2:]) if k != "fwd_end" else v[-1] for k, v in samples.items()}
         res[kind]["peak"] = max(max(v) for v in samples.values())
         res[kind]["fwd_delta"] = samples["fwd_end"][-1] - samples["start"][-1]
@@ -268,6 +268,9 @@ def measure_memory(rank, n, dev, mesh):
 
 def main():
     configs = sys.argv[1:] or CONFIGS
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {CONFIGS}")
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     rank, n = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
