@@ -122,32 +122,34 @@ def _reduce_stack(g, op, n):
     return _bitwise(g, op)
 
 
-def _allreduce(x, op, n, factor):
+def allreduce_block(x, op, n, factor=None, ax=AX):
+    """All-reduce one block over mesh axis ``ax`` of ``n`` devices (every kind of program
+    uses it: these collectives and the graph lowerings of distributed/functional.py)."""
     if x.dtype == jnp.bool_:
         u = x.astype(jnp.uint8)
         if op in ("sum", "max", "bor"):
-            return lax.pmax(u, AX).astype(jnp.bool_)
+            return lax.pmax(u, ax).astype(jnp.bool_)
         if op in ("min", "product", "band"):
-            return lax.pmin(u, AX).astype(jnp.bool_)
-        return (lax.psum(u.astype(jnp.int32), AX) % 2).astype(jnp.bool_)
+            return lax.pmin(u, ax).astype(jnp.bool_)
+        return (lax.psum(u.astype(jnp.int32), ax) % 2).astype(jnp.bool_)
     if op == "sum":
-        return lax.psum(x, AX)
+        return lax.psum(x, ax)
     if op == "avg":
-        return (lax.psum(x, AX) / n).astype(x.dtype)
+        return (lax.psum(x, ax) / n).astype(x.dtype)
     if op == "premul_sum":
-        return lax.psum(x * jnp.asarray(factor, x.dtype), AX)
+        return lax.psum(x * jnp.asarray(factor, x.dtype), ax)
     if op == "min":
-        return lax.pmin(x, AX)
+        return lax.pmin(x, ax)
     if op == "max":
-        return lax.pmax(x, AX)
-    return _reduce_stack(lax.all_gather(x, AX, axis=0), op, n)  # product, bitwise
+        return lax.pmax(x, ax)
+    return _reduce_stack(lax.all_gather(x, ax, axis=0), op, n)  # product, bitwise
 
 
 def _body(kind, n, static):
     """The per-device function of program ``kind`` (blocks in, tuple of blocks out)."""
     if kind == "allreduce":  # static: (op, factor); any number of operands (coalesced)
         op, factor = static
-        return lambda *xs: tuple(_allreduce(x, op, n, factor) for x in xs)
+        return lambda *xs: tuple(allreduce_block(x, op, n, factor) for x in xs)
     if kind == "allgather":  # each operand -> the concatenation of every rank's block
         return lambda *xs: tuple(lax.all_gather(x, AX, axis=0, tiled=True) for x in xs)
     if kind == "reduce_scatter":  # static: (op, factor); operand (n*C, ...) -> (C, ...)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from jax import lax
 
 from ..lowering import registry
-from .collectives import _reduce_stack
+from .collectives import _reduce_stack, allreduce_block
 
 _c10d = torch.ops._c10d_functional
 _OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
@@ -236,24 +236,7 @@ def _axis(group_name):
 
 
 def _psum_like(x, op, ax, n):
-    if n == 1:
-        return x
-    if x.dtype == jnp.bool_:
-        u = x.astype(jnp.uint8)
-        if op in ("sum", "max", "bor"):
-            return lax.pmax(u, ax).astype(jnp.bool_)
-        if op in ("min", "product", "band"):
-            return lax.pmin(u, ax).astype(jnp.bool_)
-        return (lax.psum(u.astype(jnp.int32), ax) % 2).astype(jnp.bool_)
-    if op == "sum":
-        return lax.psum(x, ax)
-    if op == "avg":
-        return (lax.psum(x, ax) / n).astype(x.dtype)
-    if op == "min":
-        return lax.pmin(x, ax)
-    if op == "max":
-        return lax.pmax(x, ax)
-    return _reduce_stack(lax.all_gather(x, ax, axis=0), op, n)
+    return x if n == 1 else allreduce_block(x, op, n, ax=ax)
 
 
 def _low_all_reduce(x, reduce_op, group_name):
