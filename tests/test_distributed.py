@@ -56,6 +56,8 @@ def test_group_of_one_in_process():
         dist.all_gather_object(objs, {"k": [1, 2]})
         assert objs == [{"k": [1, 2]}]
         dist.barrier()
+        with pytest.raises(NotImplementedError, match="recvAnysource"):  # as with NCCL
+            dist.recv(x)
         m = torch.tpu.metrics()["per_op"]
         assert m["dist_calls"]["all_reduce"] >= 1 and m["dist_bytes"]["all_reduce"] >= 24
     finally:

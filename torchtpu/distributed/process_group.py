@@ -584,8 +584,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         return self._defer("recv", src, tensors)
 
     def recv_anysource(self, tensors, tag: int = 0):
-        raise RuntimeError("tpu_dist: recv from any source is not supported (XLA programs "
-                           "name both ends of a transfer); pass src=")
+        # as ProcessGroupNCCL (NotImplementedError): an XLA program names both ends of a transfer
+        raise NotImplementedError("tpu_dist does not support recvAnysource (recv without src=), "
+                                  "as NCCL does not: XLA programs name both ends of a transfer")
 
     def _defer(self, kind, peer, tensors):
         if not 0 <= peer < self.size() or peer == self.rank():
