@@ -6,7 +6,8 @@ The checks themselves live in torchtpu/coverage.py (shared with ``python -m torc
 
 A test passes only when every sample matches CPU with no CPU fallback (a fallback is correct but
 is not a pass). Known failures are listed, with reasons, in tests/opinfo_expected_failures.txt;
-each runs as a strict xfail: when one starts passing the test fails until its line is removed.
+each runs as a strict xfail: when one starts passing the test fails until its line is removed
+(except "host:" entries, whose CPU reference rounds differently on different host CPUs).
 
 Subsets (--opinfo / TORCHTPU_OPINFO): "fast" (default, for CI: the first
 ``MODES['fast']['max_samples']`` samples, float32 + one other dtype per op) or "full" (the same
@@ -90,7 +91,9 @@ def test_opinfo(key, dtype, kind, request):
     if rec["status"] == "skip":
         pytest.skip(f"{key} {dtype} {kind}: {rec['reason']}")
     if rec["status"] == "native":
-        if expected is not None:
+        # "host:" entries differ from PyTorch CPU by a rounding that depends on the host CPU
+        # (e.g. oneDNN's bfloat16 convolution): expected to fail on some hosts, may pass on others
+        if expected is not None and not expected.startswith("host:"):
             pytest.fail(f"{key} | {dtype} | {kind} now passes natively: remove its line from "
                         "tests/opinfo_expected_failures.txt", pytrace=False)
         return
