@@ -28,7 +28,7 @@ import torch
 from torch._ops import OpOverload
 
 from ..eager import rng as _rng
-from ..lowering import registry
+from ..lowering import hops, registry
 from ..runtime.dtypes import to_jax, to_torch
 from ..runtime.metrics import count
 
@@ -309,8 +309,6 @@ class GraphLowering:
                 out = self._call(n, op, tuple(rest), kwargs, rng)
                 return (token, *out) if isinstance(out, tuple) else (token, out)
             if isinstance(target, torch._ops.HigherOrderOperator):
-                from ..lowering import hops
-
                 hop = hops.get(target)  # subgraph arguments are GraphModules (get_attr)
                 if hop is None:
                     raise Unsupported(f"{self.name}: higher-order op {target} is not supported "
@@ -489,25 +487,7 @@ def _np_to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(a, copy=True))
 
 
-def _torch_to_np(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _fetch_attr(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _constant(v):
-    if isinstance(v, torch.Tensor):
-        if v.device.type == "tpu":
-            from ..eager.copy import value_of
-
-            return value_of(v)
-        return jnp.asarray(_torch_to_np(v.detach().cpu()))
-    return v
+# graph constants: shared with the HOP subgraph runner (lowering/hops.py)
+_torch_to_np = hops.torch_to_np
+_fetch_attr = hops.fetch_attr
+_constant = hops.constant

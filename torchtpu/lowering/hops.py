@@ -45,22 +45,28 @@ def _plain(x):
     return x
 
 
-def _constant(v):
+def torch_to_np(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's value as a numpy array (bfloat16 through ml_dtypes)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def constant(v):
+    """A graph constant (``get_attr``) as a jax value: tpu tensors by their array."""
     if isinstance(v, torch.Tensor):
         if v.device.type == "tpu":
             from ..eager.copy import value_of
 
             return value_of(v)
-        t = v.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
-            return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-        return jnp.asarray(t.numpy())
+        return jnp.asarray(torch_to_np(v.detach().cpu()))
     return v
 
 
-def _fetch_attr(gm, target: str):
+def fetch_attr(gm, target: str):
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -102,7 +108,7 @@ def run_subgraph(gm: torch.fx.GraphModule, *args):
         if n.op == "placeholder":
             env[n] = next(pos)
         elif n.op == "get_attr":
-            env[n] = _constant(_fetch_attr(gm, n.target))
+            env[n] = constant(fetch_attr(gm, n.target))
         elif n.op == "call_function":
             a = _plain(torch.fx.node.map_arg(n.args, env.__getitem__))
             k = _plain(torch.fx.node.map_arg(n.kwargs, env.__getitem__))
