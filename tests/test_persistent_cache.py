@@ -212,3 +212,21 @@ def test_cache_off(monkeypatch, tmp_path):
     p = _program(_fresh_tag())
     _check(p, jnp.ones(2, jnp.float32))
     assert not any(tmp_path.iterdir())
+
+
+def test_changing_signature_stops_trying_the_last_executable():
+    """A program whose shapes keep changing (an op on a growing KV cache) gives the right
+    result for every shape, and stops trying the last executable first after a few misses
+    (each miss costs JAX an error message): then every call looks its signature up."""
+    p = pc.Program("eager", lambda x: x * 2, ("test.growing", _fresh_tag()))
+    for n in range(1, 8):
+        out = p(jnp.arange(n, dtype=jnp.float32))
+        np.testing.assert_array_equal(np.asarray(out), np.arange(n, dtype=np.float32) * 2)
+        assert p._fails == min(n - 1, pc._MAX_FAILS)
+    assert p._fails == pc._MAX_FAILS and p._last is None
+    np.testing.assert_array_equal(np.asarray(p(jnp.ones(3, jnp.float32))), [2, 2, 2])
+    assert p._last is None
+    q = pc.Program("eager", lambda x: x + 1, ("test.steady", _fresh_tag()))
+    for _ in range(3):
+        q(jnp.ones(4, jnp.float32))
+    assert q._last is not None and q._fails == 0  # a steady program keeps its fast path

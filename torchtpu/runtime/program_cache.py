@@ -66,6 +66,7 @@ def signature(flat) -> tuple:
 
 
 _MULTI = [False]  # several local devices (set at the first miss, when JAX is up)
+_MAX_FAILS = 3  # signature mismatches of the last executable before a Program stops trying it
 
 
 def stable(x) -> str:
@@ -208,7 +209,7 @@ class Program:
 
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
-    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last")
+    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
         self.kind = kind
@@ -218,12 +219,15 @@ class Program:
         self.by_sig: dict = {}
         self._disk = None  # the stable key text, computed at the first miss ("" if none)
         self._last = None  # the executable called last (one local device only)
+        self._fails = 0  # calls whose signature was not the last one's
 
     def __call__(self, *flat):
         # The common case: the executable that ran last. Its C++ call checks the arguments'
         # shapes and dtypes itself and raises TypeError before running on a mismatch, so no
         # Python-side signature is built (that cost ~15 us per op). Several local devices:
-        # the signature names the device, so _lookup always.
+        # the signature names the device, so _lookup always. A mismatch is expensive (JAX's
+        # Python call path formats an error message: ~60 us), so a program whose signature
+        # keeps changing (an op on a growing KV cache) stops trying after _MAX_FAILS.
         c = self._last
         if c is not None:
             try:
@@ -231,13 +235,16 @@ class Program:
             except TypeError:
                 if any(isinstance(a, jax.core.Tracer) for a in flat):  # inside a trace
                     return jax.jit(self.fn, **self.jit_kwargs)(*flat)
+                self._fails += 1
+                if self._fails >= _MAX_FAILS:
+                    self._last = None
         return self._lookup(flat)
 
     def _lookup(self, flat):
         c = self.by_sig.get(signature(flat))
         if c is None:
             return self._miss(flat)
-        if not _MULTI[0]:
+        if not _MULTI[0] and self._fails < _MAX_FAILS:
             self._last = c
         return c(*flat)
 
@@ -311,7 +318,7 @@ class Program:
 
     def _remember(self, sig, compiled) -> None:
         c = self.by_sig[sig] = _fast(compiled)
-        self._last = None if _MULTI[0] else c
+        self._last = None if _MULTI[0] or self._fails >= _MAX_FAILS else c
 
 
 def _fast(compiled):
