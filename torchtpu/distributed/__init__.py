@@ -59,6 +59,9 @@ def register() -> None:
     from . import functional
 
     functional.install()  # _c10d_functional kernels on "tpu" and their graph lowerings
+    from . import ddp
+
+    ddp.install()  # DDP find_unused_parameters / static_graph: C++ pinned hooks on demand
     for name in ("tpu", "tpu_dist"):  # the last one registered is the default for "tpu"
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])
