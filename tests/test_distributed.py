@@ -88,10 +88,14 @@ def test_collectives_spawn_fused_default_backend():
 
 
 def test_ddp_matches_single_process(tmp_path):
-    """DDP (plain, small buckets, no_sync, Fused, torch.compile, bf16/fp16 hooks) on 2 ranks
-    vs one process on the full batch; the ranks share one compile-cache folder."""
+    """DDP (plain, small buckets, no_sync, find_unused_parameters with a parameter unused
+    everywhere and one used on one rank only, also under no_sync, static_graph, the Reducer's
+    unused-parameter error, Fused, torch.compile, bf16/fp16 hooks) on 2 ranks vs one process on
+    the full batch; the ranks share one compile-cache folder (and build the pinned-memory hooks
+    that find_unused/static_graph need into it concurrently)."""
     env = _env(TORCHTPU_CACHE_DIR=tmp_path / "cache")
-    _ok(*_torchrun("ddp_check.py", "plain", "buckets", "no_sync", "fused", "compile",
+    _ok(*_torchrun("ddp_check.py", "plain", "buckets", "no_sync", "find_unused",
+                   "static_graph", "no_sync_unused", "unused_error", "fused", "compile",
                    "bf16_hook", "fp16_hook", env=env, timeout=600))
 
 

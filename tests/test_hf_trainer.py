@@ -179,25 +179,25 @@ world = int(os.environ.get("WORLD_SIZE", 1))
 args = transformers.TrainingArguments(
     output_dir=sys.argv[1], per_device_train_batch_size=8 // world, max_steps=3,
     learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
-    use_cpu=sys.argv[2] == "cpu",
-    # DDP(find_unused_parameters=True), Trainer's default, fails on tpu: its reducer asks
-    # PrivateUse1 hooks for a pinned-memory allocator that torchtpu cannot register yet
-    ddp_find_unused_parameters=False)
+    use_cpu=sys.argv[2] == "cpu")  # ddp_find_unused_parameters unset: Trainer's default
 trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
 trainer.train()
 if trainer.is_world_process_zero():
     with open(os.path.join(sys.argv[1], "result.json"), "w") as f:
         json.dump({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                    "device": str(args.device), "world": args.world_size,
-                   "mode": str(args.parallel_mode)}, f)
+                   "mode": str(args.parallel_mode),
+                   "find_unused": getattr(trainer.model_wrapped, "find_unused_parameters",
+                                          None)}, f)
 '''
 
 
 @pytest.mark.slow
 def test_trainer_ddp_under_torchrun(tmp_path):
     """torchrun with two processes: accelerate joins them in a "tpu_dist" process group (it
-    found no backend for "tpu", and each rank trained alone); losses equal one CPU process
-    with the combined batch."""
+    found no backend for "tpu", and each rank trained alone); Trainer's default DDP
+    (find_unused_parameters=True) works; losses equal one CPU process with the combined
+    batch."""
     import json
     import signal
     import socket
@@ -229,5 +229,6 @@ def test_trainer_ddp_under_torchrun(tmp_path):
         results[name] = json.loads((out / "result.json").read_text())
     tpu, cpu = results["tpu"], results["cpu"]
     assert tpu["device"] == "tpu:0" and tpu["world"] == 2 and tpu["mode"].endswith("DISTRIBUTED")
+    assert tpu["find_unused"] is True  # Trainer's default DDP(find_unused_parameters=True)
     assert cpu["world"] == 1 and len(cpu["losses"]) == 3
     torch.testing.assert_close(torch.tensor(tpu["losses"]), torch.tensor(cpu["losses"]))

@@ -7,6 +7,13 @@ same initial model on the full batches. The bf16/fp16 compression hooks are chec
 bucket: each reduced bucket must equal the hook's computation on every rank's local gradient
 (check_hook_log). Prints "OK <config>" per configuration
 and "ALL OK <n>"; usage: ddp_check.py [config ...] (default: all).
+
+Unused parameters (find_unused, static_graph, no_sync_unused): ``Net(unused=True)`` has
+``extra``, used by no rank ever (its grad must stay None), and ``branch``, applied to the rows
+of the global batch listed in BRANCH_ROWS: by rank 0 only, by no rank, by rank 1 only, by both
+(with 2 ranks), so DDP must reduce a gradient that exists on one rank only and leave a globally
+unused one untouched. unused_error checks the Reducer's own error for an unused parameter
+without find_unused_parameters.
 """
 from __future__ import annotations
 
@@ -32,14 +39,32 @@ class Net(nn.Module):
         self.l2 = nn.Linear(32, 32)
         self.l3 = nn.Linear(32, 3)
         self.extra = nn.Linear(3, 3) if unused else None  # never used in forward
+        self.branch = nn.Linear(32, 3) if unused else None  # used on the rows given only
 
-    def forward(self, x):
-        return self.l3(torch.tanh(self.l2(torch.relu(self.l1(x)))))
+    def forward(self, x, rows=None):
+        h = torch.tanh(self.l2(torch.relu(self.l1(x))))
+        out = self.l3(h)
+        if rows is not None and len(rows):  # not in the graph at all when no row uses it
+            out = out.index_add(0, rows, self.branch(h[rows]))
+        return out
+
+
+# global batch rows that go through Net.branch, per (step, micro); 2 ranks own rows 0-3, 4-7
+BRANCH_ROWS = {(0, 0): [0, 1], (1, 0): [], (2, 0): [5, 6], (3, 0): [2, 7],
+               (0, 1): [], (1, 1): [3], (2, 1): [], (3, 1): [6]}
 
 
 def batch(step, micro=0):
     g = torch.Generator().manual_seed(100 * step + micro)
     return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def branch_rows(cfg, step, micro, lo=0, hi=BATCH):
+    """The rows of batch[lo:hi] (as local indices) that use the branch, or None."""
+    if cfg not in ("find_unused", "no_sync_unused"):
+        return None
+    return torch.tensor([r - lo for r in BRANCH_ROWS[(step, micro)] if lo <= r < hi],
+                        dtype=torch.long)
 
 
 def reference(cfg, init):
@@ -48,15 +73,20 @@ def reference(cfg, init):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     for step in range(STEPS):
         opt.zero_grad()
-        for micro in range(2 if cfg == "no_sync" else 1):
+        for micro in range(2 if cfg in ("no_sync", "no_sync_unused") else 1):
             x, y = batch(step, micro)
-            nn.functional.mse_loss(m(x), y).backward()
+            nn.functional.mse_loss(m(x, branch_rows(cfg, step, micro)), y).backward()
         opt.step()
     return m
 
 
 def train(cfg, init, rank, n, dev, group=None):
     sl = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+
+    def rows(step, micro):
+        r = branch_rows(cfg, step, micro, sl.start, sl.stop)
+        return None if r is None else r.to(dev)
+
     m = copy.deepcopy(init).to(dev)
     inner = torch.compile(m, backend="tpu") if cfg == "compile" else m
     kw = {}
@@ -67,7 +97,7 @@ def train(cfg, init, rank, n, dev, group=None):
         # (it requires the first bucket, 1 MB by default, to be no larger than the others)
         kw = {"bucket_cap_mb": 0.002}
         dist._DEFAULT_FIRST_BUCKET_BYTES = 2000
-    if cfg == "find_unused":
+    if cfg in ("find_unused", "no_sync_unused"):
         kw = {"find_unused_parameters": True}
     if cfg == "static_graph":
         kw = {"static_graph": True}
@@ -103,14 +133,19 @@ def train(cfg, init, rank, n, dev, group=None):
                   torch.tpu.metrics()["counters"].get("compile_graphs", 0))
     for step in range(STEPS):
         opt.zero_grad()
-        if cfg == "no_sync":
+        if cfg in ("no_sync", "no_sync_unused"):
             x, y = batch(step, 0)
             with model.no_sync():
-                nn.functional.mse_loss(model(x[sl].to(dev)), y[sl].to(dev)).backward()
+                nn.functional.mse_loss(model(x[sl].to(dev), rows(step, 0)),
+                                       y[sl].to(dev)).backward()
             x, y = batch(step, 1)
+            micro = 1
         else:
             x, y = batch(step)
-        nn.functional.mse_loss(model(x[sl].to(dev)), y[sl].to(dev)).backward()
+            micro = 0
+        nn.functional.mse_loss(model(x[sl].to(dev), rows(step, micro)), y[sl].to(dev)).backward()
+        if m.extra is not None:  # unused by every rank: DDP leaves its gradient alone
+            assert m.extra.weight.grad is None and m.extra.bias.grad is None, cfg
         opt.step()
     if cfg == "compile_outer":
         # real graphs: one per bucket (DDPOptimizer's split), each a forward and a backward
@@ -139,9 +174,29 @@ def check_hook_log(cfg, n):
     HOOK_LOG.clear()
 
 
+def check_unused_error(rank, n, dev):
+    """Without find_unused_parameters, a parameter unused in forward makes the next forward
+    raise the Reducer's own RuntimeError (as on CUDA), on every rank."""
+    torch.manual_seed(0)
+    model = DDP(Net(unused=True).to(dev), device_ids=[dev.index])
+    x, y = batch(0)
+    sl = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+    nn.functional.mse_loss(model(x[sl].to(dev)), y[sl].to(dev)).backward()
+    try:
+        model(x[sl].to(dev))
+    except RuntimeError as e:
+        msg = str(e)
+        assert "Expected to have finished reduction in the prior iteration" in msg, msg
+        assert "find_unused_parameters=True" in msg, msg
+    else:
+        raise AssertionError("unused_error: DDP did not report the unused parameters")
+    dist.barrier()
+
+
 def main():
     configs = sys.argv[1:] or ["plain", "buckets", "find_unused", "static_graph", "no_sync",
-                               "fused", "compile", "bf16_hook", "fp16_hook"]
+                               "no_sync_unused", "unused_error", "fused", "compile",
+                               "bf16_hook", "fp16_hook"]
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     rank, n = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -149,8 +204,14 @@ def main():
     dev = torch.device(f"tpu:{local}")
     done = []
     for cfg in configs:
+        if cfg == "unused_error":
+            check_unused_error(rank, n, dev)
+            done.append(cfg)
+            if rank == 0:
+                print("OK", cfg, flush=True)
+            continue
         torch.manual_seed(0)
-        init = Net(unused=cfg == "find_unused")
+        init = Net(unused=cfg in ("find_unused", "static_graph", "no_sync_unused"))
         if cfg == "fused":
             with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
                 m = train(cfg, init, rank, n, dev)
