@@ -230,3 +230,88 @@ def test_changing_signature_stops_trying_the_last_executable():
     for _ in range(3):
         q(jnp.ones(4, jnp.float32))
     assert q._last is not None and q._fails == 0  # a steady program keeps its fast path
+
+
+def _special_values(dtype):
+    rng = np.random.default_rng(0)
+    if np.issubdtype(dtype, np.floating) or dtype in (jnp.bfloat16,):
+        finfo = jnp.finfo(dtype)
+        sp = [0.0, -0.0, 1.0, -1.0, 0.5, 2.5, -2.5, 3.5, float(finfo.max), float(finfo.min),
+              float(finfo.tiny), float(finfo.tiny) / 4, np.inf, -np.inf, np.nan, 1e30, -7.25]
+        vals = np.concatenate([np.array(sp), rng.standard_normal(47) * 100])
+        return jnp.asarray(vals.astype(np.dtype(dtype)))  # numpy's cast keeps subnormals
+    if dtype == jnp.bool_:
+        return jnp.asarray(rng.integers(0, 2, 64).astype(bool))
+    info = jnp.iinfo(dtype)
+    sp = [0, 1, -1 if info.min < 0 else 2, info.max, info.min, 7, 3]
+    vals = np.concatenate([np.array(sp, dtype=np.int64),
+                           rng.integers(max(info.min, -1000), min(info.max, 1000), 57)])
+    return jnp.asarray(vals.astype(np.dtype(dtype)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16", "int32",
+                                   "int64", "int8", "uint8", "bool"])
+def test_classic_emitters_are_bit_identical_on_exact_ops(dtype):
+    """XLA:CPU's classic emitters compile small programs ~3x faster; they are used only for
+    programs made of _EXACT_OPS. Each such operation gives the same bits with either emitter,
+    on special values (nan, inf, -0, subnormals, integer extremes) too; a transcendental one
+    is refused by the check."""
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the classic emitters are an XLA:CPU option")
+    from jax import lax
+
+    dt = jnp.dtype(dtype)
+    v = _special_values(dt)
+    x, y = jnp.repeat(v, 64), jnp.tile(v, 64)  # every pair of values
+    isf = jnp.issubdtype(dt, jnp.floating)
+    isb = dt == jnp.bool_
+    fns = {
+        "compare": lambda a, b: [a < b, a == b, a >= b, a != b],
+        "moves": lambda a, b: [jnp.concatenate([a, b])[3:50:2], jnp.pad(a, (2, 3)), a[::-1],
+                               a.reshape(64, 64).T, jnp.broadcast_to(a[:8], (3, 8))],
+        "convert": lambda a, b: [a.astype(t) for t in (jnp.float32, jnp.float64, jnp.bfloat16,
+                                                       jnp.float16, jnp.int32, jnp.int64,
+                                                       jnp.int8, jnp.uint8)],
+    }
+    if not isb:
+        fns["arith"] = lambda a, b: [a + b, a - b, a * b, -a,
+                                     lax.iota(a.dtype, a.shape[0]) * a,
+                                     a * b + a, a - b * b, (a + b) * (a - b)]  # no FMA either
+    if isf or (not isb and jnp.issubdtype(dt, jnp.signedinteger)):
+        fns["sign"] = lambda a, b: [lax.sign(a), lax.abs(a)]
+    if isf:
+        fns["float"] = lambda a, b: [a / b, jnp.floor(a), jnp.ceil(a), jnp.round(a),
+                                     lax.round(a, lax.RoundingMethod.AWAY_FROM_ZERO),
+                                     jnp.fmod(a, b), jnp.isfinite(a)]
+    elif not isb:
+        fns["int"] = lambda a, b: [a & b, a | b, a ^ b, ~a, lax.shift_left(a, b & 7),
+                                   lax.shift_right_arithmetic(a, b & 7),
+                                   lax.shift_right_logical(a, b & 7), lax.population_count(a),
+                                   lax.div(a, b), lax.rem(a, b)]  # x/0 is defined in XLA
+    if dt != jnp.bfloat16:  # the classic emitters compare a subnormal bfloat16 as zero
+        fns["to_bool"] = lambda a, b: a.astype(jnp.bool_)
+    else:
+        fns.pop("compare")
+        for f in (lambda a: a.astype(bool), lambda a: a < a[::-1]):
+            assert not pc.exact_ops_only(jax.jit(f).lower(x).as_text())
+    for name, f in fns.items():
+        lowered = jax.jit(f).lower(x, y)
+        assert pc.exact_ops_only(lowered.as_text()), name
+        fast = lowered.compile(compiler_options=pc.FAST_OPTIONS)(x, y)
+        classic = lowered.compile(compiler_options=pc.CLASSIC_OPTIONS)(x, y)
+        for i, (u, v) in enumerate(zip(jax.tree_util.tree_leaves(fast),
+                                       jax.tree_util.tree_leaves(classic))):
+            u, v = np.asarray(u), np.asarray(v)
+            assert u.dtype == v.dtype
+            if u.dtype.kind == "f" or u.dtype == jnp.bfloat16:  # a NaN's sign is unspecified
+                both = np.isnan(u.astype(np.float32)) & np.isnan(v.astype(np.float32))
+                u, v = np.where(both, 0, u).astype(u.dtype), np.where(both, 0, v).astype(v.dtype)
+            np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8),
+                                          err_msg=f"{name}[{i}] {dtype}")
+    if isf:
+        # excluded: the default emitters flush subnormals in select/max/min (PyTorch does not;
+        # the classic ones do not either), and approximate the transcendental functions
+        # differently; reductions may sum in another order
+        for f in (jnp.tanh, jnp.exp, lambda a: a.sum(), lambda a: jax.lax.rsqrt(a),
+                  lambda a: jnp.where(a > 0, a, 1.0), lambda a: jnp.maximum(a, 0)):
+            assert not pc.exact_ops_only(jax.jit(f).lower(x).as_text())
