@@ -1,6 +1,6 @@
 """Changing shapes: greedy generate() with a growing KV cache, and variable-length training.
 
-    python benchmarks/shape_changes.py [--repeats N] [--ablation]
+    python benchmarks/shape_changes.py [--repeats N] [--ablation] [--only generate|train]
 
 Side by side in one run, each "tpu" case in fresh processes sharing one new compile cache
 folder (TORCHTPU_CACHE_DIR), PyTorch CPU in its own process:
@@ -63,7 +63,7 @@ def _counters():
     c = torch.tpu.metrics()["counters"]
     keys = ("eager_xla_compiles", "eager_disk_cache_hits", "fused_xla_compiles", "xla_compiles",
             "compile_cache_misses", "compile_disk_cache_hits", "eager_xla_compile_ms",
-            "compile_bucket_programs", "aot_cache_hits")
+            "compile_bucket_programs", "compile_masked_graphs", "aot_cache_hits")
     return {k: c.get(k, 0) for k in keys}
 
 
@@ -122,6 +122,7 @@ def main():
     ap.add_argument("--child")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("--only", choices=("generate", "train"), help="run one part of the table")
     a = ap.parse_args()
     if a.child:
         spec = json.loads(a.child)
@@ -139,6 +140,19 @@ def main():
         t = med(times)
         rows.append((name, t, t / cpu_s if cpu_s else float("nan"), counters))
 
+    if a.only != "train":
+        _generate_rows(a, row, rows)
+    if a.only != "generate":
+        _train_rows(rows)
+
+    print(f"{'case':68} {'s':>8} {'vs CPU':>7}  compiles / cache")
+    for name, t, ratio, c in rows:
+        cs = ", ".join(f"{k}={v}" for k, v in c.items() if v)
+        print(f"{name:68} {t:8.2f} {ratio:7.2f}  {cs}")
+
+
+def _generate_rows(a, row, rows):
+    med = statistics.median
     cpu = _spawn({"case": "generate", "device": "cpu", "cache": "dynamic", "calls": 4}, {})
     cpu_s = med(cpu["times"][1:])
     cpu_static = _spawn({"case": "generate", "device": "cpu", "cache": "static", "calls": 4}, {})
@@ -174,6 +188,9 @@ def main():
             r = _spawn({"case": "generate", "device": "tpu", "cache": "dynamic", "calls": 1},
                        {"TORCHTPU_CACHE_DIR": d, "TORCHTPU_FAST_COMPILE_MAX_ELEMENTS": "0"})
             row("tpu dynamic cold, cheap XLA options off", r["times"], r["counters"], cpu_s)
+
+
+def _train_rows(rows):
     train_cpu = _spawn({"case": "train", "device": "cpu", "steps": 8}, {})
     with tempfile.TemporaryDirectory() as d:
         train_tpu = _spawn({"case": "train", "device": "tpu", "steps": 8},
@@ -183,11 +200,6 @@ def main():
                  train_cpu["time"], 1.0, {}))
     rows.append((f"tpu compiled training, same (max |loss diff| {worst:.1e})", train_tpu["time"],
                  train_tpu["time"] / train_cpu["time"], train_tpu["counters"]))
-
-    print(f"{'case':68} {'s':>8} {'vs CPU':>7}  compiles / cache")
-    for name, t, ratio, c in rows:
-        cs = ", ".join(f"{k}={v}" for k, v in c.items() if v)
-        print(f"{name:68} {t:8.2f} {ratio:7.2f}  {cs}")
 
 
 if __name__ == "__main__":

@@ -101,16 +101,28 @@ class _SeqModel(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def test_variable_length_training_matches_cpu_and_says_it_specialises():
+def _count(name):
+    return COUNTERS.get(name, 0)
+
+
+def _specialised(w):
+    return [str(x.message) for x in w if "once per distinct size" in str(x.message)]
+
+
+def test_variable_length_training_matches_cpu_with_one_program_per_bucket():
+    """The loss averages over the sequence (nll_loss mean) and the weight gradients sum over
+    batch x sequence (mm, sum, embedding_dense_backward): masked, so forward and backward are
+    compiled once per bucket (32, 64), not per length, and equal CPU's."""
     torch.manual_seed(0)
     cpu = _SeqModel()
     tpu = copy.deepcopy(cpu).to(TPU)
     opt_c = torch.optim.SGD(cpu.parameters(), lr=0.1)
     opt_t = torch.optim.SGD(tpu.parameters(), lr=0.1)
     step = torch.compile(tpu, backend="tpu")
-    lengths = [17, 23, 17, 40]
-    bucketed = COUNTERS["compile_bucket_programs"]
-    programs = COUNTERS["compile_cache_misses"]
+    lengths = [17, 23, 17, 40, 29]
+    bucketed = _count("compile_bucket_programs")
+    programs = _count("compile_cache_misses")
+    masked = _count("compile_masked_graphs")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for n in lengths:
@@ -129,33 +141,152 @@ def test_variable_length_training_matches_cpu_and_says_it_specialises():
             opt_t.step()
             opt_t.zero_grad()
             torch.testing.assert_close(loss_t.cpu(), loss_c.detach())
-    msgs = [str(x.message) for x in w if "once per distinct size" in str(x.message)]
-    assert len(msgs) >= 1 and ("mixes positions along a dynamic dimension" in msgs[0]
-                               or "not known to keep" in msgs[0])
+    assert _specialised(w) == []
     for p, q in zip(tpu.parameters(), cpu.parameters()):
         torch.testing.assert_close(p.cpu(), q.detach())
-    # the loss averages over the sequence and the weight gradients sum over it: forward and
-    # backward are compiled per length (17, 23, 40), none padded
-    assert COUNTERS["compile_bucket_programs"] - bucketed == 0
-    assert COUNTERS["compile_cache_misses"] - programs == 6
+    assert _count("compile_masked_graphs") - masked == 2  # forward and backward
+    assert _count("compile_bucket_programs") - bucketed == 4  # 2 graphs x buckets 32, 64
+    assert _count("compile_cache_misses") - programs == 4
 
 
-def test_reduction_over_dynamic_dim_is_not_padded():
-    def f(x):
-        return torch.softmax(x, dim=1) * x.shape[1]
-
+def _fwd_bwd(f, sizes, dyn_dim=1, shape=(3, None, 8), grad=True):
+    """Run ``f`` compiled and on CPU over inputs whose ``dyn_dim`` takes each of ``sizes``
+    (mark_dynamic), compare outputs and input gradients; return (programs, warnings)."""
     g = torch.compile(f, backend="tpu")
-    with pytest.warns(UserWarning, match="once per distinct size"):
-        for n in (17, 19):
-            x = torch.randn(2, n)
-            xt = x.to(TPU)
-            torch._dynamo.mark_dynamic(xt, 1)
-            torch.testing.assert_close(g(xt).cpu(), f(x))
+    before = _count("compile_cache_misses")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n in sizes:
+            shp = [n if s is None else s for s in shape]
+            x = torch.randn(*shp, generator=torch.Generator().manual_seed(n))
+            x.requires_grad_(grad)
+            xt = x.detach().to(TPU).requires_grad_(grad)
+            torch._dynamo.mark_dynamic(xt, dyn_dim)
+            out_c, out_t = f(x), g(xt)
+            assert out_t.shape == out_c.shape
+            torch.testing.assert_close(out_t.cpu(), out_c.detach())
+            if grad:
+                go = torch.randn(out_c.shape, generator=torch.Generator().manual_seed(n + 1))
+                out_c.backward(go)
+                out_t.backward(go.to(TPU))
+                torch.testing.assert_close(xt.grad.cpu(), x.grad)
+    return _count("compile_cache_misses") - before, w
+
+
+_W = torch.randn(8, 5, generator=torch.Generator().manual_seed(3))
+
+# op families that reduce or contract over the dynamic dim 1 of a (3, n, 8) input
+MASKED = {
+    "sum": lambda x: x.sum(1),
+    "sum_all": lambda x: (x * x).sum(),
+    "mean": lambda x: x.mean(1),
+    "mean_all": lambda x: x.exp().mean(),
+    "amax": lambda x: x.amax(1),
+    "amin_keepdim": lambda x: x.amin(1, keepdim=True) * 2,
+    "max_dim": lambda x: x.max(1).values,
+    "softmax": lambda x: torch.softmax(x, 1) * x,
+    "log_softmax": lambda x: torch.log_softmax(x.exp(), 1),
+    "logsumexp": lambda x: torch.logsumexp(x, 1),
+    "bmm": lambda x: x.transpose(1, 2) @ x.exp(),
+    "mm_flat": lambda x: x.flatten(0, 1).t() @ (x.flatten(0, 1) @ _W.to(x.device)),
+    "mse_mean": lambda x: torch.nn.functional.mse_loss(x, x.detach().sin() * 2),
+    "size_as_value": lambda x: torch.softmax(x, 1) * x.shape[1],
+    "bce_sum": lambda x: torch.nn.functional.binary_cross_entropy(
+        torch.sigmoid(x), torch.sigmoid(x.detach() * 3), reduction="sum"),
+    "huber_mean": lambda x: torch.nn.functional.huber_loss(x, x.detach().cos()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKED))
+def test_masked_reductions_forward_backward(name, monkeypatch):
+    """Each family masked exactly: NaN in every padded input position never reaches a
+    result, and one program per bucket (sizes 17..31: bucket 32) for forward and backward."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+    masked = _count("compile_masked_graphs")
+    programs, w = _fwd_bwd(MASKED[name], [17, 24, 31])
+    assert _specialised(w) == []
+    assert programs == 2
+    assert _count("compile_masked_graphs") - masked >= 1
+
+
+def test_masked_index_reductions():
+    f = lambda x: x.argmax(1) + x.argmin(1) + (x > 0.5).any(1) + (x > -3).all(1)  # noqa: E731
+    programs, w = _fwd_bwd(f, [17, 24, 31], grad=False)
+    assert _specialised(w) == [] and programs == 1
+
+
+def test_index_past_the_real_size_still_raises():
+    """gather along a padded dim: an index valid only in the bucket raises as on CPU."""
+    g = torch.compile(lambda x, i: torch.gather(x, 1, i), backend="tpu")
+    for n, bad in ((17, False), (18, True)):
+        x = torch.randn(3, n, 8)
+        idx = torch.randint(0, 17, (3, 2, 8), generator=torch.Generator().manual_seed(0))
+        if bad:
+            idx[1, 1, 2] = n  # past the real size, inside the bucket (32)
+        xt = x.to(TPU)
+        torch._dynamo.mark_dynamic(xt, 1)
+        if bad:
+            with pytest.raises(RuntimeError):
+                torch.gather(x, 1, idx)
+            with pytest.raises(RuntimeError, match="gather"):
+                g(xt, idx.to(TPU)).cpu()
+        else:
+            torch.testing.assert_close(g(xt, idx.to(TPU)).cpu(), torch.gather(x, 1, idx))
+
+
+def test_nan_padding_would_show_a_missing_mask(monkeypatch):
+    """The NaN padding check can fail: with the masks turned off, NaN reaches the result."""
+    from torchtpu.compile import masking
+
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+    monkeypatch.setattr(masking, "fill_padding", lambda x, spec, fill, *reals: x)
+    g = torch.compile(lambda x: x.sum(1), backend="tpu")
+    xt = torch.randn(3, 17, 8).to(TPU)
+    torch._dynamo.mark_dynamic(xt, 1)
+    assert torch.isnan(g(xt).cpu()).all()
+
+
+def test_attention_over_a_dynamic_sequence_is_masked(monkeypatch):
+    """Attention written out (softmax over the dynamic key dim, contractions over it), the
+    query, key and value all of the dynamic length: one program per bucket."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+
+    def attn(x):
+        q, k, v = x, x * 0.5, x.cos()
+        s = q @ k.transpose(-1, -2) / 8 ** 0.5
+        causal = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=x.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    programs, w = _fwd_bwd(attn, [17, 24, 31], dyn_dim=2, shape=(1, 2, None, 8))
+    assert _specialised(w) == []
+    assert programs == 2
+
+
+def test_sdpa_over_a_dynamic_sequence_is_specialised():
+    """scaled_dot_product_attention reaches the compiler as one fused op, registered random
+    (dropout) with the sequence lengths as values in its backward: left per size, said once."""
+    f = lambda x: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        x, x * 0.5, x.cos(), is_causal=True)
+    programs, w = _fwd_bwd(f, [17, 24], dyn_dim=2, shape=(1, 2, None, 8))
+    msgs = _specialised(w)
+    assert len(msgs) >= 1 and "scaled_dot_product" in msgs[0]
+    assert programs == 4
+
+
+@pytest.mark.parametrize("name, op", [("var", "var.correction"), ("cumsum", "cumsum")])
+def test_unmasked_reduction_is_specialised_with_a_warning(name, op):
+    f = {"var": lambda x: x.var(1), "cumsum": lambda x: x.cumsum(1)}[name]
+    programs, w = _fwd_bwd(f, [17, 19], grad=False)
+    msgs = _specialised(w)
+    assert len(msgs) == 1 and op in msgs[0]
+    assert programs == 2  # per size
 
 
 def test_rowwise_forward_of_a_training_step_is_bucketed():
     """The compiled part is row-wise (embedding, tanh, linear); the loss runs eagerly. The
-    forward graph returns the sizes its backward needs: their real values, not the bucket's."""
+    forward graph returns the sizes its backward needs: their real values, not the bucket's.
+    The backward's weight gradients sum over batch x sequence: masked, also per bucket."""
     torch.manual_seed(0)
     cpu = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Tanh(),
                               torch.nn.Linear(16, 32))
@@ -178,4 +309,5 @@ def test_rowwise_forward_of_a_training_step_is_bucketed():
             for p, q in zip(tpu.parameters(), cpu.parameters()):
                 torch.testing.assert_close(p.grad.cpu(), q.grad)
                 p.grad = q.grad = None
-    assert COUNTERS["compile_bucket_programs"] - bucketed == 2  # forward: buckets 32, 64
+    # forward and backward: buckets 32, 64
+    assert COUNTERS["compile_bucket_programs"] - bucketed == 4

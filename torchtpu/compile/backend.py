@@ -77,6 +77,7 @@ class CompiledGraph:
         self._lock = threading.Lock()
         self._warned_dynamic = False
         self._plan = False  # buckets.analyse's answer, computed at the first call
+        self._run = self.low  # what runs: the graph, or its masked rewrite (masking.py)
 
     @staticmethod
     def _out_devices(gm):
@@ -114,6 +115,13 @@ class CompiledGraph:
                     a = a.node.hint if hasattr(a.node, "hint") else int(a)
                 statics[i] = a
                 sig.append(("s", type(a), a))
+        if bucketed is not None and self._plan.masked:
+            # the real sizes: traced inputs of the masked program, one program per bucket
+            for k, sym in enumerate(self._plan.syms):
+                arr = _size_scalar(bucketed[0][sym], _dev_of(arrays[0]) if arrays else None)
+                arrays.append(arr)
+                slots.append(len(args) + k)
+                sig.append(((), arr.dtype))
         arr = None
         donate = self._donatable(args, arrays, slots) if self.mutated else ()
         if donate:
@@ -211,6 +219,14 @@ class CompiledGraph:
             plan = f"analysis failed ({type(e).__name__}: {e})"
         if isinstance(plan, _buckets.Plan) and self.view_outputs:
             plan = "outputs that are views of other outputs"
+        if isinstance(plan, _buckets.Plan) and plan.masked:
+            try:
+                self._run = _lower.GraphLowering(plan.masked_graph(self.low.gm), self.name)
+            except Exception as e:  # noqa: BLE001 - a rewrite that fails: per size, said once
+                return f"masking failed ({type(e).__name__}: {e})"
+            count("compile_masked_graphs")
+            for n, *_ in plan.masks:
+                count("compile_masked_ops", op=_lower.op_name(n.target))
         return plan
 
     def _bucket_opts(self) -> dict:
@@ -220,7 +236,12 @@ class CompiledGraph:
         return opts
 
     def _pad(self, args):
-        """Replace dynamic-size inputs by zero-padded ones (bucket sizes): (sizes, buckets)."""
+        """Replace dynamic-size inputs by padded ones (bucket sizes): (sizes, buckets).
+
+        A dim of size ``c * s`` (a flattened (batch, seq)) is padded as ``(c, s) -> (c, S)``,
+        the layout the padded program gives it. The padding is zeros, or ``_buckets.
+        DEBUG_PAD_VALUE`` in floating-point inputs (a test's NaN: it must not reach a result).
+        """
         plan = self._plan
         vals = plan.symbol_values(args)
         opts = self._bucket_opts()
@@ -228,22 +249,23 @@ class CompiledGraph:
         for i, (kind, info) in enumerate(plan.inputs):
             a = args[i]
             if kind == "sym":
-                args[i] = buckets[info]
+                args[i] = int(info.subs(buckets))
             elif kind == "tensor" and info and isinstance(a, Tensor):
-                pads = [(0, 0)] * a.dim()
-                for d, sym in info:
-                    pads[d] = (0, buckets[sym] - a.shape[d])
-                if all(p == (0, 0) for p in pads):
+                if all(int(e.subs(buckets)) == a.shape[d] for d, e in info):
                     continue
                 COUNTERS["compile_bucket_pads"] += 1
-                if a.device.type == "tpu":  # through the host: no program per size to compile
+                on_tpu = a.device.type == "tpu"
+                if on_tpu:  # through the host: no program per size to compile
                     arr = _copy.value_of(a)
-                    host = np.pad(np.asarray(jax.device_get(arr)), pads)
+                    host = np.asarray(jax.device_get(arr))
                     COUNTERS["host_syncs"] += 1
+                else:
+                    host = _lower._torch_to_np(a.detach())
+                host = _pad_host(host, info, vals, buckets, _buckets.DEBUG_PAD_VALUE)
+                if on_tpu:
                     args[i] = _wrap(jax.device_put(host, _dev_of(arr)))
                 else:
-                    flat = [p for d in reversed(pads) for p in d]
-                    args[i] = torch.nn.functional.pad(a, flat)
+                    args[i] = _lower._np_to_torch(host)
         return vals, buckets
 
     def _cut(self, res, consts, orig_args, vals, buckets):
@@ -295,7 +317,7 @@ class CompiledGraph:
     def _graph_key(self, sig, arrays, donate, copts):
         import hashlib
 
-        gm = self.low.gm
+        gm = self._run.gm
         consts = []
         lowerings = []
         for n in gm.graph.nodes:
@@ -337,7 +359,7 @@ class CompiledGraph:
         t0 = time.perf_counter()
         copts = _options.compiler_options(self.opts)
         gkey = None
-        if self.low.mesh is not None:
+        if self._run.mesh is not None:
             return self._compile_spmd(arrays, slots, statics, donate, copts, t0)
         # the device the program runs on: part of the program key (the HLO does not name it),
         # and an executable from disk is loaded onto it alone
@@ -351,7 +373,7 @@ class CompiledGraph:
             if hit is not None:
                 count("compile_ms", int((time.perf_counter() - t0) * 1000))
                 return _Entry(hit[0], hit[1]["consts"], donate, hit[1].get("checks", ()))
-        fn = self.low.trace_fn(slots, statics, self.out_devices)
+        fn = self._run.trace_fn(slots, statics, self.out_devices)
         # the XLA module's name, for profiles (the kind only: the disk cache keys the HLO text)
         fn.__name__ = "compiled." + self.name.rstrip("0123456789")
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -361,11 +383,11 @@ class CompiledGraph:
             shapes.append(jax.ShapeDtypeStruct((self.n_random, 4), np.uint32))
         jitted = jax.jit(fn, donate_argnums=donate)
         lowered = jitted.lower(*shapes)
-        consts = self.low.const_outputs
+        consts = self._run.const_outputs
         count("compile_traces")
         compiled = None
         key = None
-        cacheable = not self.low.fallback_ops and _options.get(self.opts, "persistent_cache", True)
+        cacheable = not self._run.fallback_ops and _options.get(self.opts, "persistent_cache", True)
         if cacheable:
             try:
                 key = _cache.key_of(lowered.as_text(), copts, (dev.id,))
@@ -382,16 +404,16 @@ class CompiledGraph:
         if gkey is not None and key is not None:
             _cache.store_graph(gkey, key, {"in_tree": lowered.in_tree,
                                            "out_tree": lowered.out_tree, "consts": consts,
-                                           "checks": self.low.check_info})
+                                           "checks": self._run.check_info})
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
-        return _Entry(compiled, consts, donate, self.low.check_info)
+        return _Entry(compiled, consts, donate, self._run.check_info)
 
 
     def _compile_spmd(self, arrays, slots, statics, donate, copts, t0):
         """A graph with collectives: one SPMD program over their mesh (spmd.py). Not in the
         persistent caches (an executable for several processes' devices)."""
-        spmd = _spmd.SPMD(*self.low.mesh)
-        fn = self.low.trace_fn(slots, statics, self.out_devices)
+        spmd = _spmd.SPMD(*self._run.mesh)
+        fn = self._run.trace_fn(slots, statics, self.out_devices)
         local = [(a.shape, a.dtype) for a in arrays]
         if self.n_random:
             local.append(((self.n_random, 4), np.uint32))
@@ -406,8 +428,42 @@ class CompiledGraph:
         count("xla_compiles")
         count("xla_compile_ms", int((time.perf_counter() - t1) * 1000))
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
-        return _Entry(spmd.program(compiled), self.low.const_outputs, donate,
-                      self.low.check_info)
+        return _Entry(spmd.program(compiled), self._run.const_outputs, donate,
+                      self._run.check_info)
+
+
+def _pad_host(x, dims, vals, buckets, fill=None):
+    """numpy ``x`` padded along ``dims`` ((dim, c * s)) from the real sizes ``vals`` to the
+    bucket sizes ``buckets``, as ``(c, s) -> (c, S)``."""
+    for d, e in dims:
+        c, s = _buckets._coefficient(e)
+        n, b = vals[s], buckets[s]
+        if n == b:
+            continue
+        shape = x.shape
+        x = x.reshape(shape[:d] + (c, n) + shape[d + 1:])
+        pads = [(0, 0)] * x.ndim
+        pads[d + 1] = (0, b - n)
+        if fill is not None and np.issubdtype(x.dtype, np.floating):
+            x = np.pad(x, pads, constant_values=fill)
+        else:
+            x = np.pad(x, pads)
+        x = x.reshape(shape[:d] + (c * b,) + shape[d + 1:])
+    return x
+
+
+_SIZE_SCALARS: dict = {}
+
+
+def _size_scalar(n, dev):
+    """A real size as a 0-d int32 on ``dev`` (cached: sizes repeat, a transfer per call not)."""
+    key = (n, dev)
+    arr = _SIZE_SCALARS.get(key)
+    if arr is None:
+        if len(_SIZE_SCALARS) > 4096:
+            _SIZE_SCALARS.clear()
+        arr = _SIZE_SCALARS[key] = jax.device_put(np.int32(n), dev or _devices.jax_device(0))
+    return arr
 
 
 def _dev_of(a):

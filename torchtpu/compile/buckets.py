@@ -26,7 +26,13 @@ import sympy
 import torch
 from torch._ops import OpOverload
 
+from . import masking as _masking
+
 aten = torch.ops.aten
+
+# tests only: the value padding a floating-point input gets instead of 0 (NaN shows whether any
+# padded position reaches a result)
+DEBUG_PAD_VALUE = None
 
 # ops that act on the dims given by their arguments and treat every other dim position-wise:
 # op -> function(node, ndim of its first input) -> the dims it mixes, or None if not handled
@@ -35,6 +41,12 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
          aten._to_copy.default, torch.ops.prims.convert_element_type.default,
          aten.contiguous.default}
+
+_FACTORIES = {aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+              aten.empty_strided.default, aten.new_zeros.default, aten.new_ones.default,
+              aten.new_empty.default, aten.new_full.default, aten.full_like.default,
+              aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+              aten.scalar_tensor.default}
 
 
 def _dims(d, ndim):
@@ -86,6 +98,15 @@ def _mixed_dims(node):
              aten.split_with_sizes.default):
         d = a[1] if len(a) > 1 else 0
         return {0: _dims(d, nd[0])}
+    if t in (aten.tril.default, aten.triu.default):
+        # keeps (i, j) by its positions: the same in the padded layout for plain sizes
+        sz = _sizes(a[0].meta["val"])[-2:]
+        return {} if all(isinstance(e, sympy.Symbol) or not _syms(e) for e in sz) else None
+    if t in _FACTORIES:  # one value everywhere (or none): the padding is a copy of it
+        return {}
+    if t in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        # arange(S) starts with arange(s); a start that is a size would shift every value
+        return None if t is not aten.arange.default and _is_size_node(a[0]) else {}
     if t in (aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default):
         return {}
@@ -162,16 +183,20 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
     for i, p in enumerate(phs):
         v = p.meta.get("val")
         if isinstance(v, torch.SymInt):
-            if not isinstance(v.node.expr, sympy.Symbol):
-                return "a size input that is an expression"
-            inputs.append(("sym", v.node.expr))
+            e = v.node.expr
+            if not _syms(e):
+                inputs.append(("other", None))
+                continue
+            if not _monomial_ok(e):
+                return "a size input that is not a multiple of one size"
+            inputs.append(("sym", e))
             dynamic = True
         elif isinstance(v, torch.Tensor):
             dims = []
             for d, e in enumerate(_sizes(v)):
                 if _syms(e):
-                    if not isinstance(e, sympy.Symbol):
-                        return "an input whose size is an expression"
+                    if not _monomial_ok(e):
+                        return "an input whose size is not a multiple of one size"
                     dims.append((d, e))
                     if i in mutated:
                         return "an input mutated along a dynamic dimension"
@@ -181,6 +206,11 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
             inputs.append(("other", None))
     if not dynamic:
         return None
+    syms = sorted({x for kind, info in inputs if kind != "other"
+                   for x in (_syms(info) if kind == "sym" else
+                             set().union(*[_syms(e) for _, e in info]))}, key=str)
+    masks = []  # (node, {arg position: (((dim, c, symbol), ...), fill)}, replacement)
+    values = []  # (node, [arg positions], {position: expression code})
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -198,9 +228,15 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
         name = str(t)
         if torch.Tag.nondeterministic_seeded in t.tags:
             return f"{name} (random: padding would change its numbers)"
-        # a dynamic size used as a value (not a shape) would take the bucket's value
+        # a dynamic size used as a value (not a shape) would take the bucket's value: its real
+        # value, traced, where the op takes one (masking.py)
         if _size_as_value(n):
-            return f"{name} (a dynamic size used as a value)"
+            pos = _masking.value_positions(n, _is_size_node)
+            codes = {p: _masking.expression_code(n.args[p].meta["val"].node.expr, syms)
+                     for p in pos or ()}
+            if pos is None or any(c is None for c in codes.values()):
+                return f"{name} (a dynamic size used as a value)"
+            values.append((n, pos, codes))
         outs = v if isinstance(v, (list, tuple)) else [v]
         for o in outs:
             if isinstance(o, torch.Tensor) and not all(_monomial_ok(e) for e in _sizes(o)):
@@ -213,6 +249,14 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
         if t in _SAME or torch.Tag.pointwise in t.tags:
             continue
         mixed = _mixed_dims(n)
+        if mixed is None or _mixes_dynamic(n, mixed):
+            masked = _mask_plan(n, name)
+            if isinstance(masked, str):
+                return masked
+            if masked is not None:
+                if masked[0] or masked[2]:
+                    masks.append((n,) + masked)
+                continue
         if mixed is None:
             return f"{name} (not known to keep dynamic dimensions position-wise)"
         for pos, dims in mixed.items():
@@ -245,7 +289,70 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
             outs.append([(d, e) for d, e in enumerate(_sizes(v)) if _syms(e)])
         else:
             outs.append([])
+    if masks or values:
+        return Plan(inputs, outs, syms, masks, values)
     return Plan(inputs, outs)
+
+
+def _coefficient(e):
+    """(c, s) for a size ``c * s``."""
+    s = next(iter(_syms(e)))
+    return int(sympy.simplify(e / s)), s
+
+
+def _mixes_dynamic(n, mixed) -> bool:
+    for pos, dims in mixed.items():
+        if pos >= len(n.args) or isinstance(dims, tuple):
+            continue
+        av = n.args[pos].meta.get("val") if isinstance(n.args[pos], torch.fx.Node) else None
+        if isinstance(av, torch.Tensor):
+            sz = _sizes(av)
+            if any(_syms(sz[d]) for d in dims if d < len(sz)):
+                return True
+    return False
+
+
+def _mask_plan(n, name):
+    """For an op that mixes positions along a dynamic dim: ({position: (spec, fill)},
+    replacement) that masks it exactly (masking.py), a reason why not, or None (no rule)."""
+    r = _masking.rule(n, _ndim)
+    if r is None:
+        return None
+    if isinstance(r, str):
+        return f"{name} ({r} along a dynamic dimension)"
+    spec = {}
+    bounds = {}
+    for pos, (src, d) in r.bounds.items():
+        sv = n.args[src].meta.get("val") if isinstance(n.args[src], torch.fx.Node) else None
+        if isinstance(sv, torch.Tensor) and _syms(_sizes(sv)[d]):
+            c, sym = _coefficient(_sizes(sv)[d])
+            if c != 1:
+                return f"{name} (indices into a flattened dynamic dimension)"
+            bounds[pos] = sym
+    for pos, dims in list(r.masks.items()) + [(p, (d, None)) for p, d in r.fixed.items()]:
+        dims, fill = dims
+        arg = n.args[pos] if pos < len(n.args) else None
+        av = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(av, torch.Tensor):
+            continue
+        sz = _sizes(av)
+        dyn = []
+        for d in dims:
+            if d < len(sz) and _syms(sz[d]):
+                if fill is None:
+                    return f"{name} (mixes positions along a dynamic dimension)"
+                c, sym = _coefficient(sz[d])
+                if r.index and c != 1:
+                    return f"{name} (an index along a flattened dynamic dimension)"
+                dyn.append((d, c, sym))
+        if dyn:
+            spec[pos] = (tuple(dyn), fill)
+    return spec, r.replace, bounds
+
+
+def _is_size_node(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.SymInt) \
+        and bool(_syms(x.meta["val"].node.expr))
 
 
 _SHAPE_USERS = _VIEWS | {aten.expand.default, aten.full.default, aten.zeros.default,
@@ -282,22 +389,45 @@ def _size_as_value(n) -> bool:
 
 
 class Plan:
-    """Which inputs/outputs carry which dynamic sizes (symbols)."""
+    """Which inputs/outputs carry which dynamic sizes (symbols), and for a masked graph
+    (``masked``) the ops to mask and the sizes used as values (masking.py)."""
 
-    def __init__(self, inputs, outputs):
-        self.inputs = inputs  # per placeholder: ("sym", s) | ("tensor", [(dim, s)]) | other
+    def __init__(self, inputs, outputs, syms=(), masks=(), values=()):
+        # per placeholder: ("sym", c * s) | ("tensor", [(dim, c * s)]) | ("other", None)
+        self.inputs = inputs
         self.outputs = outputs  # per output: [(dim, size expression)], or ("sym", expression)
+        self.syms = list(syms)  # the real sizes a masked graph takes, in this order
+        self.masks = list(masks)
+        self.values = list(values)
+        self.masked = bool(self.masks or self.values)
 
     def symbol_values(self, args) -> dict:
         """The actual value of each dynamic size in this call."""
         vals = {}
         for (kind, info), a in zip(self.inputs, args):
             if kind == "sym":
-                vals[info] = int(a)
+                exprs = [(info, int(a))]
             elif kind == "tensor" and isinstance(a, torch.Tensor):
-                for d, s in info:
-                    vals[s] = a.shape[d]
+                exprs = [(e, a.shape[d]) for d, e in info]
+            else:
+                continue
+            for e, v in exprs:
+                c, s = _coefficient(e)
+                vals.setdefault(s, v // c)
         return vals
+
+    def masked_graph(self, gm):
+        """The graph rewritten with its masks (one more input per size: its real value)."""
+        masks = [(n, {p: (tuple((d, c, self.syms.index(s)) for d, c, s in sp), fill)
+                      for p, (sp, fill) in spec.items()}, rep,
+                  {p: self.syms.index(s) for p, s in bounds.items()})
+                 for n, spec, rep, bounds in self.masks]
+        return _masking.rewrite(gm, self.syms, masks, self.values)
+
+    def mask_summary(self) -> str:
+        ops = sorted({str(n.target) for n, *_ in self.masks}
+                     | {f"{n.target} (size as value)" for n, _, _ in self.values})
+        return ", ".join(ops)
 
 
 def bucket(n: int, opts: dict) -> int:
