@@ -315,3 +315,61 @@ def test_classic_emitters_are_bit_identical_on_exact_ops(dtype):
         for f in (jnp.tanh, jnp.exp, lambda a: a.sum(), lambda a: jax.lax.rsqrt(a),
                   lambda a: jnp.where(a > 0, a, 1.0), lambda a: jnp.maximum(a, 0)):
             assert not pc.exact_ops_only(jax.jit(f).lower(x).as_text())
+
+
+def test_prune_removes_least_recently_used_entries(cache_dir):
+    """Over the size limit, the least recently used entries go (a hit counts as a use) down
+    to 80% of the limit, stale temporary files too; a pruned program is rebuilt, correctly."""
+    import time
+
+    from torchtpu.compile import cache
+
+    progs = [_program(_fresh_tag()) for _ in range(6)]
+    x = jnp.linspace(0, 1, 5, dtype=jnp.float32)
+    for p in progs:
+        _check(p, x)
+    files = _entries(cache_dir)
+    assert len(files) == 6
+    size = os.path.getsize(files[0])
+    # ages: the entries were written 600..100 s ago, oldest first ...
+    for i, f in enumerate(files):
+        os.utime(f, (time.time() - 600 + 100 * i,) * 2)
+    # ... then the oldest one is read by a new Program (a disk hit marks it used)
+    oldest = files[0]
+    tag_of_oldest = [p for p in progs if p._stable_key() and
+                     cache._path(p._disk_key(pc.signature([x]), [x], {"fast": True})[0])
+                     == oldest]
+    assert len(tag_of_oldest) == 1
+    again = pc.Program("eager", tag_of_oldest[0].fn, tag_of_oldest[0].key)
+    hits = COUNTERS["eager_disk_cache_hits"]
+    _check(again, x)
+    assert COUNTERS["eager_disk_cache_hits"] == hits + 1
+    stale = os.path.join(os.path.dirname(oldest), "x.tmp")
+    open(stale, "wb").close()
+    os.utime(stale, (time.time() - 7200,) * 2)
+    fresh_tmp = os.path.join(os.path.dirname(oldest), "y.tmp")  # a writer at work: kept
+    open(fresh_tmp, "wb").close()
+
+    assert cache.prune(max_bytes=size * 100) == 0  # under the limit: nothing goes
+    removed = cache.prune(max_bytes=int(size * 4.5))  # 6 entries > 4.5: keep <= 3.6 entries
+    assert removed == 3
+    left = _entries(cache_dir)
+    assert oldest in left  # used most recently
+    assert set(left) == {oldest, files[4], files[5]}
+    assert not os.path.exists(stale) and os.path.exists(fresh_tmp)
+    os.unlink(fresh_tmp)
+    # a pruned entry is a miss: rebuilt and rewritten
+    for p in progs:
+        _check(pc.Program("eager", p.fn, p.key), x)
+    assert len(_entries(cache_dir)) == 6
+
+
+def test_prune_never_touches_other_files(cache_dir):
+    from torchtpu.compile import cache
+
+    _check(_program(_fresh_tag()), jnp.ones(3, jnp.float32))
+    other = cache_dir / "native"
+    other.mkdir()
+    (other / "lib.so").write_bytes(b"x" * 10000)
+    assert cache.prune(max_bytes=1) == 1
+    assert _entries(cache_dir) == [] and (other / "lib.so").exists()
