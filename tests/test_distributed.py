@@ -101,7 +101,8 @@ def test_ddp_matches_single_process(tmp_path):
 
 def test_device_used_before_init_process_group_torchrun():
     """The first device use joins the cluster (torchrun's agent store); device_id=,
-    set_device(local_rank), tpu:{local_rank} and "tpu" all name this rank's device."""
+    set_device(local_rank), tpu:{local_rank} and "tpu" all name this rank's device; the group
+    is bound to it; split_group, and DeviceMesh's split of the bound group."""
     _ok(*_torchrun("bootstrap_check.py", timeout=300))
 
 

@@ -20,8 +20,14 @@ def _create(opts, backend_options=None):
     if not ranks:  # the default group: join the cluster first
         bootstrap.join(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         ranks = list(range(opts.group_size))
-    return ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout, ranks,
-                           opts.group_id)
+    pg = ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout, ranks,
+                         opts.group_id)
+    from .groups import bound_device
+
+    dev = bound_device(bool(opts.global_ranks_in_group))
+    if dev is not None:
+        pg.bound_device_id = dev
+    return pg
 
 
 _libs: list = []
@@ -62,6 +68,9 @@ def register() -> None:
     from . import ddp
 
     ddp.install()  # DDP find_unused_parameters / static_graph: C++ pinned hooks on demand
+    from . import groups
+
+    groups.install()  # split_group, bound_device_id (DeviceMesh over a device-bound group)
     for name in ("tpu", "tpu_dist"):  # the last one registered is the default for "tpu"
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])
