@@ -149,6 +149,40 @@ def test_variable_length_training_matches_cpu_with_one_program_per_bucket():
     assert _count("compile_cache_misses") - programs == 4
 
 
+def test_shifted_language_model_loss_is_masked(monkeypatch):
+    """The next-token loss: logits[:, :-1] against ids[:, 1:] (sizes s - 1, slices whose real
+    positions stay a prefix) and its backward's slice_scatter: per bucket, equal to CPU, with
+    NaN in every padded float input."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 32))
+    tpu = copy.deepcopy(cpu).to(TPU)
+
+    def loss_of(model, ids):
+        logits = model(ids)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 ids[:, 1:].flatten())
+
+    f = torch.compile(lambda ids: loss_of(tpu, ids), backend="tpu")
+    programs = _count("compile_cache_misses")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n in (17, 30, 21):
+            ids = torch.randint(0, 32, (3, n), generator=torch.Generator().manual_seed(n))
+            it = ids.to(TPU)
+            torch._dynamo.mark_dynamic(it, 1)
+            lc, lt = loss_of(cpu, ids), f(it)
+            torch.testing.assert_close(lt.cpu(), lc.detach())
+            lc.backward()
+            lt.backward()
+            for p, q in zip(tpu.parameters(), cpu.parameters()):
+                torch.testing.assert_close(p.grad.cpu(), q.grad)
+                p.grad = q.grad = None
+    assert _specialised(w) == []
+    assert _count("compile_cache_misses") - programs == 2  # bucket 32: forward, backward
+
+
 def _fwd_bwd(f, sizes, dyn_dim=1, shape=(3, None, 8), grad=True):
     """Run ``f`` compiled and on CPU over inputs whose ``dyn_dim`` takes each of ``sizes``
     (mark_dynamic), compare outputs and input gradients; return (programs, warnings)."""
@@ -194,6 +228,9 @@ MASKED = {
     "bce_sum": lambda x: torch.nn.functional.binary_cross_entropy(
         torch.sigmoid(x), torch.sigmoid(x.detach() * 3), reduction="sum"),
     "huber_mean": lambda x: torch.nn.functional.huber_loss(x, x.detach().cos()),
+    # slices that keep real positions a prefix (size s - 1), and their slice_scatter backward
+    "shifted_product": lambda x: (x[:, 1:] * x[:, :-1]).sum(1),
+    "first_position": lambda x: x[:, 0] * x.mean(1),
 }
 
 

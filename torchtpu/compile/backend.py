@@ -238,8 +238,8 @@ class CompiledGraph:
     def _pad(self, args):
         """Replace dynamic-size inputs by padded ones (bucket sizes): (sizes, buckets).
 
-        A dim of size ``c * s`` (a flattened (batch, seq)) is padded as ``(c, s) -> (c, S)``,
-        the layout the padded program gives it. The padding is zeros, or ``_buckets.
+        A dim of size ``c * (s + k)`` (a flattened (batch, seq), ``seq - 1``) is padded as
+        ``(c, s + k) -> (c, S + k)``, the layout the padded program gives it. The padding is zeros, or ``_buckets.
         DEBUG_PAD_VALUE`` in floating-point inputs (a test's NaN: it must not reach a result).
         """
         plan = self._plan
@@ -286,12 +286,11 @@ class CompiledGraph:
                 padded = int(e.subs(buckets))
                 if real == padded:
                     continue
-                sym = next(iter(e.free_symbols))
-                c = padded // buckets[sym]
+                c = _buckets._block(e)[0]
                 if c == 1:
                     t = t.narrow(d, 0, real)
                 else:
-                    t = t.unflatten(d, (c, buckets[sym])).narrow(d + 1, 0, vals[sym]) \
+                    t = t.unflatten(d, (c, padded // c)).narrow(d + 1, 0, real // c) \
                         .flatten(d, d + 1)
             res[j] = t
         return res
@@ -433,11 +432,11 @@ class CompiledGraph:
 
 
 def _pad_host(x, dims, vals, buckets, fill=None):
-    """numpy ``x`` padded along ``dims`` ((dim, c * s)) from the real sizes ``vals`` to the
-    bucket sizes ``buckets``, as ``(c, s) -> (c, S)``."""
+    """numpy ``x`` padded along ``dims`` ((dim, c * (s + k))) from the real sizes ``vals`` to
+    the bucket sizes ``buckets``, as ``(c, s + k) -> (c, S + k)``."""
     for d, e in dims:
-        c, s = _buckets._coefficient(e)
-        n, b = vals[s], buckets[s]
+        c, s, k = _buckets._block(e)
+        n, b = vals[s] + k, buckets[s] + k
         if n == b:
             continue
         shape = x.shape

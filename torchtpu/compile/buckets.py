@@ -94,6 +94,21 @@ def _mixed_dims(node):
     if t in (aten.cat.default,):
         d = a[1] if len(a) > 1 else 0
         return {0: ("list", d)}
+    if t is aten.slice.Tensor and _slice_keeps_prefix(node):
+        return {}
+    if t is aten.select.int and _select_keeps_prefix(node):
+        return {}
+    if t is aten.select_scatter.default and _select_keeps_prefix(node, scatter=True):
+        return {}
+    if t is aten.slice_scatter.default:  # the slice's backward: the same positions, written
+        # position-wise when src reaches self's end (or has a static size): otherwise src's
+        # padding would land on self's last real positions (masking.py restores them)
+        if not _slice_keeps_prefix(node, scatter=True):
+            return None
+        d = (a[2] if len(a) > 2 else 0) % nd[0]
+        start = (a[3] if len(a) > 3 else 0) or 0
+        ss, sd = _sizes(a[0].meta["val"])[d], _sizes(a[1].meta["val"])[d]
+        return {} if not _syms(sd) or sympy.simplify(start + sd - ss) == 0 else None
     if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.split.Tensor,
              aten.split_with_sizes.default):
         d = a[1] if len(a) > 1 else 0
@@ -113,6 +128,34 @@ def _mixed_dims(node):
     return None
 
 
+def _slice_keeps_prefix(n, scatter=False) -> bool:
+    """``x[.., start:end]`` with a static start >= 0 and step 1 along a one-block dynamic dim:
+    output position j is input position start + j, so real positions stay a prefix (``ids[:,
+    1:]``, ``logits[:, :-1]``); an end that is a size takes the bucket's value, which is the
+    padded size of the output."""
+    a = n.args[1:] if scatter else n.args  # slice_scatter(self, src, dim, start, end, step)
+    d = a[1] if len(a) > 1 else 0
+    start = a[2] if len(a) > 2 else 0
+    step = a[4] if len(a) > 4 else 1
+    xv = n.args[0].meta.get("val")
+    ov = (n.args[1] if scatter else n).meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(ov, torch.Tensor):
+        return False
+    d %= xv.dim()
+    if not (start is None or (isinstance(start, int) and start >= 0)) or step != 1:
+        return False
+    return _plain(_sizes(xv)[d]) and _plain(_sizes(ov)[d])
+
+
+def _select_keeps_prefix(n, scatter=False) -> bool:
+    """``x[.., i]`` (or its select_scatter) with a static i >= 0 along a one-block dynamic dim:
+    a real position."""
+    xv = n.args[0].meta.get("val")
+    d, i = n.args[2:4] if scatter else n.args[1:3]
+    return isinstance(xv, torch.Tensor) and isinstance(i, int) and i >= 0 \
+        and _plain(_sizes(xv)[d % xv.dim()])
+
+
 def _ndim(x):
     v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     return v.dim() if isinstance(v, torch.Tensor) else None
@@ -127,16 +170,30 @@ def _syms(e) -> set:
     return set(e.free_symbols) if isinstance(e, sympy.Basic) else set()
 
 
-def _monomial_ok(e) -> bool:
-    """A dynamic size we can cut the padding off: ``s`` or ``c * s`` (c a constant)."""
+def _block(e):
+    """``(c, s, k)`` for a dynamic size ``c * (s + k)`` (c > 0 and k integers), else None. Its
+    padded size is ``c * (S + k)``: c blocks whose first ``s + k`` positions are real."""
     syms = _syms(e)
-    if not syms:
-        return True
     if len(syms) != 1:
-        return False
+        return None
     s = next(iter(syms))
-    c = sympy.simplify(e / s)
-    return bool(c.is_Integer and c > 0)
+    e = sympy.expand(e)
+    c = e.coeff(s)
+    r = sympy.simplify(e - c * s)
+    if not (c.is_Integer and c > 0 and r.is_Integer) or int(r) % int(c):
+        return None
+    return int(c), s, int(r) // int(c)
+
+
+def _monomial_ok(e) -> bool:
+    """A dynamic size we can cut the padding off: ``c * (s + k)`` (see ``_block``)."""
+    return not _syms(e) or _block(e) is not None
+
+
+def _plain(e) -> bool:
+    """A size whose padded positions all follow its real ones (one block, ``s + k``)."""
+    b = _block(e) if _syms(e) else (1, None, 0)
+    return b is not None and b[0] == 1
 
 
 def _view_ok(src, dst) -> bool:
@@ -294,12 +351,6 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
     return Plan(inputs, outs)
 
 
-def _coefficient(e):
-    """(c, s) for a size ``c * s``."""
-    s = next(iter(_syms(e)))
-    return int(sympy.simplify(e / s)), s
-
-
 def _mixes_dynamic(n, mixed) -> bool:
     for pos, dims in mixed.items():
         if pos >= len(n.args) or isinstance(dims, tuple):
@@ -325,10 +376,10 @@ def _mask_plan(n, name):
     for pos, (src, d) in r.bounds.items():
         sv = n.args[src].meta.get("val") if isinstance(n.args[src], torch.fx.Node) else None
         if isinstance(sv, torch.Tensor) and _syms(_sizes(sv)[d]):
-            c, sym = _coefficient(_sizes(sv)[d])
+            c, sym, k = _block(_sizes(sv)[d])
             if c != 1:
                 return f"{name} (indices into a flattened dynamic dimension)"
-            bounds[pos] = sym
+            bounds[pos] = (sym, k)
     for pos, dims in list(r.masks.items()) + [(p, (d, None)) for p, d in r.fixed.items()]:
         dims, fill = dims
         arg = n.args[pos] if pos < len(n.args) else None
@@ -341,10 +392,10 @@ def _mask_plan(n, name):
             if d < len(sz) and _syms(sz[d]):
                 if fill is None:
                     return f"{name} (mixes positions along a dynamic dimension)"
-                c, sym = _coefficient(sz[d])
+                c, sym, k = _block(sz[d])
                 if r.index and c != 1:
                     return f"{name} (an index along a flattened dynamic dimension)"
-                dyn.append((d, c, sym))
+                dyn.append((d, c, sym, k))
         if dyn:
             spec[pos] = (tuple(dyn), fill)
     return spec, r.replace, bounds
@@ -359,7 +410,8 @@ _SHAPE_USERS = _VIEWS | {aten.expand.default, aten.full.default, aten.zeros.defa
                          aten.ones.default, aten.empty.memory_format, aten.new_zeros.default,
                          aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
                          aten.empty_strided.default, aten.arange.default, aten.arange.start,
-                         aten.arange.start_step}
+                         aten.arange.start_step, aten.slice.Tensor,
+                         aten.slice_scatter.default}
 
 
 def _sym_nodes(x) -> bool:
@@ -412,15 +464,15 @@ class Plan:
             else:
                 continue
             for e, v in exprs:
-                c, s = _coefficient(e)
-                vals.setdefault(s, v // c)
+                c, s, k = _block(e)
+                vals.setdefault(s, v // c - k)
         return vals
 
     def masked_graph(self, gm):
         """The graph rewritten with its masks (one more input per size: its real value)."""
-        masks = [(n, {p: (tuple((d, c, self.syms.index(s)) for d, c, s in sp), fill)
+        masks = [(n, {p: (tuple((d, c, self.syms.index(s), k) for d, c, s, k in sp), fill)
                       for p, (sp, fill) in spec.items()}, rep,
-                  {p: self.syms.index(s) for p, s in bounds.items()})
+                  {p: (self.syms.index(s), k) for p, (s, k) in bounds.items()})
                  for n, spec, rep, bounds in self.masks]
         return _masking.rewrite(gm, self.syms, masks, self.values)
 

@@ -184,6 +184,10 @@ def rule(n, ndim):
         # padded positions: both inputs 0, whose loss is exactly 0
         masks = {0: (_all(nd), "zero"), 1: (_all(nd), "zero")}
         return Rule(masks, replace=("loss_mean", red_pos, 0) if red == 1 else None)
+    if t is aten.slice_scatter.default:  # buckets._mixed_dims: a src that stops before the end
+        d = (_arg(n, 2, "dim", 0)) % max(ndim(a[0]), 1)
+        start = _arg(n, 3, "start", 0) or 0
+        return Rule({1: ([d], "count")}, replace=("tail", d, start))
     if t is aten.gather.default:
         # out[.., j, ..] = self[.., index[.., j, ..], ..]: position-wise along index's dims
         d = a[1] % max(ndim(a[0]), 1)
@@ -225,20 +229,34 @@ def _fill_value(fill, dtype):
 
 def real_mask(shape, spec, reals):
     """Boolean array broadcastable to ``shape``: True at the real positions along ``spec``'s
-    dims ((dim, c, size index): the dim has ``c`` blocks of the bucket size)."""
+    dims ((dim, c, size index k, offset o): the dim is ``c`` blocks of the padded size plus
+    ``o``, whose first ``reals[k] + o`` positions are real)."""
     keep = None
-    for d, c, k in spec:
+    for d, c, k, o in spec:
         size = shape[d]
         idx = lax.iota(jnp.int32, size) % (size // c)
-        m = (idx < reals[k]).reshape([size if i == d else 1 for i in range(len(shape))])
+        m = (idx < reals[k] + o).reshape([size if i == d else 1 for i in range(len(shape))])
         keep = m if keep is None else keep & m
     return keep
 
 
-def bound_index(x, k, *reals):
-    """Indices ``x`` into a dim padded from ``reals[k]``: those past the real size (valid only
-    in the padded program) made out of range for every size, so the op's check raises."""
-    return jnp.where(x >= reals[k], jnp.asarray(jnp.iinfo(x.dtype).max, x.dtype), x)
+def restore_tail(out, self, d, start, spec, *reals):
+    """slice_scatter's result where src's padded positions landed on ``self``'s positions:
+    ``self`` there (the unpadded op leaves them as they were)."""
+    (_, _, k, o), = spec
+    p = lax.iota(jnp.int32, out.shape[d]) - start
+    padded_src = (p >= reals[k] + o) & (p >= 0)  # past src's real end (and past its padded
+    # end the op did not write: self's value either way)
+    keep = padded_src.reshape([out.shape[d] if i == d else 1 for i in range(out.ndim)])
+    return jnp.where(keep, self, out)
+
+
+def bound_index(x, bound, *reals):
+    """Indices ``x`` into a dim padded from the real size ``reals[k] + o`` (``bound = (k, o)``):
+    those past it (valid only in the padded program) made out of range for every size, so that
+    the op's index check raises as the unpadded op's would."""
+    k, o = bound
+    return jnp.where(x >= reals[k] + o, jnp.asarray(jnp.iinfo(x.dtype).max, x.dtype), x)
 
 
 def fill_padding(x, spec, fill, *reals):
@@ -249,12 +267,12 @@ def fill_padding(x, spec, fill, *reals):
 
 
 def _real_count(shape, dims, spec, reals):
-    by_dim = {d: (c, k) for d, c, k in spec}
+    by_dim = {d: (c, k, o) for d, c, k, o in spec}
     n = jnp.ones((), jnp.int32)
     for d in dims:
         if d in by_dim:
-            c, k = by_dim[d]
-            n = n * (c * reals[k])
+            c, k, o = by_dim[d]
+            n = n * (c * (reals[k] + o))
         else:
             n = n * shape[d]
     return n
@@ -378,6 +396,14 @@ def rewrite(gm, syms, masks, values):
         m = env[node]
         args = list(m.args)
         with g.inserting_before(m):
+            if replace is not None and replace is not masked_mean and replace[0] == "tail":
+                _, d, start = replace
+                with g.inserting_after(m):
+                    new = g.call_function(restore_tail, (m, args[0], d, start, spec[1][0],
+                                                         *reals))
+                m.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+                new.meta.update(m.meta)
+                continue
             if replace is not None and replace is not masked_mean:
                 _, red_pos, count_pos = replace
                 count_spec = spec.get(count_pos, ((), None))[0]
