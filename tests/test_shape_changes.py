@@ -183,6 +183,47 @@ def test_shifted_language_model_loss_is_masked(monkeypatch):
     assert _count("compile_cache_misses") - programs == 2  # bucket 32: forward, backward
 
 
+_WARM = """
+import json, torch, torchtpu, warnings
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Tanh(),
+                            torch.nn.Linear(16, 32)).to("tpu")
+def step(ids):
+    logits = model(ids)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+f = torch.compile(step, backend="tpu")
+losses = []
+for n in (17, 25):
+    ids = torch.randint(0, 32, (2, n), generator=torch.Generator().manual_seed(n)).to("tpu")
+    torch._dynamo.mark_dynamic(ids, 1)
+    loss = f(ids)
+    loss.backward()
+    losses.append(float(loss))
+c = torch.tpu.metrics()["counters"]
+print(json.dumps([losses, c.get("xla_compiles", 0), c.get("compile_masked_graphs", 0)]))
+"""
+
+
+def test_masked_graphs_warm_start_from_the_caches(tmp_path):
+    """A second process finds the masked graphs in the AOT cache (with the metadata the
+    analysis reads) and their per-bucket programs on disk: nothing compiled, still masked."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _WARM], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (cold_losses, cold_compiles, cold_masked), (warm_losses, warm_compiles, warm_masked) = runs
+    assert cold_compiles == 2 and cold_masked == 2  # bucket 32: forward, backward
+    assert warm_compiles == 0 and warm_masked == 2
+    assert warm_losses == cold_losses
+
+
 def _fwd_bwd(f, sizes, dyn_dim=1, shape=(3, None, 8), grad=True):
     """Run ``f`` compiled and on CPU over inputs whose ``dyn_dim`` takes each of ``sizes``
     (mark_dynamic), compare outputs and input gradients; return (programs, warnings)."""

@@ -94,10 +94,16 @@ def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
     from torch.fx._graph_pickler import GraphPickler, Options
 
     saved = {}
+    # a graph with symbolic sizes keeps every "val": buckets.analyse reads them (padding to
+    # buckets, masking.py); without them a warm start would compile it once per size
+    dynamic = any(isinstance(s, torch.SymInt) or (isinstance(s, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in s.shape))
+        for n in gm.graph.nodes if n.op == "placeholder" for s in [n.meta.get("val")])
     for n in gm.graph.nodes:
         saved[n] = n.meta
         v = n.meta.get("val")
-        keep = "val" in n.meta and (n.op == "placeholder" or not _holds_device_tensor(v))
+        keep = "val" in n.meta and (dynamic or n.op == "placeholder"
+                                    or not _holds_device_tensor(v))
         n.meta = {"val": v} if keep else {}
     try:
         # every op: graphs may hold prims and custom ops (an op missing when an entry is loaded
