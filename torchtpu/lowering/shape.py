@@ -214,14 +214,22 @@ for _nd in (1, 2, 3):
 
 # ---- triangles and diagonals ----
 
-@register(aten.tril.default)
+def _triangle(x, diagonal, upper: bool):
+    """``diagonal`` may be traced (a changing offset, as in attention masks, compiles once)."""
+    n, m = x.shape[-2:]
+    d = lax.broadcasted_iota(jnp.int64, (n, m), 1) - lax.broadcasted_iota(jnp.int64, (n, m), 0)
+    keep = d >= diagonal if upper else d <= diagonal
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+@register(aten.tril.default, scalar_args=("diagonal",))
 def tril(self, diagonal=0):
-    return jnp.tril(self, diagonal)
+    return _triangle(self, diagonal, upper=False)
 
 
-@register(aten.triu.default)
+@register(aten.triu.default, scalar_args=("diagonal",))
 def triu(self, diagonal=0):
-    return jnp.triu(self, diagonal)
+    return _triangle(self, diagonal, upper=True)
 
 
 def _diag_rc(n, offset):
