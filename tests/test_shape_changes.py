@@ -123,6 +123,7 @@ def test_variable_length_training_matches_cpu_with_one_program_per_bucket():
     bucketed = _count("compile_bucket_programs")
     programs = _count("compile_cache_misses")
     masked = _count("compile_masked_graphs")
+    reused = _count("compile_bucket_pads_reused")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for n in lengths:
@@ -147,6 +148,8 @@ def test_variable_length_training_matches_cpu_with_one_program_per_bucket():
     assert _count("compile_masked_graphs") - masked == 2  # forward and backward
     assert _count("compile_bucket_programs") - bucketed == 4  # 2 graphs x buckets 32, 64
     assert _count("compile_cache_misses") - programs == 4
+    # the saved activation tanh(emb(ids)) reaches the backward as the forward's padded array
+    assert _count("compile_bucket_pads_reused") - reused == len(lengths)
 
 
 def test_shifted_language_model_loss_is_masked(monkeypatch):

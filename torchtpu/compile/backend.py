@@ -253,8 +253,16 @@ class CompiledGraph:
             elif kind == "tensor" and info and isinstance(a, Tensor):
                 if all(int(e.subs(buckets)) == a.shape[d] for d, e in info):
                     continue
-                COUNTERS["compile_bucket_pads"] += 1
                 on_tpu = a.device.type == "tpu"
+                if on_tpu:
+                    reused = _padded_storage(a, info, buckets)
+                    if reused is not None:
+                        # a cut output of a padded program (a forward's saved activation):
+                        # its storage is already the padded array
+                        COUNTERS["compile_bucket_pads_reused"] += 1
+                        args[i] = _wrap(reused)
+                        continue
+                COUNTERS["compile_bucket_pads"] += 1
                 if on_tpu:  # through the host: no program per size to compile
                     arr = _copy.value_of(a)
                     host = np.asarray(jax.device_get(arr))
@@ -449,6 +457,34 @@ def _pad_host(x, dims, vals, buckets, fill=None):
             x = np.pad(x, pads)
         x = x.reshape(shape[:d] + (c * b,) + shape[d + 1:])
     return x
+
+
+def _padded_storage(a, dims, buckets):
+    """The array behind ``a`` when ``a`` is the leading block of it that ``_cut`` made of a
+    padded result (a narrow view of the whole storage along plain dynamic dims), with
+    floating-point values: the padded input as is, its padding whatever the program left
+    there. Integer inputs are never reused: index inputs rely on their zero padding."""
+    if not a.dtype.is_floating_point or a.storage_offset() != 0:
+        return None
+    try:
+        arr = _buffer.buffer_of(a).array
+    except RuntimeError:
+        return None
+    if not isinstance(arr, jax.Array) or arr.ndim != a.dim() or arr.is_deleted():
+        return None
+    shape = list(a.shape)
+    for d, e in dims:
+        if _buckets._block(e)[0] != 1:  # c blocks: a leading block is not their layout
+            return None
+        shape[d] = int(e.subs(buckets))
+    if tuple(arr.shape) != tuple(shape) or _lower.to_torch(arr.dtype) != a.dtype:
+        return None
+    st = 1
+    for d in reversed(range(len(shape))):  # the storage's contiguous strides
+        if shape[d] != 1 and a.stride(d) != st:
+            return None
+        st *= shape[d]
+    return arr
 
 
 _SIZE_SCALARS: dict = {}

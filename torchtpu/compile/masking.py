@@ -176,8 +176,9 @@ def rule(n, ndim):
         nd = ndim(a[off])
         if ndim(a[off + 1]) != nd:
             return None  # a broadcast target
-        if red == 0:  # none: position-wise
-            return Rule({})
+        if red == 0:  # none: position-wise; inputs masked all the same, so that an input
+            # check (binary_cross_entropy's probabilities) never sees the padding
+            return Rule({} if bw else {0: (_all(nd), "zero"), 1: (_all(nd), "zero")})
         if bw:  # sum: position-wise; mean: the sum's gradient over the real count
             return Rule({off: (_all(nd), "count")}, replace=("loss_mean", red_pos, off)) \
                 if red == 1 else Rule({})
