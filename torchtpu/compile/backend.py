@@ -239,8 +239,10 @@ class CompiledGraph:
         """Replace dynamic-size inputs by padded ones (bucket sizes): (sizes, buckets).
 
         A dim of size ``c * (s + k)`` (a flattened (batch, seq), ``seq - 1``) is padded as
-        ``(c, s + k) -> (c, S + k)``, the layout the padded program gives it. The padding is zeros, or ``_buckets.
-        DEBUG_PAD_VALUE`` in floating-point inputs (a test's NaN: it must not reach a result).
+        ``(c, s + k) -> (c, S + k)``, the layout the padded program gives it. The padding is
+        zeros, or ``_buckets.DEBUG_PAD_VALUE`` in floating-point inputs (a test's NaN: it must
+        not reach a result); a cut float output of a padded program is passed as its padded
+        array (``_padded_storage``).
         """
         plan = self._plan
         vals = plan.symbol_values(args)
@@ -358,8 +360,9 @@ class CompiledGraph:
             warnings.warn("torchtpu.compile: a graph with dynamic sizes is specialised, "
                           "compiled once per distinct size, not per bucket: padding it could "
                           "change a result "
-                          f"({self._plan}). Only graphs that treat dynamic dimensions position "
-                          "by position are padded to buckets (see torchtpu/compile/buckets.py)",
+                          f"({self._plan}). Only graphs whose ops treat dynamic dimensions "
+                          "position by position, or can be masked, are padded to buckets (see "
+                          "torchtpu/compile/buckets.py, masking.py)",
                           stacklevel=3)
         elif isinstance(self._plan, _buckets.Plan):
             count("compile_bucket_programs")

@@ -2,15 +2,23 @@
 
 A graph Dynamo traced with symbolic sizes (``dynamic=True``, ``mark_dynamic``, automatic
 dynamic shapes) is compiled once per *bucket* instead of once per size when ``analyse`` proves
-that running it at the bucket size on zero-padded inputs and cutting the padding off the
-outputs gives exactly the unpadded results. The proof is structural: every op of the graph must
-treat each dimension that carries a dynamic size position by position (elementwise ops, views
-that keep the dynamic factor innermost in its group, matmuls, reductions, softmax and norms over
-*other* dimensions, embeddings), no dynamic size may reach a value (only shapes), no random op,
-no input mutated along a dynamic dimension, and every dynamic output dimension must be a plain
-size or a constant times it. Anything else (a reduction or a contraction over a dynamic
-dimension, as in a loss averaged over the sequence, or attention over it) is compiled per size,
-with a one-time warning naming the op that prevents bucketing.
+that running it at the bucket size on padded inputs and cutting the padding off the outputs
+gives the unpadded results. The proof is structural. Most ops treat each dimension that carries
+a dynamic size position by position (elementwise ops, views that keep the dynamic factor
+innermost in its group, matmuls, reductions, softmax and norms over *other* dimensions,
+embeddings, slices whose real positions stay a prefix: ``ids[:, 1:]``); the ops that mix
+positions along a dynamic dimension (sums, means, max/argmax, softmax, logsumexp, contractions,
+nll_loss and elementwise losses, embedding_dense_backward, gather/scatter, and their backwards)
+are *masked* (masking.py): their operands' padded positions replaced by the reduction's identity,
+a mean divided by the real count, so that the padding contributes exactly nothing; the real
+sizes are inputs of the program, as are sizes the graph uses as values. No random op, no input
+mutated along a dynamic dimension, and every dynamic size must be ``c * (s + k)`` (one symbol).
+Anything else (var/std, cumsum, sort, scaled_dot_product_attention's fused op, which is
+registered random) is compiled per size, with a one-time warning naming the op.
+
+Layout: a dim of size ``c * (s + k)`` has ``c`` blocks of ``S + k`` positions in the padded
+program (S: the bucket of s), the first ``s + k`` of each real. ``analyse`` only admits ops that
+keep that layout.
 
 Buckets (options ``bucket_size`` and ``num_dynamic_buckets``, through ``torch.compile(...,
 options=...)`` or ``torch.tpu.compiler.set_dynamic_buckets``): with ``bucket_size=b`` only,

@@ -11,9 +11,11 @@ targets), and a mean divides by the real count. The real sizes enter the program
 inputs (one per size symbol), so one program serves every size of a bucket; a size the graph
 uses as a value (``x / n`` in a mean's backward) becomes the same traced value.
 
-A padded dimension of size ``c * s`` (a flattened ``(batch, seq)``) is laid out as ``(c, S)``
-in the padded program (``buckets._view_ok`` keeps the dynamic factor innermost), so its real
-positions are those with ``index % S < s``.
+A padded dimension of size ``c * (s + k)`` (a flattened ``(batch, seq)``, a shifted
+``seq - 1``) is laid out as ``c`` blocks of ``S + k`` in the padded program (``buckets``
+admits only ops that keep that layout), so its real positions are those with
+``index % (S + k) < s + k``. Index arguments into a padded dim (gather, scatter) are bounded by
+the real size, so that an index valid only in the bucket still fails the op's check.
 
 Every function here is a pure JAX function called from the rewritten FX graph
 (``lower.GraphLowering`` calls a plain Python target with the node's arrays); the static parts
@@ -50,9 +52,12 @@ class Rule:
     ones among them are masked with ``fill`` ("zero", "one", "low" (-inf / the dtype's min /
     False), "high", or an int such as a loss's ignore_index). ``index``: the op returns positions
     along those dims (argmax), which the padded layout keeps only for a plain size (``s``, not
-    ``c * s``). ``replace``: a JAX function standing for the op (a mean: masked sum / real
-    count, called as ``replace(x, dim, keepdim, dtype, spec, *reals)``). ``fixed``: {position:
-    dims} the op mixes but cannot mask (a loss's class dim): they must not be dynamic."""
+    ``c * s``). ``replace``: how the op itself changes: ``masked_mean`` stands for a mean
+    (masked sum / real count); ``("loss_mean", reduction position, position of the input)``
+    makes a loss's mean a sum divided by the input's real element count; ``("tail", dim,
+    start)`` puts ``self`` back where slice_scatter wrote src's padding. A "count" fill masks
+    nothing (it names the dims that count). ``fixed``: {position: dims} the op mixes but cannot
+    mask (a loss's class dim): they must not be dynamic."""
 
     __slots__ = ("masks", "index", "replace", "fixed", "bounds")
 
@@ -379,10 +384,10 @@ def value_positions(n, is_size):
 
 def rewrite(gm, syms, masks, values):
     """A copy of ``gm`` with one more placeholder per symbol of ``syms`` (its real size, a 0-d
-    int32), each node of ``masks`` ((node, {pos: (spec, fill)}, replace, {pos: size index}))
-    given masked
-    operands (or replaced), and each size used as a value in ``values`` ((node, pos, code))
-    replaced by its real value."""
+    int32), each node of ``masks`` ((node, {pos: (spec, fill)}, replace, {pos: (size index,
+    offset)})) given masked operands (or replaced, see ``Rule``), and each size used as a value
+    in ``values`` ((node, positions, {position: expression code})) replaced by its real
+    value."""
     g = torch.fx.Graph()
     env: dict = {}
     out = g.graph_copy(gm.graph, env)
