@@ -107,3 +107,44 @@ def test_beam_search_matches_cpu(models):
     got = generate(tpu, TPU, **kw)
     torch.testing.assert_close(got.sequences.cpu(), expect.sequences)
     torch.testing.assert_close(got.sequences_scores.cpu(), expect.sequences_scores)
+
+
+def test_continuous_batching_pads_and_compiles_on_tpu(models, monkeypatch):
+    """Continuous batching (``generate_batch``) gives CPU's greedy tokens. On "tpu" its forward
+    is compiled by default (transformers' compile level 1), which makes it pad each batch to
+    query/KV intervals: static shapes instead of a compile storm per new mix of request
+    lengths. Other devices, explicit compile configs and TORCHTPU_CB_COMPILE_LEVEL=0 are left
+    alone."""
+    from transformers.generation.configuration_utils import (CompileConfig,
+                                                             ContinuousBatchingConfig)
+    from transformers.generation.continuous_batching import initialization
+
+    from torchtpu.integrations import transformers as tt
+
+    cpu, tpu = models
+    resolve = initialization.resolve_continuous_batching_config
+    cfg = cpu.config
+
+    def level(device, cb=None):
+        cb = cb or ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32)
+        return resolve(cfg, cb, None, False, device=torch.device(device)).default_compile_level
+
+    assert level("tpu") == 1 and level("cpu") == 0
+    mine = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32,
+                                    decode_compile_config=CompileConfig())
+    assert level("tpu", mine) == 0 and mine.default_compile_level == 0
+    monkeypatch.setattr(tt, "CB_COMPILE_LEVEL", 0)
+    assert level("tpu") == 0
+    monkeypatch.undo()
+
+    prompts = [[5, 9, 12, 7], [3, 4, 5, 6, 7, 8, 9]]
+    gc = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1,
+                                       pad_token_id=0)
+
+    def run(model):
+        cb = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=32)
+        out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb,
+                                   progress_bar=False)
+        return sorted((o.prompt_ids, o.generated_tokens) for o in out.values())
+
+    assert run(tpu) == run(cpu)
