@@ -290,6 +290,33 @@ def test_masked_reductions_forward_backward(name, monkeypatch):
     assert _count("compile_masked_graphs") - masked >= 1
 
 
+def test_two_dynamic_dims_are_masked_with_their_own_sizes(monkeypatch):
+    """Batch and sequence both dynamic: two real sizes, each mask along its own dim."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+
+    def f(x):
+        return torch.softmax(x, 1).sum(0) + x.mean((0, 1)) * x.shape[0]
+
+    g = torch.compile(f, backend="tpu")
+    before = _count("compile_cache_misses")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for b, n in ((3, 17), (5, 30), (6, 20)):
+            x = torch.randn(b, n, 8, generator=torch.Generator().manual_seed(b * n),
+                            requires_grad=True)
+            xt = x.detach().to(TPU).requires_grad_()
+            torch._dynamo.mark_dynamic(xt, 0)
+            torch._dynamo.mark_dynamic(xt, 1)
+            out_c, out_t = f(x), g(xt)
+            torch.testing.assert_close(out_t.cpu(), out_c.detach())
+            go = torch.randn(out_c.shape, generator=torch.Generator().manual_seed(b))
+            out_c.backward(go)
+            out_t.backward(go.to(TPU))
+            torch.testing.assert_close(xt.grad.cpu(), x.grad)
+    assert _specialised(w) == []
+    assert _count("compile_cache_misses") - before == 2  # buckets (8, 32): forward, backward
+
+
 def test_masked_index_reductions():
     f = lambda x: x.argmax(1) + x.argmin(1) + (x > 0.5).any(1) + (x > -3).all(1)  # noqa: E731
     programs, w = _fwd_bwd(f, [17, 24, 31], grad=False)

@@ -219,6 +219,8 @@ class CompiledGraph:
             plan = f"analysis failed ({type(e).__name__}: {e})"
         if isinstance(plan, _buckets.Plan) and self.view_outputs:
             plan = "outputs that are views of other outputs"
+        if isinstance(plan, _buckets.Plan) and plan.masked and self.low.mesh is not None:
+            return "a graph with collectives that would need masks"  # not tried over a mesh
         if isinstance(plan, _buckets.Plan) and plan.masked:
             try:
                 self._run = _lower.GraphLowering(plan.masked_graph(self.low.gm), self.name)
