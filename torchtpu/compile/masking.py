@@ -165,6 +165,13 @@ def rule(n, ndim):
         # padded rows: an ignored target (not counted in a mean's total weight) and a finite
         # log-probability (the lowering multiplies an ignored one by a zero weight)
         return Rule({sp: (sdims, "zero"), tp: (tdims, int(ignore))}, fixed=fixed)
+    if t is aten.native_layer_norm_backward.default:
+        # grad_input: row by row; grad_weight/grad_bias: sums over the leading dims, of
+        # grad_out * (x - mean) * rstd: all four zero in padded rows (a finite 0)
+        nd = ndim(a[1])
+        lead, norm = _all(nd - len(a[2])), list(range(nd - len(a[2]), nd))
+        return Rule({0: (lead, "zero"), 1: (lead, "zero"), 3: (lead, "zero"),
+                     4: (lead, "zero")}, fixed={0: norm, 1: norm})
     if t is aten.embedding_dense_backward.default:
         if a[4]:
             return "scale_grad_by_freq counts the padding's indices"
