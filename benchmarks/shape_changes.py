@@ -14,7 +14,8 @@ folder (TORCHTPU_CACHE_DIR), PyTorch CPU in its own process:
   cross-entropy eager), then the model and its loss in one compiled function (masked graphs:
   compile/masking.py);
 - ``--ablation``: the cold generate with the cheap XLA options for small programs turned off
-  (TORCHTPU_FAST_COMPILE_MAX_ELEMENTS=0).
+  (TORCHTPU_FAST_COMPILE_MAX_ELEMENTS=0), and with only the classic emitters turned off
+  (TORCHTPU_CLASSIC_EMITTERS=0).
 Times are medians over ``--repeats`` processes (default 1; each cold process compiles ~370
 programs). Compile counts come from ``torch.tpu.metrics()``.
 """
@@ -200,6 +201,10 @@ def _generate_rows(a, row, rows):
             r = _spawn({"case": "generate", "device": "tpu", "cache": "dynamic", "calls": 1},
                        {"TORCHTPU_CACHE_DIR": d, "TORCHTPU_FAST_COMPILE_MAX_ELEMENTS": "0"})
             row("tpu dynamic cold, cheap XLA options off", r["times"], r["counters"], cpu_s)
+        with tempfile.TemporaryDirectory() as d:
+            r = _spawn({"case": "generate", "device": "tpu", "cache": "dynamic", "calls": 1},
+                       {"TORCHTPU_CACHE_DIR": d, "TORCHTPU_CLASSIC_EMITTERS": "0"})
+            row("tpu dynamic cold, classic emitters off", r["times"], r["counters"], cpu_s)
 
 
 def _train_rows(rows):
