@@ -79,6 +79,30 @@ def test_static_cache_compiles_decode_once(models):
                                                  cache_implementation="static"))
 
 
+def test_static_cache_prompt_lengths_in_a_bucket_share_the_decode_program(models):
+    """transformers sizes a static cache to prompt + new tokens; on "tpu" the size is rounded up
+    to the compile buckets, so a longer prompt within the bucket reuses the cache shape and the
+    compiled decode step (tokens still CPU's)."""
+    from torchtpu.integrations.transformers import static_cache_length
+
+    assert [static_cache_length(n) for n in (3, 8, 9, 16, 17, 100)] == [8, 8, 16, 16, 32, 128]
+    cpu, _ = models
+    tpu = copy.deepcopy(cpu).to(TPU)
+    torch._dynamo.reset()
+    misses = []
+    for length in (6, 9, 11):  # caches of 9, 12, 14 positions: all bucket 16
+        ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+        kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static",
+                  pad_token_id=0)
+        torch.tpu.reset_metrics()
+        with torch.no_grad():
+            got = tpu.generate(ids.to(TPU), **kw).cpu()
+            expect = cpu.generate(ids, **kw)
+        misses.append(torch.tpu.metrics()["counters"].get("compile_cache_misses", 0))
+        torch.testing.assert_close(got, expect)
+    assert misses == [1, 0, 0], misses
+
+
 def test_sampling_with_a_seed_repeats(models):
     _, tpu = models
     kw = dict(max_new_tokens=8, do_sample=True, top_k=0, top_p=1.0, temperature=1.0)

@@ -25,6 +25,12 @@ model's forward is compiled by default (``default_compile_level`` 1, transformer
 on: a new round then costs ~3 s, its remaining compiles are transformers' per-request mask and
 reset writes into views. Set ``TORCHTPU_CB_COMPILE_LEVEL=0`` (or pass compile configs, or a
 model ``compile_config``) to choose otherwise.
+
+Static-cache ``generate()`` sizes its cache to prompt + new tokens (never shrinking across
+calls), so each longer prompt made a new cache shape and recompiled the decode step. On "tpu"
+the length is rounded up to the compile buckets (``torch.tpu.compiler.set_dynamic_buckets``;
+powers of two from 8 by default): prompts within a bucket share one cache and one decode
+program. The extra positions are masked, as a static cache's unused positions always are.
 """
 from __future__ import annotations
 
@@ -104,6 +110,31 @@ def _patch_cb_init(mod) -> None:
     mod.resolve_continuous_batching_config = resolve_continuous_batching_config
 
 
+def static_cache_length(n: int) -> int:
+    """The static KV cache length for ``n`` positions on "tpu": ``n`` rounded up to a bucket."""
+    from ..compile import buckets, options
+
+    opts = options.dynamic_bucket_defaults()
+    return buckets.bucket(n, opts) if buckets.enabled(opts) else n
+
+
+def _patch_generation(mod) -> None:
+    cls = mod.GenerationMixin
+    orig = cls._prepare_static_cache
+    if getattr(orig, "_torchtpu", False):
+        return
+
+    @functools.wraps(orig)
+    def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, *args,
+                              **kwargs):
+        if getattr(getattr(self, "device", None), "type", None) == "tpu":
+            max_cache_len = static_cache_length(max_cache_len)
+        return orig(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs)
+
+    _prepare_static_cache._torchtpu = True
+    cls._prepare_static_cache = _prepare_static_cache
+
+
 def _patch_cb_api(mod) -> None:
     """continuous_api imported the resolver by name: point it at the patched one."""
     from transformers.generation.continuous_batching import initialization
@@ -115,3 +146,4 @@ def install() -> None:
     when_imported("transformers.generation.continuous_batching.utils", _patch_cb_utils)
     when_imported("transformers.generation.continuous_batching.initialization", _patch_cb_init)
     when_imported("transformers.generation.continuous_batching.continuous_api", _patch_cb_api)
+    when_imported("transformers.generation.utils", _patch_generation)
