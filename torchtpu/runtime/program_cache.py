@@ -16,7 +16,8 @@ Small programs get cheaper XLA options (``FAST_OPTIONS``: LLVM -O0, no expensive
 leaving the numbers unchanged; their run time is per-call overhead either way): those whose inputs and outputs hold at most
 ``TORCHTPU_FAST_COMPILE_MAX_ELEMENTS`` elements in all (default 65536; 0 turns it off). On
 XLA:CPU, a small program made only of operations whose result is defined bit for bit (data
-movement, comparisons, IEEE add/sub/mul/div, min/max, conversions: ``_EXACT_OPS``) is also
+movement, dynamic slices, comparisons, IEEE add/sub/mul/div, conversions: ``_EXACT_OPS``; select
+and min/max on integers and booleans) is also
 compiled with XLA's classic emitters, ~3x faster for elementwise programs; programs with a
 transcendental function, a reduction or a contraction never are (the two emitters differ there
 in the last bits). tests/test_persistent_cache.py checks each allowed operation bit for bit;
@@ -38,7 +39,11 @@ import jax
 import numpy as np
 from jax._src.array import ArrayImpl as _ArrayImpl
 
+from . import prefetch as _prefetch
+from .ir_context import install as _install_ir_context
 from .metrics import count
+
+_install_ir_context()
 
 _MAGIC = b"TORCHTPU-XLA-PROGRAM-1\n"
 FAST_MAX_ELEMENTS = int(os.environ.get("TORCHTPU_FAST_COMPILE_MAX_ELEMENTS", "65536"))
@@ -202,8 +207,11 @@ _EXACT_OPS = frozenset("""
     add subtract multiply divide negate abs compare and or xor not sign floor ceil remainder
     round_nearest_even round_nearest_afz shift_left shift_right_arithmetic shift_right_logical
     popcnt is_finite convert iota constant broadcast_in_dim reshape transpose concatenate slice
-    pad reverse
+    pad reverse dynamic_slice dynamic_update_slice
     """.split())
+# exact on integers and booleans only: the default emitters flush a subnormal float there
+_INTEGER_ONLY_OPS = frozenset(("select", "maximum", "minimum", "clamp"))
+_FLOAT_TYPE = re.compile(r"[<x](?:b?f\d|complex)")
 _STATEMENT = re.compile(r'^(?:%[^=]*=\s*)?"?([a-z_]+)\.([a-z_]+)')
 _CALL = re.compile(r'^(?:%[^=]*=\s*)?(?:func\.)?call @')
 CLASSIC_OPTIONS = dict(FAST_OPTIONS, xla_cpu_use_fusion_emitters=False)
@@ -224,7 +232,9 @@ def exact_ops_only(text: str) -> bool:
         if m is None:
             return False
         dialect, op = m.groups()
-        if dialect not in ("stablehlo", "chlo", "mhlo") or op not in _EXACT_OPS:
+        if dialect not in ("stablehlo", "chlo", "mhlo"):
+            return False
+        if op not in _EXACT_OPS and (op not in _INTEGER_ONLY_OPS or _FLOAT_TYPE.search(line)):
             return False
         if op == "compare" and "bf16>" in line:
             return False  # the classic emitters see a subnormal bfloat16 as zero here
@@ -263,7 +273,8 @@ class Program:
 
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
-    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails")
+    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails", "_prev",
+                 "_pending", "_wasted")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
         self.kind = kind
@@ -274,6 +285,9 @@ class Program:
         self._disk = None  # the stable key text, computed at the first miss ("" if none)
         self._last = None  # the executable called last (one local device only)
         self._fails = 0  # calls whose signature was not the last one's
+        self._prev = None  # the signature of the latest miss (prefetch.py)
+        self._pending = None  # (signature, prefetch.Job): its program, being built ahead
+        self._wasted = 0  # predictions that went unused
 
     def __call__(self, *flat):
         # The common case: the executable that ran last. Its C++ call checks the arguments'
@@ -338,43 +352,117 @@ class Program:
         if not _MULTI[0] and jax.local_device_count() > 1:
             _MULTI[0] = True
         sig = signature(flat)
-        kind = self.kind
-        # the options depend on the sizes, which the signature fixes: decided before loading
-        fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
-        dkey = self._disk_key(sig, flat, {"fast": fast})
+        built = self._take_prefetched(sig)
+        if built is None:
+            # the options depend on the sizes, which the signature fixes: decided before loading
+            fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
+            built = self._build(flat, self._disk_key(sig, flat, {"fast": fast}), fast)
+        compiled, info = built
+        self._account(info)
+        if info[0] == "disk":
+            try:
+                out = compiled(*flat)
+            except jax.errors.JaxRuntimeError as e:
+                if "not found" not in str(e):
+                    raise
+                # an executable XLA cannot run (an incomplete serialization): rebuild it
+                _cache()._discard(_cache()._path(info[1]), e, self.kind)
+                compiled, info = self._build(flat, None, info[2])
+                self._account(info)
+                out = compiled(*flat)
+        else:
+            out = compiled(*flat)
+        self._remember(sig, compiled)
+        self._predict(sig, flat)
+        return out
+
+    def _build(self, args, dkey, fast, precision=None):
+        """(executable, info) for ``args`` (arrays or their abstract values): loaded from the
+        disk cache, else traced, lowered and compiled (and stored). ``info``: ("disk", key,
+        fast) or ("xla", compile ms, XLA options). Runs on prefetch workers too: it counts
+        nothing itself beyond the disk cache's counters (``_account`` does, on the caller)."""
         if dkey is not None:
-            dkey, device_id = dkey
-            compiled = _load(kind, dkey, device_id)
+            key, device_id = dkey
+            compiled = _load(self.kind, key, device_id)
             if compiled is not None:
-                try:
-                    out = compiled(*flat)
-                except jax.errors.JaxRuntimeError as e:
-                    if "not found" not in str(e):
-                        raise
-                    # an executable XLA cannot run (an incomplete serialization): rebuild it
-                    _cache()._discard(_cache()._path(dkey), e, kind)
-                else:
-                    self._remember(sig, compiled)
-                    return out
-        lowered = jax.jit(self.fn, **self.jit_kwargs).lower(*flat)
+                return compiled, ("disk", key, fast)
+        jitted = jax.jit(self.fn, **self.jit_kwargs)
+        if precision is None:
+            lowered = jitted.lower(*args)
+        else:
+            with jax.default_matmul_precision(precision):
+                lowered = jitted.lower(*args)
         opts = _options(lowered) if fast else {}
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts or None)
-        count(f"{kind}_xla_compiles")
-        count(f"{kind}_xla_compile_ms", int((time.perf_counter() - t0) * 1000))
-        if opts:
-            count(f"{kind}_fast_compiles")
-        if opts is CLASSIC_OPTIONS:
-            count(f"{kind}_classic_emitter_compiles")
+        ms = int((time.perf_counter() - t0) * 1000)
         if dkey is not None:
-            _store(kind, dkey, compiled, lowered)
-        out = compiled(*flat)
-        self._remember(sig, compiled)
-        return out
+            _store(self.kind, dkey[0], compiled, lowered)
+        return compiled, ("xla", ms, opts)
+
+    def _account(self, info) -> None:
+        if info[0] != "xla":
+            return
+        kind = self.kind
+        count(f"{kind}_xla_compiles")
+        count(f"{kind}_xla_compile_ms", info[1])
+        if info[2]:
+            count(f"{kind}_fast_compiles")
+        if info[2] is CLASSIC_OPTIONS:
+            count(f"{kind}_classic_emitter_compiles")
+
+    def _take_prefetched(self, sig):
+        """The program built ahead for ``sig`` (waiting for its worker), or None."""
+        pending = self._pending
+        if pending is None:
+            return None
+        self._pending = None
+        psig, job = pending
+        if psig != sig:
+            job.drop()
+            self._wasted += 1
+            count(f"{self.kind}_prefetch_wasted")
+            return None
+        t0 = time.perf_counter()
+        try:
+            built = job.result()
+        except Exception as e:  # noqa: BLE001 - the call builds it again and raises there
+            count(f"{self.kind}_prefetch_errors")
+            _prefetch_debug(e)
+            return None
+        if built is not None:
+            count(f"{self.kind}_prefetch_hits")
+            count(f"{self.kind}_prefetch_wait_ms", int((time.perf_counter() - t0) * 1000))
+        return built
+
+    def _predict(self, sig, flat) -> None:
+        """Submit the next signature's program if this one's inputs are growing (prefetch.py)."""
+        prev, self._prev = self._prev, sig
+        if (prev is None or _MULTI[0] or self._wasted >= _prefetch.MAX_WASTED
+                or _prefetch.THREADS <= 0):
+            return
+        nxt = _prefetch.next_signature(prev, sig)
+        if nxt is None or nxt in self.by_sig:
+            return
+        args = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type, sharding=a.sharding)
+                if type(a) is _ArrayImpl else a for s, a in zip(nxt, flat)]
+        fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(nxt) <= FAST_MAX_ELEMENTS
+        dkey = self._disk_key(nxt, flat, {"fast": fast})
+        job = _prefetch.submit(self._build, args, dkey, fast,
+                               jax.config.jax_default_matmul_precision)
+        if job is not None:
+            self._pending = (nxt, job)
+            count(f"{self.kind}_prefetches")
 
     def _remember(self, sig, compiled) -> None:
         c = self.by_sig[sig] = _fast(compiled)
         self._last = None if _MULTI[0] or self._fails >= _MAX_FAILS else c
+
+
+def _prefetch_debug(e) -> None:
+    from .metrics import _log
+
+    _log.debug("torchtpu: a program built ahead failed: %r", e)
 
 
 def _fast(compiled):
