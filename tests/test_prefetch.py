@@ -1,0 +1,126 @@
+"""Programs of growing inputs built ahead on worker threads (runtime/prefetch.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import torchtpu  # noqa: F401
+from torchtpu.runtime import prefetch
+from torchtpu.runtime import program_cache as pc
+from torchtpu.runtime.metrics import COUNTERS
+
+_tags = iter(range(10**9))
+
+
+def _aval(shape, dtype=jnp.float32, weak=False):
+    return jax.core.ShapedArray(shape, jnp.dtype(dtype), weak_type=weak)
+
+
+def test_next_signature_continues_one_step():
+    a, b = _aval((1, 2, 9, 16)), _aval((1, 2, 10, 16))
+    k = _aval((1, 2, 1, 16))
+    assert prefetch.next_signature((a, k, int), (b, k, int)) == (_aval((1, 2, 11, 16)), k, int)
+    # several growing dimensions, by the same step
+    assert prefetch.next_signature((_aval((3, 5)),), (_aval((5, 7)),)) == (_aval((7, 9)),)
+
+
+@pytest.mark.parametrize("prev,cur", [
+    ((_aval((4,)),), (_aval((4,)),)),                      # nothing grew
+    ((_aval((5,)),), (_aval((4,)),)),                      # shrank
+    ((_aval((3, 5)),), (_aval((4, 7)),)),                  # two different steps
+    ((_aval((3,)),), (_aval((4,), jnp.float64),)),         # dtype changed
+    ((_aval((3,)),), (_aval((4,), weak=True),)),           # weak type changed
+    ((_aval((3,)),), (_aval((3, 1)),)),                    # rank changed
+    ((_aval((3,)), int), (_aval((4,)), float)),            # a scalar's kind changed
+    ((_aval((3,)),), (_aval((4,)), int)),                  # arity changed
+])
+def test_next_signature_refuses_anything_else(prev, cur):
+    assert prefetch.next_signature(prev, cur) is None
+
+
+def _growing(n_calls, fn=lambda x, s: jnp.cumsum(jnp.tanh(x) * s), start=5):
+    p = pc.Program("eager", fn, ("test.prefetch", next(_tags)))
+    outs = []
+    for n in range(start, start + n_calls):
+        x = jnp.linspace(-3, 3, n, dtype=jnp.float32)
+        outs.append(np.asarray(p(x, 0.5)))
+    return p, outs
+
+
+def test_growing_program_is_built_ahead_with_the_same_results(monkeypatch):
+    before = dict(COUNTERS)
+    p, outs = _growing(8)
+    hits = COUNTERS["eager_prefetch_hits"] - before.get("eager_prefetch_hits", 0)
+    subs = COUNTERS["eager_prefetches"] - before.get("eager_prefetches", 0)
+    assert subs == 7 - 1 + 1 and hits == 6  # calls 3..8 were built ahead; the 9th is pending
+    assert p._pending is not None and p._wasted == 0
+    monkeypatch.setattr(prefetch, "THREADS", 0)
+    q, ref = _growing(8)
+    assert q._pending is None
+    for u, v in zip(outs, ref):
+        np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
+
+
+def test_unused_predictions_stop_after_two():
+    p = pc.Program("eager", lambda x: x * 2, ("test.prefetch", next(_tags)))
+    before = COUNTERS["eager_prefetch_wasted"]
+    for n in (3, 4, 9, 10, 2, 3, 20, 21, 30):
+        np.testing.assert_array_equal(np.asarray(p(jnp.ones(n))), 2 * np.ones(n))
+    assert COUNTERS["eager_prefetch_wasted"] - before == 2 and p._wasted == 2
+    assert p._pending is None  # stopped predicting
+
+
+def test_a_prediction_that_fails_to_build_costs_nothing():
+    def fn(x):
+        if x.shape[0] == 7:
+            raise ValueError("no program for 7")
+        return x + 1
+    p = pc.Program("eager", fn, ("test.prefetch", next(_tags)))
+    before = COUNTERS["eager_prefetch_errors"]
+    p(jnp.ones(5))
+    p(jnp.ones(6))  # predicts 7, whose build fails on the worker
+    with pytest.raises(ValueError, match="no program for 7"):  # the call raises it itself
+        p(jnp.ones(7))
+    assert COUNTERS["eager_prefetch_errors"] == before + 1
+
+
+def test_generate_with_dynamic_cache_uses_programs_built_ahead():
+    """A real growing workload: decode steps of a tiny Llama on "tpu" match CPU's tokens, and
+    from the third new token on, the per-length programs were built ahead."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=64, vocab_size=64,
+                                   max_position_embeddings=64)
+    cpu = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    before = COUNTERS["eager_prefetch_hits"]
+    with torch.no_grad():
+        ref = cpu.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        out = cpu.to("tpu").generate(ids.to("tpu"), max_new_tokens=10, min_new_tokens=10,
+                                     do_sample=False)
+    assert torch.equal(out.cpu(), ref)
+    assert COUNTERS["eager_prefetch_hits"] - before >= 5 * 7  # ~8 growing programs per token
+
+
+def test_exit_with_predictions_pending_is_clean():
+    code = textwrap.dedent("""
+        import time, jax.numpy as jnp
+        from torchtpu.runtime import program_cache as pc
+        ps = [pc.Program("eager", lambda x, i=i: jnp.sort(x) * i, ("test.exit", i))
+              for i in range(40)]
+        for p in ps:
+            p(jnp.ones(3)); p(jnp.ones(4))  # 40 predictions queued
+        t = time.perf_counter()
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "ok"

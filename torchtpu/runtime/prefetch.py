@@ -1,0 +1,180 @@
+"""Compiling a growing program's next shape ahead of time, on background threads.
+
+An eager op on a growing tensor misses its program cache at every call: generate() with a
+dynamic KV cache grows the cache, the position ids and the token ids by one each token, ~12
+programs per token, each traced, lowered and compiled on the critical path. When a Program's
+two latest misses differ only in some dimensions, all by the same positive step d, its next
+call very likely has those dimensions grown by d again (``next_signature``): that program is
+looked up in the disk cache or compiled now, on a worker thread, while the model runs. XLA
+releases the GIL while it compiles, so the host's other core works in the meantime; the call
+that needs the program then finds it done, waits for it, or, when no worker has started it yet,
+builds it itself.
+
+The results cannot change: the program built ahead is the one the call would build (same
+function, signature, XLA options and disk key; traced under the submitting thread's matmul
+precision). A prediction that goes unused is counted (``<kind>_prefetch_wasted``) and a Program
+whose predictions were wasted twice stops predicting. Counted per kind: ``<kind>_prefetches``
+(submitted), ``<kind>_prefetch_hits``, ``<kind>_prefetch_wait_ms`` (time a call waited for a
+worker). ``TORCHTPU_PREFETCH_THREADS``: worker threads (default: the CPU count, at most 2;
+0 turns prediction off). At interpreter exit, jobs not started are dropped; a forked child
+starts with an empty pool.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import threading
+
+from jax.core import ShapedArray
+
+THREADS = int(os.environ.get("TORCHTPU_PREFETCH_THREADS", str(min(2, os.cpu_count() or 1))))
+NICE = int(os.environ.get("TORCHTPU_PREFETCH_NICE", "10"))  # the workers' scheduling priority
+MAX_WASTED = 2  # unused predictions after which a Program stops predicting
+
+
+def next_signature(prev: tuple, cur: tuple):
+    """The signature after ``cur`` if ``prev`` -> ``cur`` grew some dimensions by one step d
+    (all others equal), else None."""
+    if len(prev) != len(cur):
+        return None
+    step = 0
+    out = []
+    for a, b in zip(prev, cur):
+        if a == b:
+            out.append(b)
+            continue
+        if (type(a) is not ShapedArray or type(b) is not ShapedArray or a.dtype != b.dtype
+                or a.weak_type != b.weak_type or len(a.shape) != len(b.shape)):
+            return None
+        shape = []
+        for x, y in zip(a.shape, b.shape):
+            d = y - x
+            if d:
+                if d < 0 or (step and d != step):
+                    return None
+                step = d
+                y += d
+            shape.append(y)
+        nxt = b.update(shape=tuple(shape))
+        if nxt == b:  # a difference outside the shape: not a growing dimension
+            return None
+        out.append(nxt)
+    return tuple(out) if step else None
+
+
+class Job:
+    """One program built ahead: ``result()`` returns what ``fn`` returned (or raises what it
+    raised), running it on the calling thread if no worker has started it."""
+
+    __slots__ = ("fn", "args", "state", "value", "error", "done")
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.state = "queued"  # -> "running" -> "done" | "dropped"
+        self.value = self.error = None
+        self.done = threading.Event()
+
+    def run(self):
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
+            self.error = e
+        self.fn = self.args = None
+        self.state = "done"
+        self.done.set()
+
+    def result(self):
+        if _pool.claim(self):
+            self.run()
+        else:
+            self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def drop(self) -> None:
+        _pool.claim(self)  # a queued job never runs; a running one finishes unseen
+        if self.state != "running" and self.state != "done":
+            self.state = "dropped"
+
+
+class _Pool:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.queue: collections.deque = collections.deque()
+        self.threads: list = []
+        self.closed = False
+
+    def submit(self, fn, *args) -> Job | None:
+        job = Job(fn, args)
+        with self.lock:
+            if self.closed:
+                return None
+            self.queue.append(job)
+            if len(self.threads) < THREADS:
+                t = threading.Thread(target=self._work, name="torchtpu-prefetch", daemon=True)
+                self.threads.append(t)
+                t.start()
+            self.ready.notify()
+        return job
+
+    def claim(self, job: Job) -> bool:
+        """Take a job not started yet off the queue (the caller runs or drops it)."""
+        with self.lock:
+            if job.state != "queued":
+                return False
+            job.state = "running"
+            try:
+                self.queue.remove(job)
+            except ValueError:
+                pass
+            return True
+
+    def _work(self):
+        try:  # guesses yield the CPU to the threads doing work that is certainly needed
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self.lock:
+                while not self.queue and not self.closed:
+                    self.ready.wait()
+                if self.closed:
+                    return
+                job = self.queue.popleft()
+                job.state = "running"
+            job.run()
+
+    def close(self):
+        with self.lock:
+            self.closed = True
+            for job in self.queue:
+                job.state = "dropped"
+                job.done.set()
+            self.queue.clear()
+            self.ready.notify_all()
+            threads = list(self.threads)
+        for t in threads:
+            t.join(timeout=5)
+
+
+_pool = _Pool()
+atexit.register(lambda: _pool.close())
+
+
+def _after_fork_in_child() -> None:
+    # a forked child has none of the parent's threads, and maybe a lock one of them held
+    global _pool
+    _pool = _Pool()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def submit(fn, *args) -> Job | None:
+    """Run ``fn(*args)`` on a worker thread; None when prediction is off or shutting down."""
+    if THREADS <= 0:
+        return None
+    return _pool.submit(fn, *args)
