@@ -54,13 +54,25 @@ def _growing(n_calls, fn=lambda x, s: jnp.cumsum(jnp.tanh(x) * s), start=5):
     return p, outs
 
 
+def test_predict_needs_a_progression_of_three():
+    a3, a4, a5, a6 = ((_aval((n, 8)),) for n in (3, 4, 5, 6))
+    assert prefetch.predict([a3], a4) is None  # one step could be anything
+    assert prefetch.predict([a3, a4], a5) == a6
+    assert prefetch.predict([a3, a4], (_aval((9, 8)),)) is None  # 3, 4, 9: no progression
+    # a Program shared by call sites: its misses interleave, each site progresses
+    w1, w2 = _aval((8, 16)), _aval((8, 40))
+    hist = [(a3[0], w1), (a3[0], w2), (a4[0], w1), (a4[0], w2)]
+    assert prefetch.predict(hist, (a5[0], w1)) == (a6[0], w1)
+    assert prefetch.predict(hist, (a5[0], w2)) == (a6[0], w2)
+
+
 def test_growing_program_is_built_ahead_with_the_same_results(monkeypatch):
     before = dict(COUNTERS)
     p, outs = _growing(8)
     hits = COUNTERS["eager_prefetch_hits"] - before.get("eager_prefetch_hits", 0)
     subs = COUNTERS["eager_prefetches"] - before.get("eager_prefetches", 0)
-    assert subs == 7 - 1 + 1 and hits == 6  # calls 3..8 were built ahead; the 9th is pending
-    assert p._pending is not None and p._wasted == 0
+    assert subs == 6 and hits == 5  # calls 4..8 were built ahead; the 9th is pending
+    assert len(p._pending) == 1 and p._wasted == 0
     monkeypatch.setattr(prefetch, "THREADS", 0)
     q, ref = _growing(8)
     assert q._pending is None
@@ -68,13 +80,31 @@ def test_growing_program_is_built_ahead_with_the_same_results(monkeypatch):
         np.testing.assert_array_equal(u.view(np.uint8), v.view(np.uint8))
 
 
-def test_unused_predictions_stop_after_two():
+def test_call_sites_sharing_a_program_each_get_theirs_built_ahead():
+    p = pc.Program("eager", lambda x, w: x @ w, ("test.prefetch", next(_tags)))
+    ws = [jnp.ones((8, n), jnp.float32) for n in (16, 40, 24)]  # no progression
+    before = COUNTERS["eager_prefetch_hits"]
+    for t in range(3, 9):
+        for w in ws:
+            x = jnp.ones((t, 8), jnp.float32)
+            np.testing.assert_array_equal(np.asarray(p(x, w)), 8 * np.ones((t, w.shape[1])))
+    assert COUNTERS["eager_prefetch_hits"] - before == 3 * 3  # lengths 6, 7, 8 at each site
+
+
+def test_unused_guesses_are_dropped_and_stop_a_program_guessing(monkeypatch):
+    monkeypatch.setattr(prefetch, "HISTORY", 4)
     p = pc.Program("eager", lambda x: x * 2, ("test.prefetch", next(_tags)))
-    before = COUNTERS["eager_prefetch_wasted"]
-    for n in (3, 4, 9, 10, 2, 3, 20, 21, 30):
-        np.testing.assert_array_equal(np.asarray(p(jnp.ones(n))), 2 * np.ones(n))
-    assert COUNTERS["eager_prefetch_wasted"] - before == 2 and p._wasted == 2
-    assert p._pending is None  # stopped predicting
+    subs = []
+    for r, (start, step) in enumerate(((3, 1), (100, 2), (200, 3), (300, 4), (400, 5))):
+        # new sizes (a miss ages the guesses), no three of them in a progression
+        junk = [n + 1000 * r for n in (1057, 1023, 1090, 1061, 1038)]
+        for n in [start, start + step, start + 2 * step] + junk:  # a run that stops
+            np.testing.assert_array_equal(np.asarray(p(jnp.ones(n))), 2 * np.ones(n))
+        subs.append(COUNTERS["eager_prefetches"])
+    assert p._hits == 0 and not p._pending
+    assert p._wasted == prefetch.MAX_WASTED + 1  # each run's guess aged out unused...
+    assert subs[-1] == subs[-2] == subs[-3]  # ...and after the third, no more guesses
+    assert subs[2] == subs[0] + 2
 
 
 def test_a_prediction_that_fails_to_build_costs_nothing():
@@ -84,6 +114,7 @@ def test_a_prediction_that_fails_to_build_costs_nothing():
         return x + 1
     p = pc.Program("eager", fn, ("test.prefetch", next(_tags)))
     before = COUNTERS["eager_prefetch_errors"]
+    p(jnp.ones(4))
     p(jnp.ones(5))
     p(jnp.ones(6))  # predicts 7, whose build fails on the worker
     with pytest.raises(ValueError, match="no program for 7"):  # the call raises it itself
@@ -107,7 +138,7 @@ def test_generate_with_dynamic_cache_uses_programs_built_ahead():
         out = cpu.to("tpu").generate(ids.to("tpu"), max_new_tokens=10, min_new_tokens=10,
                                      do_sample=False)
     assert torch.equal(out.cpu(), ref)
-    assert COUNTERS["eager_prefetch_hits"] - before >= 5 * 7  # ~8 growing programs per token
+    assert COUNTERS["eager_prefetch_hits"] - before >= 5 * 6  # ~8 growing programs per token
 
 
 def test_exit_with_predictions_pending_is_clean():
@@ -117,7 +148,7 @@ def test_exit_with_predictions_pending_is_clean():
         ps = [pc.Program("eager", lambda x, i=i: jnp.sort(x) * i, ("test.exit", i))
               for i in range(40)]
         for p in ps:
-            p(jnp.ones(3)); p(jnp.ones(4))  # 40 predictions queued
+            p(jnp.ones(3)); p(jnp.ones(4)); p(jnp.ones(5))  # 40 predictions queued
         t = time.perf_counter()
         print("ok")
     """)

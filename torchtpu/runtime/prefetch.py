@@ -1,23 +1,26 @@
 """Compiling a growing program's next shape ahead of time, on background threads.
 
 An eager op on a growing tensor misses its program cache at every call: generate() with a
-dynamic KV cache grows the cache, the position ids and the token ids by one each token, ~12
-programs per token, each traced, lowered and compiled on the critical path. When a Program's
-two latest misses differ only in some dimensions, all by the same positive step d, its next
-call very likely has those dimensions grown by d again (``next_signature``): that program is
-looked up in the disk cache or compiled now, on a worker thread, while the model runs. XLA
-releases the GIL while it compiles, so the host's other core works in the meantime; the call
-that needs the program then finds it done, waits for it, or, when no worker has started it yet,
-builds it itself.
+dynamic KV cache grows the cache, the position ids and the token ids by one each token (~12
+programs per token), minGPT-style sampling without a cache grows every activation of the
+forward; each program is traced, lowered and compiled on the critical path. When a Program's
+misses form a progression (``predict``: three signatures whose growing dimensions all grew by
+the same step d, twice), its next call very likely has them grown by d again
+(``next_signature``): that program is looked up in the disk cache or compiled now, on a worker
+thread, while the model runs. XLA releases the GIL while it compiles, so the host's other core
+works in the meantime; the call that needs the program then finds it done, waits for it, or,
+when no worker has started it yet, builds it itself.
 
 The results cannot change: the program built ahead is the one the call would build (same
 function, signature, XLA options and disk key; traced under the submitting thread's matmul
-precision). A prediction that goes unused is counted (``<kind>_prefetch_wasted``) and a Program
-whose predictions were wasted twice stops predicting. Counted per kind: ``<kind>_prefetches``
-(submitted), ``<kind>_prefetch_hits``, ``<kind>_prefetch_wait_ms`` (time a call waited for a
-worker). ``TORCHTPU_PREFETCH_THREADS``: worker threads (default: the CPU count, at most 2;
-0 turns prediction off). At interpreter exit, jobs not started are dropped; a forked child
-starts with an empty pool.
+precision). A guess not used within ``HISTORY`` misses of its Program is dropped and counted
+(``<kind>_prefetch_wasted``; the last guess of every growing run, e.g. each generate() call, is
+one); a Program whose unused guesses exceed its used ones by ``MAX_WASTED`` stops guessing.
+Counted per kind: ``<kind>_prefetches`` (submitted), ``<kind>_prefetch_hits``,
+``<kind>_prefetch_wait_ms`` (time calls waited for a worker). ``TORCHTPU_PREFETCH_THREADS``:
+worker threads (default: the CPU count, at most 2; 0 turns prediction off); they run at a lower
+priority (``TORCHTPU_PREFETCH_NICE``, default 10). At interpreter exit, jobs not started are
+dropped; a forked child starts with an empty pool.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from jax.core import ShapedArray
 
 THREADS = int(os.environ.get("TORCHTPU_PREFETCH_THREADS", str(min(2, os.cpu_count() or 1))))
 NICE = int(os.environ.get("TORCHTPU_PREFETCH_NICE", "10"))  # the workers' scheduling priority
-MAX_WASTED = 2  # unused predictions after which a Program stops predicting
+MAX_WASTED = 2  # a Program stops predicting when its unused guesses exceed its used ones by this
+HISTORY = 16  # misses a Program remembers; a guess not used within as many misses is dropped
 
 
 def next_signature(prev: tuple, cur: tuple):
@@ -61,6 +65,20 @@ def next_signature(prev: tuple, cur: tuple):
             return None
         out.append(nxt)
     return tuple(out) if step else None
+
+
+def predict(history: list, sig: tuple):
+    """The next signature when ``sig`` continues an arithmetic progression of three misses in
+    ``history`` (the same dimensions grown by the same step twice), else None. Several call
+    sites may share a Program (one matmul program for every projection of a model), so the
+    progression is looked for among the recent misses, not only the latest."""
+    for prev in reversed(history):
+        nxt = next_signature(prev, sig)
+        if nxt is not None:
+            for older in history:
+                if older is not prev and next_signature(older, prev) == sig:
+                    return nxt
+    return None
 
 
 class Job:

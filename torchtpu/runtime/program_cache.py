@@ -274,7 +274,7 @@ class Program:
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
     __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails", "_prev",
-                 "_pending", "_wasted")
+                 "_pending", "_wasted", "_hits")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
         self.kind = kind
@@ -285,9 +285,9 @@ class Program:
         self._disk = None  # the stable key text, computed at the first miss ("" if none)
         self._last = None  # the executable called last (one local device only)
         self._fails = 0  # calls whose signature was not the last one's
-        self._prev = None  # the signature of the latest miss (prefetch.py)
-        self._pending = None  # (signature, prefetch.Job): its program, being built ahead
-        self._wasted = 0  # predictions that went unused
+        self._prev = None  # the signatures of the latest misses (prefetch.py)
+        self._pending = None  # {signature: [prefetch.Job, misses since]}: built ahead
+        self._wasted = self._hits = 0  # predictions that went unused / were used
 
     def __call__(self, *flat):
         # The common case: the executable that ran last. Its C++ call checks the arguments'
@@ -412,37 +412,46 @@ class Program:
             count(f"{kind}_classic_emitter_compiles")
 
     def _take_prefetched(self, sig):
-        """The program built ahead for ``sig`` (waiting for its worker), or None."""
+        """The program built ahead for ``sig`` (waiting for its worker), or None. Ages the
+        other predictions: one not used within ``prefetch.HISTORY`` misses is dropped."""
         pending = self._pending
-        if pending is None:
+        if not pending:
             return None
-        self._pending = None
-        psig, job = pending
-        if psig != sig:
-            job.drop()
+        entry = pending.pop(sig, None)
+        for k in [k for k, e in pending.items() if e[1] >= _prefetch.HISTORY]:
+            pending.pop(k)[0].drop()
             self._wasted += 1
             count(f"{self.kind}_prefetch_wasted")
+        for e in pending.values():
+            e[1] += 1
+        if entry is None:
             return None
         t0 = time.perf_counter()
         try:
-            built = job.result()
+            built = entry[0].result()
         except Exception as e:  # noqa: BLE001 - the call builds it again and raises there
             count(f"{self.kind}_prefetch_errors")
             _prefetch_debug(e)
             return None
         if built is not None:
+            self._hits += 1
             count(f"{self.kind}_prefetch_hits")
             count(f"{self.kind}_prefetch_wait_ms", int((time.perf_counter() - t0) * 1000))
         return built
 
     def _predict(self, sig, flat) -> None:
         """Submit the next signature's program if this one's inputs are growing (prefetch.py)."""
-        prev, self._prev = self._prev, sig
-        if (prev is None or _MULTI[0] or self._wasted >= _prefetch.MAX_WASTED
-                or _prefetch.THREADS <= 0):
-            return
-        nxt = _prefetch.next_signature(prev, sig)
-        if nxt is None or nxt in self.by_sig:
+        hist = self._prev
+        if hist is None:
+            hist = self._prev = []
+        nxt = None
+        if (not _MULTI[0] and _prefetch.THREADS > 0
+                and self._wasted <= self._hits + _prefetch.MAX_WASTED):
+            nxt = _prefetch.predict(hist, sig)
+        hist.append(sig)
+        if len(hist) > _prefetch.HISTORY:
+            del hist[0]
+        if nxt is None or nxt in self.by_sig or (self._pending and nxt in self._pending):
             return
         args = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type, sharding=a.sharding)
                 if type(a) is _ArrayImpl else a for s, a in zip(nxt, flat)]
@@ -451,7 +460,9 @@ class Program:
         job = _prefetch.submit(self._build, args, dkey, fast,
                                jax.config.jax_default_matmul_precision)
         if job is not None:
-            self._pending = (nxt, job)
+            if self._pending is None:
+                self._pending = {}
+            self._pending[nxt] = [job, 0]
             count(f"{self.kind}_prefetches")
 
     def _remember(self, sig, compiled) -> None:
