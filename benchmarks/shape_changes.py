@@ -64,7 +64,8 @@ def _counters():
     if not hasattr(torch, "tpu"):
         return {}
     c = torch.tpu.metrics()["counters"]
-    keys = ("eager_xla_compiles", "eager_disk_cache_hits", "fused_xla_compiles", "xla_compiles",
+    keys = ("eager_xla_compiles", "eager_disk_cache_hits", "eager_prefetch_hits",
+            "fused_xla_compiles", "xla_compiles",
             "compile_cache_misses", "compile_disk_cache_hits", "eager_xla_compile_ms",
             "compile_bucket_programs", "compile_masked_graphs", "aot_cache_hits")
     return {k: c.get(k, 0) for k in keys}
@@ -78,6 +79,45 @@ def child_generate(device, cache, calls):
         toks = _generate(model, device, cache)
         times.append(time.perf_counter() - t0)
     return {"times": times, "counters": _counters(), "tokens": toks.tolist()}
+
+
+SAMPLE_CHARS, SAMPLE_BLOCK = 96, 64
+
+
+def child_sample(device, calls):
+    """minGPT's sampling loop (mingpt/model.py ``generate``), as chargpt runs it: no KV cache,
+    the context grows by one token per step and is cropped to the block size, top-k and
+    ``torch.multinomial``; a 2-layer GPT (examples/train_gpt.py) with random weights."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "examples"))
+    from train_gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(65, SAMPLE_BLOCK, n_layer=2, n_head=4, n_embd=64).eval().to(device)
+
+    @torch.no_grad()
+    def generate(idx, n, temperature=1.0, top_k=10):
+        for _ in range(n):
+            idx_cond = idx if idx.size(1) <= SAMPLE_BLOCK else idx[:, -SAMPLE_BLOCK:]
+            logits = model(idx_cond)[:, -1, :] / temperature
+            v, _ = torch.topk(logits, top_k)
+            logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+        return idx
+
+    times = []
+    for _ in range(calls):
+        torch.manual_seed(1)
+        t0 = time.perf_counter()
+        out = generate(torch.zeros((1, 1), dtype=torch.long, device=device), SAMPLE_CHARS)
+        out = out.cpu()
+        times.append(time.perf_counter() - t0)
+    assert out.shape == (1, SAMPLE_CHARS + 1) and 0 <= int(out.min()) and int(out.max()) < 65
+    return {"times": times, "counters": _counters()}
 
 
 def child_train(device, steps, loss_in_graph=False):
@@ -135,12 +175,15 @@ def main():
     ap.add_argument("--child")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--ablation", action="store_true")
-    ap.add_argument("--only", choices=("generate", "train"), help="run one part of the table")
+    ap.add_argument("--only", choices=("generate", "sample", "train"),
+                    help="run one part of the table")
     a = ap.parse_args()
     if a.child:
         spec = json.loads(a.child)
         if spec["case"] == "generate":
             res = child_generate(spec["device"], spec["cache"], spec["calls"])
+        elif spec["case"] == "sample":
+            res = child_sample(spec["device"], spec["calls"])
         else:
             res = child_train(spec["device"], spec["steps"], spec.get("loss_in_graph", False))
         print(json.dumps(res))
@@ -153,9 +196,11 @@ def main():
         t = med(times)
         rows.append((name, t, t / cpu_s if cpu_s else float("nan"), counters))
 
-    if a.only != "train":
+    if a.only in (None, "generate"):
         _generate_rows(a, row, rows)
-    if a.only != "generate":
+    if a.only in (None, "sample"):
+        _sample_rows(a, row)
+    if a.only in (None, "train"):
         _train_rows(rows)
 
     print(f"{'case':68} {'s':>8} {'vs CPU':>7}  compiles / cache")
@@ -205,6 +250,30 @@ def _generate_rows(a, row, rows):
             r = _spawn({"case": "generate", "device": "tpu", "cache": "dynamic", "calls": 1},
                        {"TORCHTPU_CACHE_DIR": d, "TORCHTPU_CLASSIC_EMITTERS": "0"})
             row("tpu dynamic cold, classic emitters off", r["times"], r["counters"], cpu_s)
+
+
+def _sample_rows(a, row):
+    med = statistics.median
+    cpu = _spawn({"case": "sample", "device": "cpu", "calls": 3}, {})
+    cpu_s = med(cpu["times"][1:])
+    row(f"CPU minGPT-style sampling, {SAMPLE_CHARS} chars (median of calls 2-3)",
+        cpu["times"][1:], {}, cpu_s)
+    envs = [("", {})]
+    if a.ablation:
+        envs.append((", building ahead off", {"TORCHTPU_PREFETCH_THREADS": "0"}))
+    for label, extra in envs:
+        cold, warm = [], []
+        for _ in range(a.repeats):
+            with tempfile.TemporaryDirectory() as d:
+                env = dict(extra, TORCHTPU_CACHE_DIR=d)
+                cold.append(_spawn({"case": "sample", "device": "tpu", "calls": 2}, env))
+                warm.append(_spawn({"case": "sample", "device": "tpu", "calls": 1}, env))
+        row(f"tpu sampling, fresh process, empty cache (cold){label}",
+            [r["times"][0] for r in cold], cold[-1]["counters"], cpu_s)
+        row(f"tpu sampling, same process, second call{label}", [r["times"][1] for r in cold],
+            {}, cpu_s)
+        row(f"tpu sampling, second process (warm cache){label}", [r["times"][0] for r in warm],
+            warm[-1]["counters"], cpu_s)
 
 
 def _train_rows(rows):
