@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 
 import pytest
@@ -40,6 +41,14 @@ def pytest_configure(config):
 
 
 _session_cache: list = []
+
+
+def pytest_runtest_setup(item):
+    # programs an earlier test's growing shapes guessed may still be building on background
+    # threads (runtime/prefetch.py); they must not move this test's counters
+    prefetch = sys.modules.get("torchtpu.runtime.prefetch")
+    if prefetch is not None:
+        prefetch.drain()
 
 
 def pytest_collection_modifyitems(config, items):

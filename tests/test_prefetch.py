@@ -1,6 +1,8 @@
 """Programs of growing inputs built ahead on worker threads (runtime/prefetch.py)."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -93,6 +95,7 @@ def test_call_sites_sharing_a_program_each_get_theirs_built_ahead():
 
 def test_unused_guesses_are_dropped_and_stop_a_program_guessing(monkeypatch):
     monkeypatch.setattr(prefetch, "HISTORY", 4)
+    monkeypatch.setattr(prefetch, "PAUSE", 1000)
     p = pc.Program("eager", lambda x: x * 2, ("test.prefetch", next(_tags)))
     subs = []
     for r, (start, step) in enumerate(((3, 1), (100, 2), (200, 3), (300, 4), (400, 5))):
@@ -105,6 +108,14 @@ def test_unused_guesses_are_dropped_and_stop_a_program_guessing(monkeypatch):
     assert p._wasted == prefetch.MAX_WASTED + 1  # each run's guess aged out unused...
     assert subs[-1] == subs[-2] == subs[-3]  # ...and after the third, no more guesses
     assert subs[2] == subs[0] + 2
+    # until PAUSE misses later: then a new growing workload is guessed again
+    monkeypatch.setattr(prefetch, "PAUSE", p._quiet + 4)
+    for k in range(4):  # the misses that end the pause (powers of 2: no progression)
+        p(jnp.ones(9000 + 2 ** k))
+    assert COUNTERS["eager_prefetches"] == subs[-1] and p._wasted == p._quiet == 0
+    for n in (8000, 8001, 8002, 8003):
+        p(jnp.ones(n))
+    assert COUNTERS["eager_prefetches"] == subs[-1] + 2 and p._hits == 1
 
 
 def test_a_prediction_that_fails_to_build_costs_nothing():
@@ -122,23 +133,36 @@ def test_a_prediction_that_fails_to_build_costs_nothing():
     assert COUNTERS["eager_prefetch_errors"] == before + 1
 
 
-def test_generate_with_dynamic_cache_uses_programs_built_ahead():
-    """A real growing workload: decode steps of a tiny Llama on "tpu" match CPU's tokens, and
-    from the third new token on, the per-length programs were built ahead."""
-    transformers = pytest.importorskip("transformers")
+_GENERATE = textwrap.dedent("""
+    import json, sys, torch, transformers, torchtpu
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=64, vocab_size=64,
                                    max_position_embeddings=64)
     cpu = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(1))
-    before = COUNTERS["eager_prefetch_hits"]
     with torch.no_grad():
-        ref = cpu.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
-        out = cpu.to("tpu").generate(ids.to("tpu"), max_new_tokens=10, min_new_tokens=10,
+        ref = cpu.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        out = cpu.to("tpu").generate(ids.to("tpu"), max_new_tokens=12, min_new_tokens=12,
                                      do_sample=False)
-    assert torch.equal(out.cpu(), ref)
-    assert COUNTERS["eager_prefetch_hits"] - before >= 5 * 6  # ~8 growing programs per token
+    c = torch.tpu.metrics()["counters"]
+    print(json.dumps({"equal": torch.equal(out.cpu(), ref), "hits": c.get("eager_prefetch_hits", 0),
+                      "misses": c.get("eager_disk_cache_misses", 0)}))
+""")
+
+
+def test_generate_with_dynamic_cache_uses_programs_built_ahead(tmp_path):
+    """A real growing workload, in a fresh process (a Program's guesses depend on what it saw
+    before): decode steps of a tiny Llama on "tpu" match CPU's tokens, and from the fourth new
+    token on, the per-length programs were built ahead."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _GENERATE], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["equal"]
+    assert res["hits"] >= 8 * 6  # 8 tokens built ahead, ~8 growing programs each
 
 
 def test_exit_with_predictions_pending_is_clean():
@@ -155,3 +179,29 @@ def test_exit_with_predictions_pending_is_clean():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "ok"
+
+
+def test_drain_drops_queued_guesses_and_waits_for_running_ones():
+    import threading
+    gate = threading.Event()
+    started = threading.Event()
+
+    def slow():
+        started.set()
+        gate.wait(30)
+        return "built"
+
+    running = prefetch.submit(slow)
+    started.wait(30)
+    queued = [prefetch.submit(lambda: "never") for _ in range(2 * prefetch.THREADS)]
+    t = threading.Thread(target=prefetch.drain)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()  # waiting for the running job
+    gate.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert running.result() == "built"
+    assert all(j.state in ("dropped", "done") for j in queued)
+    assert [j.result() for j in queued if j.state == "dropped"] == [None] * sum(
+        j.state == "dropped" for j in queued)

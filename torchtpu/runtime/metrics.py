@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 
 _log = logging.getLogger("torchtpu")
 if os.environ.get("TORCHTPU_DEBUG_METRICS", "0") not in ("", "0"):
@@ -15,11 +16,15 @@ COUNTERS: collections.Counter = collections.Counter()
 PER_OP: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
 
+_lock = threading.Lock()  # programs built ahead count on worker threads (runtime/prefetch.py)
+
+
 def count(name: str, n: int = 1, op: str | None = None) -> None:
     """Increment counter ``name`` (and its per-op breakdown when ``op`` is given)."""
-    COUNTERS[name] += n
-    if op is not None:
-        PER_OP[name][op] += n
+    with _lock:
+        COUNTERS[name] += n
+        if op is not None:
+            PER_OP[name][op] += n
     if _DEBUG:
         _log.debug("%s += %d%s", name, n, f" ({op})" if op else "")
 

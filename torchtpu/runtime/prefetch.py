@@ -15,7 +15,8 @@ The results cannot change: the program built ahead is the one the call would bui
 function, signature, XLA options and disk key; traced under the submitting thread's matmul
 precision). A guess not used within ``HISTORY`` misses of its Program is dropped and counted
 (``<kind>_prefetch_wasted``; the last guess of every growing run, e.g. each generate() call, is
-one); a Program whose unused guesses exceed its used ones by ``MAX_WASTED`` stops guessing.
+one); a Program whose unused guesses exceed its used ones by ``MAX_WASTED`` stops guessing for
+``PAUSE`` misses (then its record is cleared: a new growing workload may follow).
 Counted per kind: ``<kind>_prefetches`` (submitted), ``<kind>_prefetch_hits``,
 ``<kind>_prefetch_wait_ms`` (time calls waited for a worker). ``TORCHTPU_PREFETCH_THREADS``:
 worker threads (default: the CPU count, at most 2; 0 turns prediction off); they run at a lower
@@ -35,6 +36,7 @@ THREADS = int(os.environ.get("TORCHTPU_PREFETCH_THREADS", str(min(2, os.cpu_coun
 NICE = int(os.environ.get("TORCHTPU_PREFETCH_NICE", "10"))  # the workers' scheduling priority
 MAX_WASTED = 2  # a Program stops predicting when its unused guesses exceed its used ones by this
 HISTORY = 16  # misses a Program remembers; a guess not used within as many misses is dropped
+PAUSE = 64  # misses a Program that stopped guessing waits before it guesses again
 
 
 def next_signature(prev: tuple, cur: tuple):
@@ -112,9 +114,11 @@ class Job:
         return self.value
 
     def drop(self) -> None:
-        _pool.claim(self)  # a queued job never runs; a running one finishes unseen
-        if self.state != "running" and self.state != "done":
+        """A queued job never runs; a running one finishes unseen."""
+        if _pool.claim(self):
+            self.fn = self.args = None
             self.state = "dropped"
+            self.done.set()
 
 
 class _Pool:
@@ -123,6 +127,7 @@ class _Pool:
         self.ready = threading.Condition(self.lock)
         self.queue: collections.deque = collections.deque()
         self.threads: list = []
+        self.running = 0
         self.closed = False
 
     def submit(self, fn, *args) -> Job | None:
@@ -163,15 +168,32 @@ class _Pool:
                     return
                 job = self.queue.popleft()
                 job.state = "running"
-            job.run()
+                self.running += 1
+            try:
+                job.run()
+            finally:
+                with self.lock:
+                    self.running -= 1
+                    self.ready.notify_all()
+
+    def _drop_queued(self) -> None:
+        for job in self.queue:
+            job.fn = job.args = None
+            job.state = "dropped"
+            job.done.set()
+        self.queue.clear()
+
+    def drain(self) -> None:
+        """Drop the jobs not started and wait for the running ones."""
+        with self.lock:
+            self._drop_queued()
+            while self.running:
+                self.ready.wait()
 
     def close(self):
         with self.lock:
             self.closed = True
-            for job in self.queue:
-                job.state = "dropped"
-                job.done.set()
-            self.queue.clear()
+            self._drop_queued()
             self.ready.notify_all()
             threads = list(self.threads)
         for t in threads:
@@ -189,6 +211,12 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def drain() -> None:
+    """Drop the guesses not started and wait for those being built (their counters settle):
+    for measurements and tests that read counters."""
+    _pool.drain()
 
 
 def submit(fn, *args) -> Job | None:

@@ -274,7 +274,7 @@ class Program:
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
     __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails", "_prev",
-                 "_pending", "_wasted", "_hits")
+                 "_pending", "_wasted", "_hits", "_quiet")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
         self.kind = kind
@@ -288,6 +288,7 @@ class Program:
         self._prev = None  # the signatures of the latest misses (prefetch.py)
         self._pending = None  # {signature: [prefetch.Job, misses since]}: built ahead
         self._wasted = self._hits = 0  # predictions that went unused / were used
+        self._quiet = 0  # misses since it stopped guessing
 
     def __call__(self, *flat):
         # The common case: the executable that ran last. Its C++ call checks the arguments'
@@ -358,7 +359,6 @@ class Program:
             fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
             built = self._build(flat, self._disk_key(sig, flat, {"fast": fast}), fast)
         compiled, info = built
-        self._account(info)
         if info[0] == "disk":
             try:
                 out = compiled(*flat)
@@ -368,7 +368,6 @@ class Program:
                 # an executable XLA cannot run (an incomplete serialization): rebuild it
                 _cache()._discard(_cache()._path(info[1]), e, self.kind)
                 compiled, info = self._build(flat, None, info[2])
-                self._account(info)
                 out = compiled(*flat)
         else:
             out = compiled(*flat)
@@ -379,8 +378,8 @@ class Program:
     def _build(self, args, dkey, fast, precision=None):
         """(executable, info) for ``args`` (arrays or their abstract values): loaded from the
         disk cache, else traced, lowered and compiled (and stored). ``info``: ("disk", key,
-        fast) or ("xla", compile ms, XLA options). Runs on prefetch workers too: it counts
-        nothing itself beyond the disk cache's counters (``_account`` does, on the caller)."""
+        fast) or ("xla", compile ms, XLA options). Runs on prefetch workers too, and counts
+        there: a guess that goes unused was compiled all the same."""
         if dkey is not None:
             key, device_id = dkey
             compiled = _load(self.kind, key, device_id)
@@ -396,20 +395,16 @@ class Program:
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts or None)
         ms = int((time.perf_counter() - t0) * 1000)
-        if dkey is not None:
-            _store(self.kind, dkey[0], compiled, lowered)
-        return compiled, ("xla", ms, opts)
-
-    def _account(self, info) -> None:
-        if info[0] != "xla":
-            return
         kind = self.kind
         count(f"{kind}_xla_compiles")
-        count(f"{kind}_xla_compile_ms", info[1])
-        if info[2]:
+        count(f"{kind}_xla_compile_ms", ms)
+        if opts:
             count(f"{kind}_fast_compiles")
-        if info[2] is CLASSIC_OPTIONS:
+        if opts is CLASSIC_OPTIONS:
             count(f"{kind}_classic_emitter_compiles")
+        if dkey is not None:
+            _store(kind, dkey[0], compiled, lowered)
+        return compiled, ("xla", ms, opts)
 
     def _take_prefetched(self, sig):
         """The program built ahead for ``sig`` (waiting for its worker), or None. Ages the
@@ -445,9 +440,13 @@ class Program:
         if hist is None:
             hist = self._prev = []
         nxt = None
-        if (not _MULTI[0] and _prefetch.THREADS > 0
-                and self._wasted <= self._hits + _prefetch.MAX_WASTED):
-            nxt = _prefetch.predict(hist, sig)
+        if not _MULTI[0] and _prefetch.THREADS > 0:
+            if self._wasted <= self._hits + _prefetch.MAX_WASTED:
+                nxt = _prefetch.predict(hist, sig)
+            else:  # stopped guessing; after PAUSE misses the record is cleared
+                self._quiet += 1
+                if self._quiet >= _prefetch.PAUSE:
+                    self._wasted = self._hits = self._quiet = 0
         hist.append(sig)
         if len(hist) > _prefetch.HISTORY:
             del hist[0]
