@@ -413,12 +413,14 @@ class Program:
         if not pending:
             return None
         entry = pending.pop(sig, None)
-        for k in [k for k, e in pending.items() if e[1] >= _prefetch.HISTORY]:
-            pending.pop(k)[0].drop()
-            self._wasted += 1
-            count(f"{self.kind}_prefetch_wasted")
-        for e in pending.values():
-            e[1] += 1
+        for k, e in list(pending.items()):  # a copy: another thread may call this Program
+            if e[1] >= _prefetch.HISTORY:
+                if pending.pop(k, None) is not None:
+                    e[0].drop()
+                    self._wasted += 1
+                    count(f"{self.kind}_prefetch_wasted")
+            else:
+                e[1] += 1
         if entry is None:
             return None
         t0 = time.perf_counter()
