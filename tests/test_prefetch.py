@@ -205,3 +205,81 @@ def test_drain_drops_queued_guesses_and_waits_for_running_ones():
     assert all(j.state in ("dropped", "done") for j in queued)
     assert [j.result() for j in queued if j.state == "dropped"] == [None] * sum(
         j.state == "dropped" for j in queued)
+
+
+# ---- guessing the next executor key (eager/key_guess.py) ----
+
+def test_key_progression_helpers():
+    from torchtpu.eager import key_guess as kg
+
+    ints: list = []
+    fam = kg._split(("op", 1, (3, (16, 4)), 2.5, None), ints)
+    assert ints == [1, 3, 16, 4] and kg._join(fam, iter([1, 4, 20, 4])) == (
+        "op", 1, (4, (20, 4)), 2.5, None)
+    # the arguments hold the key's ints: a list becomes a tuple in the key
+    assert kg._subst((5, [3, 7], "x"), (5, (3, 7), "x"), (6, (4, 7), "x")) == (6, [4, 7], "x")
+    with pytest.raises(kg._NoGuess):  # a key int the arguments do not hold
+        kg._subst(("t",), ((float, 1),), ((float, 2),))
+    s = [(_aval((1, n, 8)), int) for n in (5, 6, 7)]
+    assert kg._next_sig(*s) == (_aval((1, 8, 8)), int)
+    assert kg._next_sig(s[0], s[1], (_aval((1, 9, 8)), int)) is None  # 5, 6, 9
+    pts = [([3, 48], s[0]), ([3, 96], s[0]), ([4, 48], s[1]), ([4, 96], s[1])]
+    assert kg._progression(pts, [5, 48], s[2]) == ([6, 48], (_aval((1, 8, 8)), int))
+    assert kg._progression(pts, [5, 50], s[2]) is None
+
+
+_SAMPLE = textwrap.dedent("""
+    import json, sys, torch, torchtpu
+    import torch.nn.functional as F
+    sys.path.insert(0, sys.argv[1])
+    from train_gpt import GPT
+    torch.manual_seed(0)
+    model = GPT(65, 16, n_layer=1, n_head=2, n_embd=16).eval().to("tpu")
+    idx = torch.zeros((1, 1), dtype=torch.long, device="tpu")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for _ in range(20):  # minGPT's sampling: no cache, the context cropped to the block
+            logits = model(idx if idx.size(1) <= 16 else idx[:, -16:])[:, -1, :]
+            v, _ = torch.topk(logits, 5)
+            logits[logits < v[:, [-1]]] = -float("inf")
+            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, -1), 1)), dim=1)
+    c = torch.tpu.metrics()["counters"]
+    print(json.dumps({"tokens": idx.cpu().tolist(), "key_hits": c.get("eager_key_guess_hits", 0),
+                      "hits": c.get("eager_prefetch_hits", 0), "misses": c.get("eager_cache_misses", 0)}))
+""")
+
+
+def test_sampling_programs_keyed_by_the_length_are_built_ahead_same_tokens(tmp_path):
+    """minGPT-style sampling: most per-length programs are new executor keys (a view's shape,
+    arange(T)); they are guessed and built ahead, and the sampled tokens (multinomial with the
+    same seed) are the same as without building ahead."""
+    examples = os.path.join(os.path.dirname(__file__), "..", "examples")
+    runs = {}
+    for threads in ("2", "0"):
+        env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / threads),
+                   TORCHTPU_PREFETCH_THREADS=threads)
+        r = subprocess.run([sys.executable, "-c", _SAMPLE, examples], capture_output=True,
+                           text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[threads] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs["2"]["tokens"] == runs["0"]["tokens"]
+    assert runs["0"]["key_hits"] == 0
+    # lengths 4..16 guessed: ~10 per-length keys each (views, arange, sdpa)
+    assert runs["2"]["key_hits"] >= 10 * 8, runs["2"]
+
+
+def test_an_unused_key_guess_leaves_the_executor_cache():
+    from torchtpu.eager import executor
+
+    before = dict(COUNTERS)
+    for n in (10, 17, 24):  # arange's end is in the key: a progression of keys
+        torch.arange(3, n, 7, dtype=torch.int16, device="tpu")
+    assert COUNTERS["eager_key_guesses"] == before.get("eager_key_guesses", 0) + 1
+    guessed = [k for k in executor._CACHE if k[2] == (3, 31, 7)]
+    assert len(guessed) == 1
+    for n in (1000 + 2 ** k for k in range(prefetch.HISTORY + 1)):  # no progression
+        torch.arange(3, n, 7, dtype=torch.int16, device="tpu")
+    assert guessed[0] not in executor._CACHE
+    assert COUNTERS["eager_key_guesses_wasted"] == before.get("eager_key_guesses_wasted", 0) + 1
+    np.testing.assert_array_equal(torch.arange(3, 31, 7, dtype=torch.int16, device="tpu").cpu(),
+                                  np.arange(3, 31, 7))

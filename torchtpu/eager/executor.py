@@ -20,6 +20,7 @@ from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
 from . import checks as _checks
 from . import modes, views
+from . import key_guess as _key_guess
 from . import rng as _rng
 
 Tensor = torch.Tensor
@@ -544,6 +545,13 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
     return traced
 
 
+def _guessed_entry(ctx, key):
+    """The cache entry the executor would make for a guessed key (eager/key_guess.py)."""
+    lowering, kind, args, kwargs, _ka, _kk, n, ws, wrapped, _flat = ctx
+    return _Entry(_build(lowering, kind, _trace_wrapped(args, wrapped), kwargs, key[4],
+                         [None] * n, ws, None, None, key), ws)
+
+
 def _write_slots(kind, args, kwargs):
     """Which flattened tensors an in-place kernel writes: ``self`` (a tensor or a list)."""
     if kind in (INPLACE, DIRECT_INPLACE):
@@ -665,12 +673,18 @@ def run(lowering, kind, args, kwargs, mode=None):
         entry = _CACHE[key] = _Entry(
             _build(lowering, kind, _trace_wrapped(args, wrapped), kwargs, specs, tensors, ws,
                    dev, groups, key), ws)
+        guess = dev is None and groups is None
     else:
+        guess = False
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:
         flat.append(_rng.next_state(gen))
     try:
         out = entry.jitted(*flat)
+        if guess:  # a miss: guess the next key if this op's static arguments grow
+            _key_guess.observe(key, _program_cache.signature(flat), _key_guess.remember(
+                (lowering, kind, args, kwargs, key_args, key_kwargs, len(tensors), ws,
+                 wrapped, flat)), _CACHE, _guessed_entry)
         if lowering.check is not None:
             out, ok = out
             if mode is _DEBUG:

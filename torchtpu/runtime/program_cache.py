@@ -38,6 +38,7 @@ import time
 import jax
 import numpy as np
 from jax._src.array import ArrayImpl as _ArrayImpl
+from jax.core import ShapedArray
 
 from . import prefetch as _prefetch
 from .ir_context import install as _install_ir_context
@@ -274,7 +275,7 @@ class Program:
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
     __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails", "_prev",
-                 "_pending", "_wasted", "_hits", "_quiet")
+                 "_pending", "_wasted", "_hits", "_quiet", "_then")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
         self.kind = kind
@@ -289,6 +290,7 @@ class Program:
         self._pending = None  # {signature: [prefetch.Job, misses since]}: built ahead
         self._wasted = self._hits = 0  # predictions that went unused / were used
         self._quiet = 0  # misses since it stopped guessing
+        self._then = None  # run at the first call (a Program made for a guessed key)
 
     def __call__(self, *flat):
         # The common case: the executable that ran last. Its C++ call checks the arguments'
@@ -373,6 +375,10 @@ class Program:
             out = compiled(*flat)
         self._remember(sig, compiled)
         self._predict(sig, flat)
+        then = self._then
+        if then is not None:
+            self._then = None
+            then()
         return out
 
     def _build(self, args, dkey, fast, precision=None):
@@ -464,6 +470,26 @@ class Program:
             if self._pending is None:
                 self._pending = {}
             self._pending[nxt] = [job, 0]
+            count(f"{self.kind}_prefetches")
+
+    def build_ahead(self, sig, template, then=None) -> None:
+        """Build the executable for ``sig`` on a prefetch worker (a Program made for a guessed
+        executor key: eager/key_guess.py); ``template``: flat arguments of the same kinds (their
+        shardings are used). ``then`` runs after this Program's first call."""
+        self._then = then
+        if _MULTI[0] or _prefetch.THREADS <= 0 or sig in self.by_sig:
+            return
+        args = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type,
+                                     sharding=getattr(a, "sharding", None))
+                if type(s) is ShapedArray else a for s, a in zip(sig, template)]
+        fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
+        dkey = self._disk_key(sig, template, {"fast": fast})
+        job = _prefetch.submit(self._build, args, dkey, fast,
+                               jax.config.jax_default_matmul_precision)
+        if job is not None:
+            if self._pending is None:
+                self._pending = {}
+            self._pending[sig] = [job, 0]
             count(f"{self.kind}_prefetches")
 
     def _remember(self, sig, compiled) -> None:
