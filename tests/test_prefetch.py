@@ -283,3 +283,16 @@ def test_an_unused_key_guess_leaves_the_executor_cache():
     assert COUNTERS["eager_key_guesses_wasted"] == before.get("eager_key_guesses_wasted", 0) + 1
     np.testing.assert_array_equal(torch.arange(3, 31, 7, dtype=torch.int16, device="tpu").cpu(),
                                   np.arange(3, 31, 7))
+
+
+def test_a_failing_guess_never_fails_the_op(monkeypatch):
+    from torchtpu.eager import key_guess
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in guessing")
+
+    monkeypatch.setattr(key_guess, "_advance", broken)
+    before = COUNTERS["eager_key_guess_errors"]
+    out = torch.arange(5, 23, 3, dtype=torch.int8, device="tpu")  # a new key: a miss
+    np.testing.assert_array_equal(out.cpu(), np.arange(5, 23, 3))
+    assert COUNTERS["eager_key_guess_errors"] == before + 1

@@ -58,6 +58,13 @@ def main():
                 dist.all_gather([torch.empty(4, device="tpu") for _ in range(2)], x)
         except RuntimeError as e:
             print(f"RAISED rank {rank}: {e}", flush=True)
+            # rank 0 hosts JAX's coordination service: its exit aborts a peer still running
+            # (see docs/ARCHITECTURE.md, a dead peer), so it leaves after both have raised
+            store = dist.distributed_c10d._get_default_store()
+            if store.add("mismatch_raised", 1) < 2 and rank == 0:
+                deadline = time.monotonic() + 60
+                while store.add("mismatch_raised", 0) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
             os._exit(0)
         print("NO ERROR", flush=True)
         os._exit(1)

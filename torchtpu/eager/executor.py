@@ -545,6 +545,15 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
     return traced
 
 
+def _guess_next(key, flat, ctx) -> None:
+    try:
+        _key_guess.observe(key, _program_cache.signature(flat), _key_guess.remember(ctx),
+                           _CACHE, _guessed_entry)
+    except Exception as e:  # noqa: BLE001 - a guess never fails the op that was run
+        count("eager_key_guess_errors")
+        _key_guess.debug(e)
+
+
 def _guessed_entry(ctx, key):
     """The cache entry the executor would make for a guessed key (eager/key_guess.py)."""
     lowering, kind, args, kwargs, _ka, _kk, n, ws, wrapped, _flat = ctx
@@ -682,9 +691,8 @@ def run(lowering, kind, args, kwargs, mode=None):
     try:
         out = entry.jitted(*flat)
         if guess:  # a miss: guess the next key if this op's static arguments grow
-            _key_guess.observe(key, _program_cache.signature(flat), _key_guess.remember(
-                (lowering, kind, args, kwargs, key_args, key_kwargs, len(tensors), ws,
-                 wrapped, flat)), _CACHE, _guessed_entry)
+            _guess_next(key, flat, (lowering, kind, args, kwargs, key_args, key_kwargs,
+                                    len(tensors), ws, wrapped, flat))
         if lowering.check is not None:
             out, ok = out
             if mode is _DEBUG:

@@ -187,6 +187,12 @@ def _advance(st, fam, ints, sig, ctx, cache, build) -> None:
     entry.jitted.build_ahead(nsig, ctx[9], first_use)
 
 
+def debug(e) -> None:
+    from ..runtime.metrics import _log
+
+    _log.debug("torchtpu: guessing the next key failed: %r", e)
+
+
 def remember(ctx):
     """The ctx to keep for later guesses: tensors replaced by placeholders."""
     lowering, kind, args, kwargs = ctx[:4]

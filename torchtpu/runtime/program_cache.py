@@ -378,7 +378,11 @@ class Program:
         then = self._then
         if then is not None:
             self._then = None
-            then()
+            try:
+                then()
+            except Exception as e:  # noqa: BLE001 - a guess never fails the call that ran
+                count(f"{self.kind}_prefetch_errors")
+                _prefetch_debug(e)
         return out
 
     def _build(self, args, dkey, fast, precision=None):
