@@ -682,7 +682,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         entry = _CACHE[key] = _Entry(
             _build(lowering, kind, _trace_wrapped(args, wrapped), kwargs, specs, tensors, ws,
                    dev, groups, key), ws)
-        guess = dev is None and groups is None
+        guess = dev is None and groups is None and _key_guess.enabled()
     else:
         guess = False
         COUNTERS["eager_cache_hits"] += 1

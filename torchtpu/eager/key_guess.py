@@ -111,8 +111,6 @@ def observe(key, sig, ctx, cache: dict, build) -> None:
     ``ctx`` (from ``remember``): (lowering, kind, args, kwargs, key_args, key_kwargs,
     n_tensors, write slots, wrapped, flat arguments); ``build(ctx, key)`` makes the cache
     entry for a ctx and key."""
-    if _prefetch.THREADS <= 0:
-        return
     ints: list = []
     fam = _split(key, ints)
     st = _FAMILIES.get(fam)
@@ -185,6 +183,11 @@ def _advance(st, fam, ints, sig, ctx, cache, build) -> None:
         _advance(st, fam, nints, nsig, nctx, cache, build)
 
     entry.jitted.build_ahead(nsig, ctx[9], first_use)
+
+
+def enabled() -> bool:
+    """Whether guessing runs (it needs the prefetch workers)."""
+    return _prefetch.THREADS > 0
 
 
 def debug(e) -> None:

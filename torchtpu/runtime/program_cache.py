@@ -358,7 +358,7 @@ class Program:
         built = self._take_prefetched(sig)
         if built is None:
             # the options depend on the sizes, which the signature fixes: decided before loading
-            fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
+            fast = _is_fast(sig)
             built = self._build(flat, self._disk_key(sig, flat, {"fast": fast}), fast)
         compiled, info = built
         if info[0] == "disk":
@@ -462,34 +462,28 @@ class Program:
         hist.append(sig)
         if len(hist) > _prefetch.HISTORY:
             del hist[0]
-        if nxt is None or nxt in self.by_sig or (self._pending and nxt in self._pending):
-            return
-        args = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type, sharding=a.sharding)
-                if type(a) is _ArrayImpl else a for s, a in zip(nxt, flat)]
-        fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(nxt) <= FAST_MAX_ELEMENTS
-        dkey = self._disk_key(nxt, flat, {"fast": fast})
-        job = _prefetch.submit(self._build, args, dkey, fast,
-                               jax.config.jax_default_matmul_precision)
-        if job is not None:
-            if self._pending is None:
-                self._pending = {}
-            self._pending[nxt] = [job, 0]
-            count(f"{self.kind}_prefetches")
+        if nxt is not None and not (self._pending and nxt in self._pending):
+            self._submit(nxt, flat)
 
     def build_ahead(self, sig, template, then=None) -> None:
         """Build the executable for ``sig`` on a prefetch worker (a Program made for a guessed
         executor key: eager/key_guess.py); ``template``: flat arguments of the same kinds (their
         shardings are used). ``then`` runs after this Program's first call."""
         self._then = then
-        if _MULTI[0] or _prefetch.THREADS <= 0 or sig in self.by_sig:
+        if not _MULTI[0] and _prefetch.THREADS > 0:
+            self._submit(sig, template)
+
+    def _submit(self, sig, template) -> None:
+        """Queue the build of ``sig``'s executable on a prefetch worker (abstract arguments with
+        the shardings of ``template``'s arrays)."""
+        if sig in self.by_sig:
             return
         args = [jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type,
                                      sharding=getattr(a, "sharding", None))
                 if type(s) is ShapedArray else a for s, a in zip(sig, template)]
-        fast = FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
-        dkey = self._disk_key(sig, template, {"fast": fast})
-        job = _prefetch.submit(self._build, args, dkey, fast,
-                               jax.config.jax_default_matmul_precision)
+        fast = _is_fast(sig)
+        job = _prefetch.submit(self._build, args, self._disk_key(sig, template, {"fast": fast}),
+                               fast, jax.config.jax_default_matmul_precision)
         if job is not None:
             if self._pending is None:
                 self._pending = {}
@@ -511,6 +505,11 @@ def _fast(compiled):
     """The executable's C++ call path (set by its first call), skipping a Python frame."""
     c = getattr(compiled, "_call", None)
     return c if c is not None else compiled
+
+
+def _is_fast(sig) -> bool:
+    """Whether a signature's program gets the cheap XLA options (see the module doc)."""
+    return FAST_MAX_ELEMENTS > 0 and _sig_elements(sig) <= FAST_MAX_ELEMENTS
 
 
 def _sig_elements(sig) -> int:
