@@ -64,25 +64,31 @@ def test_static_cache_compiles_decode_once(models):
     cpu, _ = models
     tpu = copy.deepcopy(cpu).to(TPU)
     torch._dynamo.reset()
-    # (new tokens, decode graphs compiled): the cache grows for 7 (one more compile) and is
-    # reused as it is for 5; every decode step after a compile is a cache hit
+    # (new tokens, cache shapes new to this model): the cache grows for 7 (one more compile)
+    # and is reused as it is for 5. Each new cache shape compiles one decode graph and one
+    # prefill graph (on "tpu" the prefill is compiled too; this left-padded batch's mask is
+    # built outside it, so it is compiled per prompt length, here always 6); every other
+    # prefill and decode step is a cache hit
     for n, graphs in ((3, 1), (7, 1), (5, 0)):
         torch.tpu.reset_metrics()
         got = generate(tpu, TPU, max_new_tokens=n, do_sample=False, cache_implementation="static")
         c = torch.tpu.metrics()["counters"]
-        # a miss is a new compiled decode graph (traced, or rebuilt from the AOT/program
-        # caches when an earlier test compiled the same one), at most one XLA compile each
-        assert c.get("compile_cache_misses", 0) == graphs, (n, c)
-        assert c.get("xla_compiles", 0) <= graphs, (n, c)
-        assert c.get("compile_cache_hits", 0) == n - 1 - graphs, (n, c)
+        # a miss is a new compiled graph (traced, or rebuilt from the AOT/program caches when
+        # an earlier test compiled the same one), at most one XLA compile each
+        assert c.get("compile_cache_misses", 0) == 2 * graphs, (n, c)
+        assert c.get("xla_compiles", 0) <= 2 * graphs, (n, c)
+        assert c.get("compile_cache_hits", 0) == (n - 1 - graphs) + (1 - graphs), (n, c)
         torch.testing.assert_close(got, generate(cpu, "cpu", max_new_tokens=n, do_sample=False,
                                                  cache_implementation="static"))
 
 
-def test_static_cache_prompt_lengths_in_a_bucket_share_the_decode_program(models):
+def test_static_cache_prompt_lengths_in_a_bucket_share_prefill_and_decode(models):
     """transformers sizes a static cache to prompt + new tokens; on "tpu" the size is rounded up
     to the compile buckets, so a longer prompt within the bucket reuses the cache shape and the
-    compiled decode step (tokens still CPU's)."""
+    compiled decode step. transformers runs the prefill eagerly (a program per op and prompt
+    length); on "tpu" it is compiled with the prompt length dynamic and padded to its bucket,
+    writing the cache only at the real positions (integrations/transformers.py): prompts of
+    9, 11 and 13 tokens run one prefill program. Tokens are CPU's."""
     from torchtpu.integrations.transformers import static_cache_length
 
     assert [static_cache_length(n) for n in (3, 8, 9, 16, 17, 100)] == [8, 8, 16, 16, 32, 128]
@@ -90,7 +96,8 @@ def test_static_cache_prompt_lengths_in_a_bucket_share_the_decode_program(models
     tpu = copy.deepcopy(cpu).to(TPU)
     torch._dynamo.reset()
     misses = []
-    for length in (6, 9, 11):  # caches of 9, 12, 14 positions: all bucket 16
+    masked = []
+    for length in (9, 11, 13):  # prompts of bucket 16, caches of 12, 14, 16: bucket 16
         ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
         kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static",
                   pad_token_id=0)
@@ -98,9 +105,12 @@ def test_static_cache_prompt_lengths_in_a_bucket_share_the_decode_program(models
         with torch.no_grad():
             got = tpu.generate(ids.to(TPU), **kw).cpu()
             expect = cpu.generate(ids, **kw)
-        misses.append(torch.tpu.metrics()["counters"].get("compile_cache_misses", 0))
+        c = torch.tpu.metrics()["counters"]
+        misses.append(c.get("compile_cache_misses", 0))
+        masked.append(c.get("compile_bucket_programs", 0))
         torch.testing.assert_close(got, expect)
-    assert misses == [1, 0, 0], misses
+    assert misses == [2, 0, 0], misses  # the decode and the prefill graph, then none
+    assert masked[0] == 1, masked  # the prefill: padded to its bucket
 
 
 def test_sampling_with_a_seed_repeats(models):

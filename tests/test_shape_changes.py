@@ -410,15 +410,90 @@ def test_attention_over_a_dynamic_sequence_is_masked(monkeypatch):
     assert programs == 2
 
 
-def test_sdpa_over_a_dynamic_sequence_is_specialised():
-    """scaled_dot_product_attention reaches the compiler as one fused op, registered random
-    (dropout) with the sequence lengths as values in its backward: left per size, said once."""
+def test_sdpa_backward_over_a_dynamic_sequence_is_specialised():
+    """scaled_dot_product_attention's backward reaches the compiler as one fused op, registered
+    random (dropout) with the sequence lengths as values: left per size, said once (the
+    forward is padded: one program for both sizes)."""
     f = lambda x: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         x, x * 0.5, x.cos(), is_causal=True)
     programs, w = _fwd_bwd(f, [17, 24], dyn_dim=2, shape=(1, 2, None, 8))
     msgs = _specialised(w)
-    assert len(msgs) >= 1 and "scaled_dot_product" in msgs[0]
-    assert programs == 4
+    assert len(msgs) == 1 and "scaled_dot_product" in msgs[0] and "backward" in msgs[0]
+    assert programs == 3
+
+
+# attention's fused op over a dynamic sequence (forward): the padded keys and values are zeroed,
+# and a causal mask over one length, or a mask whose key dim is the dynamic one, keeps every
+# real query off them
+SDPA = {
+    "causal": lambda x: torch.nn.functional.scaled_dot_product_attention(
+        x, x * 0.5, x.cos(), is_causal=True),
+    "bool_mask": lambda x: torch.nn.functional.scaled_dot_product_attention(
+        x, x * 0.5, x.cos(), attn_mask=torch.ones(
+            x.shape[2], x.shape[2], dtype=torch.bool, device=x.device).tril(-1).logical_not()),
+    "float_mask": lambda x: torch.nn.functional.scaled_dot_product_attention(
+        x, x.sin(), x.cos(), attn_mask=torch.zeros(x.shape[2], x.shape[2], device=x.device)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SDPA))
+def test_sdpa_over_a_dynamic_sequence_is_masked(name, monkeypatch):
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+    programs, w = _fwd_bwd(SDPA[name], [17, 24, 31], dyn_dim=2, shape=(1, 2, None, 8),
+                           grad=False)
+    assert _specialised(w) == []
+    assert programs == 1
+
+
+def test_sdpa_with_a_static_mask_over_dynamic_queries_is_specialised():
+    """A mask whose query dim is static while the queries are dynamic would not broadcast once
+    padded: per size (and still CPU's result)."""
+    m = torch.zeros(1, 1, 1, 5)
+
+    def f(x):
+        return torch.nn.functional.scaled_dot_product_attention(
+            x, x[:, :, :5], x[:, :, :5].cos(), attn_mask=m.to(x.device).expand(1, 1, 17, 5))
+
+    programs, w = _fwd_bwd(f, [17], dyn_dim=2, shape=(1, 2, None, 8), grad=False)
+    assert programs == 1
+
+
+def test_index_copy_at_dynamic_positions_of_a_static_buffer(monkeypatch):
+    """A static KV cache written at a prompt's positions (index_copy_ of a dynamic number of
+    rows into a buffer of fixed size): the padded rows and indices write nothing, so the
+    buffer holds CPU's values everywhere (the padding's index 0 and NaN rows would overwrite
+    position 0 otherwise); one program for the bucket."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+
+    def f(buf, x, pos):
+        buf.index_copy_(1, pos, x * 2)
+        return buf.sum(-1)
+
+    g = torch.compile(f, backend="tpu")
+    before = _count("compile_cache_misses")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n in (17, 21, 29):
+            x = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(n))
+            pos = torch.arange(n) + 3
+            buf = torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(0))
+            bt, xt, pt = buf.to(TPU), x.to(TPU), pos.to(TPU)
+            torch._dynamo.mark_dynamic(xt, 1)
+            torch._dynamo.mark_dynamic(pt, 0)
+            out_t = g(bt, xt, pt)
+            torch.testing.assert_close(out_t.cpu(), f(buf, x, pos))
+            torch.testing.assert_close(bt.cpu(), buf)
+    assert _specialised(w) == []
+    assert _count("compile_cache_misses") - before == 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_slice_from_the_end_of_a_dynamic_dim(k, monkeypatch):
+    """``h[:, -k:]`` (a model's logits for its last token): the last real positions."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+    programs, w = _fwd_bwd(lambda x: x[:, -k:] * 2, [17, 24, 31], grad=False)
+    assert _specialised(w) == []
+    assert programs == 1
 
 
 @pytest.mark.parametrize("name, op", [("var", "var.correction"), ("cumsum", "cumsum")])

@@ -72,6 +72,16 @@ def _mixed_dims(node):
     nd = [_ndim(x) for x in a]
     if t in (aten.mm.default,):
         return {0: [1], 1: [0]}
+    if t in _masking._SDPA_OPS:
+        return _sdpa_mixed(node)
+    if t is aten.copy_.default or t is aten.copy.default:
+        # self's values replaced by src's (broadcast): position-wise when src's dims are
+        # self's trailing ones (or 1), the write-back of an input a graph mutates
+        dst, src = _sizes(a[0].meta["val"]), _sizes(a[1].meta["val"])
+        if len(src) <= len(dst) and all(e == 1 or sympy.simplify(e - f) == 0
+                                        for e, f in zip(src, dst[len(dst) - len(src):])):
+            return {}
+        return None
     if t is aten.addmm.default:
         return {1: [1], 2: [0]}
     if t is aten.bmm.default:
@@ -134,6 +144,33 @@ def _mixed_dims(node):
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default):
         return {}
     return None
+
+
+def _no_dropout(n) -> bool:
+    """An attention op tagged random that draws nothing: its ``dropout_p`` is 0."""
+    if n.target not in _masking._SDPA_OPS:
+        return False
+    names = [a.name for a in n.target._schema.arguments]
+    i = names.index("dropout_p")
+    p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p == 0
+
+
+def _sdpa_mixed(n):
+    """Attention mixes the key/value positions (masking.py masks them) and contracts the head
+    dim; each query position is computed on its own."""
+    nd = _ndim(n.args[0])
+    if nd is None:
+        return None
+    mixed = {0: [nd - 1], 1: [nd - 2, nd - 1], 2: [nd - 2, nd - 1]}
+    i = _masking.sdpa_bias_position(n)
+    if i is None:
+        return None
+    if i < len(n.args) and n.args[i] is not None:
+        if not _masking.sdpa_mask_fits(n, i):
+            return None
+        mixed[i] = [_ndim(n.args[i]) - 1]
+    return mixed
 
 
 def _slice_keeps_prefix(n, scatter=False) -> bool:
@@ -291,7 +328,7 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
         if t is aten.sym_size.int or t is aten.sym_numel.default:
             continue
         name = str(t)
-        if torch.Tag.nondeterministic_seeded in t.tags:
+        if torch.Tag.nondeterministic_seeded in t.tags and not _no_dropout(n):
             return f"{name} (random: padding would change its numbers)"
         # a dynamic size used as a value (not a shape) would take the bucket's value: its real
         # value, traced, where the op takes one (masking.py)
@@ -401,7 +438,7 @@ def _mask_plan(n, name):
                 if fill is None:
                     return f"{name} (mixes positions along a dynamic dimension)"
                 c, sym, k = _block(sz[d])
-                if r.index and c != 1:
+                if (r.index or fill == "first") and c != 1:
                     return f"{name} (an index along a flattened dynamic dimension)"
                 dyn.append((d, c, sym, k))
         if dyn:

@@ -201,6 +201,16 @@ def rule(n, ndim):
         d = (_arg(n, 2, "dim", 0)) % max(ndim(a[0]), 1)
         start = _arg(n, 3, "start", 0) or 0
         return Rule({1: ([d], "count")}, replace=("tail", d, start))
+    if t is aten.slice.Tensor:  # buckets._mixed_dims: not a prefix; from the end?
+        d = _arg(n, 1, "dim", 0) % max(ndim(a[0]), 1)
+        start, end, step = _arg(n, 2, "start"), _arg(n, 3, "end"), _arg(n, 4, "step", 1)
+        if isinstance(start, int) and start < 0 and step == 1 and (
+                end is None or (isinstance(end, int) and end >= 1 << 62)):
+            # x[.., -k:]: the last k real positions (a model's logits for its last token)
+            return Rule({0: ([d], "count")}, index=True, replace=("from_end", d, start))
+        return None
+    if t in _SDPA_OPS:
+        return _sdpa_rule(n, ndim)
     if t is aten.gather.default:
         # out[.., j, ..] = self[.., index[.., j, ..], ..]: position-wise along index's dims
         d = a[1] % max(ndim(a[0]), 1)
@@ -212,12 +222,84 @@ def rule(n, ndim):
         nd = ndim(a[2])
         masks = {2: ([k for k in range(nd) if k != d], 0)}
         return Rule(masks, fixed={2: [d]}, bounds={2: (0, d)})
+    if t is aten.index_copy.default:
+        # self.index_copy(dim, index, source): entry j of index writes source's slice j along
+        # dim. Padded entries (of index, and of source along dim) become copies of the first
+        # real entry: they write what it writes where it writes, so the result is the unpadded
+        # op's (a static KV cache written at a prompt's positions)
+        d = a[1] % max(ndim(a[0]), 1)
+        return Rule({2: ([0], "first"), 3: ([d], "first")}, bounds={2: (0, d)})
     if t is aten.embedding.default:
         if isinstance(a[1], torch.fx.Node) and a[1].op == "placeholder":
             return None  # zero-padded input indices: already exact (buckets._mixed_dims)
         # computed indices may hold anything in the padding: index 0 there (a valid row)
         return Rule({1: (_all(ndim(a[1])), 0)}, fixed={0: _all(ndim(a[0]))})
     return None
+
+
+_SDPA_OPS = {aten._scaled_dot_product_fused_attention_overrideable.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten.scaled_dot_product_attention.default}
+
+
+def sdpa_bias_position(n):
+    """Position of an attention op's mask/bias argument (it may be past the given args), or
+    None when it is passed by keyword (not analysed)."""
+    names = [a.name for a in n.target._schema.arguments]
+    for name in ("attn_bias", "attn_mask"):
+        if name in names:
+            if n.kwargs.get(name) is not None:
+                return None
+            return names.index(name)
+    return len(names)
+
+
+def _size_expr(x):
+    return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
+
+
+def sdpa_mask_fits(n, i) -> bool:
+    """Whether the mask (argument ``i``) broadcasts against (.., queries, keys) with each of
+    its last two dims 1 or the query's / key's own size: a mask whose query dim is static
+    while the queries are dynamic (the attention op's meta does not check it) would not
+    broadcast once padded."""
+    q, k = n.args[0].meta["val"].shape, n.args[1].meta["val"].shape
+    b = n.args[i].meta["val"].shape
+    for x, ref in ((b[-2], q[-2]), (b[-1], k[-2])):
+        e = _size_expr(x)
+        if e != 1 and sympy.simplify(e - _size_expr(ref)) != 0:
+            return False
+    return True
+
+
+def _sdpa_rule(n, ndim):
+    """Attention over a dynamic key length: the padded keys and values are zeroed (so that
+    ``0 * inf`` never happens), and either a causal mask over one dynamic length keeps every
+    real query off them (query i sees keys j <= i), or the mask's padded key positions are
+    filled with -inf / False. Anything else would give padded keys weight."""
+    a = n.args
+    nd = ndim(a[0])
+    names = [x.name for x in n.target._schema.arguments]
+    i = names.index("is_causal") if "is_causal" in names else None
+    causal = i is not None and (a[i] if i < len(a) else n.kwargs.get("is_causal", False))
+    b = sdpa_bias_position(n)
+    bias = a[b] if b is not None and b < len(a) else None
+    kv = {1: ([nd - 2], "zero"), 2: ([nd - 2], "zero")}
+    if bias is not None and not causal:
+        bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+        if isinstance(bv, torch.Tensor) and isinstance(bv.shape[-1], torch.SymInt) \
+                and sdpa_mask_fits(n, b):
+            kv[b] = ([ndim(bias) - 1], "low")
+            return Rule(kv)
+    if causal is True and bias is None:
+        qs = a[0].meta["val"].shape[nd - 2]
+        ks = a[1].meta["val"].shape[nd - 2]
+        if isinstance(qs, torch.SymInt) and isinstance(ks, torch.SymInt) \
+                and sympy.simplify(qs.node.expr - ks.node.expr) == 0:
+            return Rule(kv)
+    return "attention whose mask or causality does not keep real queries off the padded keys"
 
 
 # ---- values in the padded program ----
@@ -264,6 +346,14 @@ def restore_tail(out, self, d, start, spec, *reals):
     return jnp.where(keep, self, out)
 
 
+def slice_from_end(x, d, start, spec, *reals):
+    """``x[.., start:]`` along dim ``d`` for a ``start < 0``: counted from the real end."""
+    (_, _, k, o), = spec
+    n = -start
+    begin = jnp.maximum(reals[k] + o - n, 0).astype(jnp.int32)
+    return lax.dynamic_slice_in_dim(x, begin, min(n, x.shape[d]), axis=d)
+
+
 def bound_index(x, bound, *reals):
     """Indices ``x`` into a dim padded from the real size ``reals[k] + o`` (``bound = (k, o)``):
     those past it (valid only in the padded program) made out of range for every size, so that
@@ -273,9 +363,15 @@ def bound_index(x, bound, *reals):
 
 
 def fill_padding(x, spec, fill, *reals):
-    """``x`` with its padded positions along ``spec``'s dims replaced by ``fill``."""
+    """``x`` with its padded positions along ``spec``'s dims replaced by ``fill`` ("first": by
+    the first position along those dims, which is always real)."""
     if not spec:
         return x
+    if fill == "first":
+        first = x
+        for d, _, _, _ in spec:
+            first = lax.slice_in_dim(first, 0, 1, axis=d)
+        return jnp.where(real_mask(x.shape, spec, reals), x, first)
     return jnp.where(real_mask(x.shape, spec, reals), x, _fill_value(fill, x.dtype))
 
 
@@ -409,6 +505,13 @@ def rewrite(gm, syms, masks, values):
         m = env[node]
         args = list(m.args)
         with g.inserting_before(m):
+            if replace is not None and replace is not masked_mean and replace[0] == "from_end":
+                _, d, start = replace
+                new = g.call_function(slice_from_end, (args[0], d, start, spec[0][0], *reals))
+                new.meta.update(m.meta)
+                m.replace_all_uses_with(new)
+                g.erase_node(m)
+                continue
             if replace is not None and replace is not masked_mean and replace[0] == "tail":
                 _, d, start = replace
                 with g.inserting_after(m):

@@ -118,11 +118,85 @@ def static_cache_length(n: int) -> int:
     return buckets.bucket(n, opts) if buckets.enabled(opts) else n
 
 
+# The prompt's inputs to a causal LM's forward, and the dim of each that is the prompt length.
+_PROMPT_DIMS = (("input_ids", -1), ("position_ids", -1), ("attention_mask", -1),
+                ("cache_position", -1), ("inputs_embeds", -2), ("token_type_ids", -1))
+PREFILL_BUCKETS = os.environ.get("TORCHTPU_PREFILL_BUCKETS", "1") != "0"
+
+
+def _prompt_dynamic(kwargs) -> None:
+    """Mark the prompt-length dim of the forward's prompt inputs dynamic (a length of 1 is
+    left static: Dynamo specializes it)."""
+    import torch
+
+    for name, d in _PROMPT_DIMS:
+        t = kwargs.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[d] > 1:
+            torch._dynamo.mark_dynamic(t, d % t.dim())
+
+
+def bucketed_prefill(model, generation_config, model_kwargs):
+    """The forward to run a static-cache ``generate()``'s prefill with on "tpu", or None.
+
+    transformers compiles only the decode step (the prefill runs eagerly: a program per op
+    and prompt length). On "tpu" the prefill is compiled too, with the prompt length dynamic:
+    the compile backend pads it to a bucket, writes into the cache only at the real positions
+    and takes the logits of the last real one (compile/buckets.py, masking.py), so every
+    prompt length in a bucket runs one program. Taken when transformers would compile the
+    decode step with its default config; ``TORCHTPU_PREFILL_BUCKETS=0`` turns it off."""
+    import torch
+
+    if not PREFILL_BUCKETS or getattr(getattr(model, "device", None), "type", None) != "tpu":
+        return None
+    if (generation_config.prefill_chunk_size is not None
+            or generation_config.compile_config is not None
+            or "forward" in model.__dict__  # a hooked forward (accelerate's offloading)
+            or not model._valid_auto_compile_criteria(model_kwargs, generation_config)):
+        return None
+    from ..compile import buckets, options
+
+    if not buckets.enabled(options.dynamic_bucket_defaults()):
+        return None
+    compiled = model.__dict__.get("_torchtpu_prefill")
+    if compiled is None:
+        forward = type(model).forward
+
+        def prefill(*args, **kwargs):
+            return forward(model, *args, **kwargs)
+
+        compiled = torch.compile(prefill, backend="tpu")
+        model.__dict__["_torchtpu_prefill"] = compiled
+
+    def run(*args, **kwargs):
+        _prompt_dynamic(kwargs)
+        return compiled(*args, **kwargs)
+
+    return run
+
+
 def _patch_generation(mod) -> None:
     cls = mod.GenerationMixin
     orig = cls._prepare_static_cache
     if getattr(orig, "_torchtpu", False):
         return
+    orig_prefill = cls._prefill
+
+    @functools.wraps(orig_prefill)
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        fwd = bucketed_prefill(self, generation_config, model_kwargs)
+        if fwd is None:
+            return orig_prefill(self, input_ids, generation_config, model_kwargs, *args,
+                                **kwargs)
+        # transformers' prefill calls self(...): its forward is ours for that call
+        self.__dict__["forward"] = fwd
+        try:
+            return orig_prefill(self, input_ids, generation_config, model_kwargs, *args,
+                                **kwargs)
+        finally:
+            self.__dict__.pop("forward", None)
+
+    _prefill._torchtpu = True
+    cls._prefill = _prefill
 
     @functools.wraps(orig)
     def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, *args,
