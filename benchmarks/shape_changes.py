@@ -9,6 +9,9 @@ folder (TORCHTPU_CACHE_DIR), PyTorch CPU in its own process:
   process with an empty cache folder (cold), then of a second process on the same folder (warm);
 - generate, static cache (``cache_implementation="static"``: transformers compiles the decode
   step with backend "tpu"): the first call, and the median of later calls (warm);
+- generate, static cache, a new prompt length each call within one bucket (9, 11, 13, 15
+  tokens): calls 2-4 and the programs each compiles, with the prefill compiled per bucket (the
+  default on "tpu") and run eagerly as transformers does (``TORCHTPU_PREFILL_BUCKETS=0``);
 - training on batches of lengths 17..128 (``mark_dynamic`` on the sequence dim, compiled with
   backend "tpu"): time of 8 steps, and programs compiled; the model alone compiled (the
   cross-entropy eager), then the model and its loss in one compiled function (masked graphs:
@@ -48,10 +51,12 @@ def _model(device):
     return transformers.LlamaForCausalLM(cfg).eval().to(device)
 
 
-def _generate(model, device, cache):
+def _generate(model, device, cache, length=8):
     import torch
 
-    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(3, 256, (1, length),
+                        generator=torch.Generator().manual_seed(1 if length == 8 else length))
+    ids = ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                              do_sample=False, cache_implementation=cache)
@@ -79,6 +84,25 @@ def child_generate(device, cache, calls):
         toks = _generate(model, device, cache)
         times.append(time.perf_counter() - t0)
     return {"times": times, "counters": _counters(), "tokens": toks.tolist()}
+
+
+PROMPTS = (9, 11, 13, 15)  # one prompt bucket (16); caches of 40..46 positions: bucket 64
+
+
+def child_prompts(device):
+    """Static-cache generate with a new prompt length each call, all in one bucket: per call,
+    the time and the programs compiled."""
+    model = _model(device)
+    times, compiles, tokens = [], [], []
+    for n in PROMPTS:
+        before = _counters()
+        t0 = time.perf_counter()
+        tokens.append(_generate(model, device, "static", n).tolist())
+        times.append(time.perf_counter() - t0)
+        after = _counters()
+        compiles.append({k: after.get(k, 0) - before.get(k, 0)
+                         for k in ("eager_xla_compiles", "xla_compiles")})
+    return {"times": times, "compiles": compiles, "tokens": tokens}
 
 
 SAMPLE_CHARS, SAMPLE_BLOCK = 96, 64
@@ -182,6 +206,8 @@ def main():
         spec = json.loads(a.child)
         if spec["case"] == "generate":
             res = child_generate(spec["device"], spec["cache"], spec["calls"])
+        elif spec["case"] == "prompts":
+            res = child_prompts(spec["device"])
         elif spec["case"] == "sample":
             res = child_sample(spec["device"], spec["calls"])
         else:
@@ -241,6 +267,22 @@ def _generate_rows(a, row, rows):
     row("tpu static, second process, first call", [r["times"][0] for r in static_first],
         static_first[-1]["counters"], cpu_static_s)
     row("tpu static, warm (median of calls 2-4)", static_warm, {}, cpu_static_s)
+    # static cache, a new prompt length within the bucket each call (the first call of the
+    # process compiles the decode step and the bucket's prefill; calls 2-4 are new lengths):
+    # with the prefill compiled per bucket, and as transformers runs it (eagerly)
+    cpu_p = _spawn({"case": "prompts", "device": "cpu"}, {})
+    cpu_p_s = med(cpu_p["times"][1:])
+    rows.append((f"CPU static, prompts of {'/'.join(map(str, PROMPTS[1:]))} tokens "
+                 "(median of calls 2-4)", cpu_p_s, 1.0, {}))
+    for name, extra in (("prefill compiled per bucket", {}),
+                        ("eager prefill (TORCHTPU_PREFILL_BUCKETS=0)",
+                         {"TORCHTPU_PREFILL_BUCKETS": "0"})):
+        with tempfile.TemporaryDirectory() as d:
+            r = _spawn({"case": "prompts", "device": "tpu"}, dict(extra, TORCHTPU_CACHE_DIR=d))
+        assert r["tokens"] == cpu_p["tokens"], "tpu tokens differ from CPU's"
+        per_call = {k: max(c[k] for c in r["compiles"][1:]) for k in r["compiles"][1]}
+        row(f"tpu static, new prompt length in the bucket, {name} (calls 2-4; compiles: "
+            "most in one call)", r["times"][1:], per_call, cpu_p_s)
     if a.ablation:
         with tempfile.TemporaryDirectory() as d:
             r = _spawn({"case": "generate", "device": "tpu", "cache": "dynamic", "calls": 1},

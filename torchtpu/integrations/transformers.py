@@ -30,7 +30,9 @@ Static-cache ``generate()`` sizes its cache to prompt + new tokens (never shrink
 calls), so each longer prompt made a new cache shape and recompiled the decode step. On "tpu"
 the length is rounded up to the compile buckets (``torch.tpu.compiler.set_dynamic_buckets``;
 powers of two from 8 by default): prompts within a bucket share one cache and one decode
-program. The extra positions are masked, as a static cache's unused positions always are.
+program. The extra positions are masked, as a static cache's unused positions always are. Its
+prefill, which transformers runs eagerly, is compiled on "tpu" once per prompt bucket
+(``bucketed_prefill``).
 """
 from __future__ import annotations
 
