@@ -66,9 +66,8 @@ def test_static_cache_compiles_decode_once(models):
     torch._dynamo.reset()
     # (new tokens, cache shapes new to this model): the cache grows for 7 (one more compile)
     # and is reused as it is for 5. Each new cache shape compiles one decode graph and one
-    # prefill graph (on "tpu" the prefill is compiled too; this left-padded batch's mask is
-    # built outside it, so it is compiled per prompt length, here always 6); every other
-    # prefill and decode step is a cache hit
+    # prefill graph (on "tpu" the prefill is compiled too); every other prefill and decode step
+    # is a cache hit
     for n, graphs in ((3, 1), (7, 1), (5, 0)):
         torch.tpu.reset_metrics()
         got = generate(tpu, TPU, max_new_tokens=n, do_sample=False, cache_implementation="static")
@@ -111,6 +110,30 @@ def test_static_cache_prompt_lengths_in_a_bucket_share_prefill_and_decode(models
         torch.testing.assert_close(got, expect)
     assert misses == [2, 0, 0], misses  # the decode and the prefill graph, then none
     assert masked[0] == 1, masked  # the prefill: padded to its bucket
+
+
+def test_static_cache_left_padded_batch_prompts_share_the_prefill(models):
+    """A left-padded batch: generate() builds the prefill's 4-d mask outside the model; its
+    query dim is marked dynamic apart from the ids' and checked equal at each call. Batches
+    of 9, 11 and 13 tokens: one prefill program, CPU's tokens."""
+    cpu, _ = models
+    tpu = copy.deepcopy(cpu).to(TPU)
+    torch._dynamo.reset()
+    misses = []
+    for length in (9, 11, 13):
+        ids = torch.randint(3, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones_like(ids)
+        ids[0, :3] = 0
+        mask[0, :3] = 0
+        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False,
+                  cache_implementation="static", pad_token_id=0)
+        torch.tpu.reset_metrics()
+        with torch.no_grad():
+            got = tpu.generate(ids.to(TPU), **{**kw, "attention_mask": mask.to(TPU)}).cpu()
+            expect = cpu.generate(ids, **kw)
+        misses.append(torch.tpu.metrics()["counters"].get("compile_cache_misses", 0))
+        torch.testing.assert_close(got, expect)
+    assert misses == [2, 0, 0], misses
 
 
 def test_sampling_with_a_seed_repeats(models):

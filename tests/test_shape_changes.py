@@ -458,6 +458,39 @@ def test_sdpa_with_a_static_mask_over_dynamic_queries_is_specialised():
     assert programs == 1
 
 
+def test_sdpa_mask_marked_apart_from_the_queries(monkeypatch):
+    """A 4-d mask (batch, 1, queries, keys) marked dynamic apart from the queries (a prompt's
+    ids and the mask generate() builds for a static cache): two size symbols, padded alike
+    when equal (one program, CPU's result); unequal, the op raises as on CPU."""
+    monkeypatch.setattr(buckets, "DEBUG_PAD_VALUE", float("nan"))
+    kv = torch.randn(1, 2, 24, 8, generator=torch.Generator().manual_seed(1))
+
+    def f(q, mask):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, kv.to(q.device), kv.to(q.device).cos(), attn_mask=mask)
+
+    g = torch.compile(f, backend="tpu")
+    before = _count("compile_cache_misses")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n, m in ((17, 17), (21, 21), (17, 18)):
+            q = torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n))
+            mask = torch.rand(1, 1, m, 24, generator=torch.Generator().manual_seed(m)) > 0.3
+            mask[..., 0] = True
+            qt, mt = q.to(TPU), mask.to(TPU)
+            torch._dynamo.mark_dynamic(qt, 2)
+            torch._dynamo.mark_dynamic(mt, 2)
+            if n != m:
+                with pytest.raises(RuntimeError):
+                    f(q, mask)
+                with pytest.raises(RuntimeError, match="must match"):
+                    g(qt, mt).cpu()
+                continue
+            torch.testing.assert_close(g(qt, mt).cpu(), f(q, mask))
+    assert _specialised(w) == []
+    assert _count("compile_cache_misses") - before == 1
+
+
 def test_index_copy_at_dynamic_positions_of_a_static_buffer(monkeypatch):
     """A static KV cache written at a prompt's positions (index_copy_ of a dynamic number of
     rows into a buffer of fixed size): the padded rows and indices write nothing, so the

@@ -391,9 +391,10 @@ def analyse(gm: torch.fx.GraphModule, mutated=()):
             outs.append([(d, e) for d, e in enumerate(_sizes(v)) if _syms(e)])
         else:
             outs.append([])
+    equal = [pair for n in gm.graph.nodes for pair in n.meta.get(_masking.EQUAL_SIZES, ())]
     if masks or values:
-        return Plan(inputs, outs, syms, masks, values)
-    return Plan(inputs, outs)
+        return Plan(inputs, outs, syms, masks, values, equal)
+    return Plan(inputs, outs, equal=equal)
 
 
 def _mixes_dynamic(n, mixed) -> bool:
@@ -489,7 +490,7 @@ class Plan:
     """Which inputs/outputs carry which dynamic sizes (symbols), and for a masked graph
     (``masked``) the ops to mask and the sizes used as values (masking.py)."""
 
-    def __init__(self, inputs, outputs, syms=(), masks=(), values=()):
+    def __init__(self, inputs, outputs, syms=(), masks=(), values=(), equal=()):
         # per placeholder: ("sym", c * s) | ("tensor", [(dim, c * s)]) | ("other", None)
         self.inputs = inputs
         self.outputs = outputs  # per output: [(dim, size expression)], or ("sym", expression)
@@ -497,6 +498,9 @@ class Plan:
         self.masks = list(masks)
         self.values = list(values)
         self.masked = bool(self.masks or self.values)
+        # sizes of different symbols that an op needs equal (masking.sdpa_mask_fits): the
+        # unpadded op would raise otherwise, while their buckets could still agree
+        self.equal = list(equal)
 
     def symbol_values(self, args) -> dict:
         """The actual value of each dynamic size in this call."""
@@ -511,6 +515,12 @@ class Plan:
             for e, v in exprs:
                 c, s, k = _block(e)
                 vals.setdefault(s, v // c - k)
+        for a, b in self.equal:
+            va, vb = int(a.subs(vals)), int(b.subs(vals))
+            if va != vb:
+                raise RuntimeError(f"The size of tensor a ({va}) must match the size of tensor "
+                                   f"b ({vb}) at an attention's mask (torchtpu.compile: sizes "
+                                   f"{a} and {b})")
         return vals
 
     def masked_graph(self, gm):

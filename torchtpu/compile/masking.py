@@ -260,18 +260,34 @@ def _size_expr(x):
     return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
 
 
+def _plain_size(e) -> bool:
+    """``s + k``: one size symbol, positions real up to it, then padding."""
+    syms = e.free_symbols if isinstance(e, sympy.Basic) else ()
+    return len(syms) == 1 and sympy.simplify(e - next(iter(syms))).is_Integer
+
+
 def sdpa_mask_fits(n, i) -> bool:
     """Whether the mask (argument ``i``) broadcasts against (.., queries, keys) with each of
     its last two dims 1 or the query's / key's own size: a mask whose query dim is static
     while the queries are dynamic (the attention op's meta does not check it) would not
-    broadcast once padded."""
+    broadcast once padded. Two plain sizes of different symbols (a prompt's ids and its
+    4-d mask, marked dynamic apart) fit when equal: recorded in the node's meta
+    (``EQUAL_SIZES``) for the plan to check at each call."""
     q, k = n.args[0].meta["val"].shape, n.args[1].meta["val"].shape
     b = n.args[i].meta["val"].shape
+    equal = []
     for x, ref in ((b[-2], q[-2]), (b[-1], k[-2])):
-        e = _size_expr(x)
-        if e != 1 and sympy.simplify(e - _size_expr(ref)) != 0:
+        e, r = _size_expr(x), _size_expr(ref)
+        if e == 1 or sympy.simplify(e - r) == 0:
+            continue
+        if not (_plain_size(e) and _plain_size(r)):
             return False
+        equal.append((e, r))
+    n.meta[EQUAL_SIZES] = equal
     return True
+
+
+EQUAL_SIZES = "torchtpu_equal_sizes"
 
 
 def _sdpa_rule(n, ndim):

@@ -120,7 +120,9 @@ def static_cache_length(n: int) -> int:
     return buckets.bucket(n, opts) if buckets.enabled(opts) else n
 
 
-# The prompt's inputs to a causal LM's forward, and the dim of each that is the prompt length.
+# The prompt's inputs to a causal LM's forward, and the dim of each that is the prompt length
+# (a 4-d attention mask, which generate() builds for a static cache, is (batch, 1, prompt,
+# cache): its keys dim is the cache's, static).
 _PROMPT_DIMS = (("input_ids", -1), ("position_ids", -1), ("attention_mask", -1),
                 ("cache_position", -1), ("inputs_embeds", -2), ("token_type_ids", -1))
 PREFILL_BUCKETS = os.environ.get("TORCHTPU_PREFILL_BUCKETS", "1") != "0"
@@ -133,8 +135,11 @@ def _prompt_dynamic(kwargs) -> None:
 
     for name, d in _PROMPT_DIMS:
         t = kwargs.get(name)
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[d] > 1:
-            torch._dynamo.mark_dynamic(t, d % t.dim())
+        if isinstance(t, torch.Tensor) and t.dim():
+            if name == "attention_mask" and t.dim() == 4:
+                d = -2
+            if t.shape[d] > 1:
+                torch._dynamo.mark_dynamic(t, d % t.dim())
 
 
 def bucketed_prefill(model, generation_config, model_kwargs):
