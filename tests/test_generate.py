@@ -112,6 +112,30 @@ def test_static_cache_prompt_lengths_in_a_bucket_share_prefill_and_decode(models
     assert masked[0] == 1, masked  # the prefill: padded to its bucket
 
 
+def test_a_prefill_that_cannot_compile_runs_eagerly(models, monkeypatch):
+    """A forward the compiler rejects: one warning, the prefill runs eagerly, CPU's tokens."""
+    from torchtpu.compile.lower import Unsupported
+    from torchtpu.integrations import transformers as integration
+
+    def reject(fn):
+        def compiled(*args, **kwargs):
+            raise Unsupported("test: not compilable")
+        return compiled
+
+    monkeypatch.setattr(integration, "_compile", reject)
+    cpu, _ = models
+    tpu = copy.deepcopy(cpu).to(TPU)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(9))
+    kw = dict(max_new_tokens=3, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with pytest.warns(UserWarning, match="could not be compiled"):
+        with torch.no_grad():
+            got = tpu.generate(ids.to(TPU), **kw).cpu()
+    torch.testing.assert_close(got, cpu.generate(ids, **kw))
+    assert tpu.__dict__["_torchtpu_prefill"] is False
+    with torch.no_grad():  # eager from now on, without a second warning
+        torch.testing.assert_close(tpu.generate(ids.to(TPU), **kw).cpu(), got)
+
+
 def test_static_cache_left_padded_batch_prompts_share_the_prefill(models):
     """A left-padded batch: generate() builds the prefill's 4-d mask outside the model; its
     query dim is marked dynamic apart from the ids' and checked equal at each call. Batches

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import warnings
 
 from . import tpu_is_accelerator, when_imported
 
@@ -165,20 +166,37 @@ def bucketed_prefill(model, generation_config, model_kwargs):
     if not buckets.enabled(options.dynamic_bucket_defaults()):
         return None
     compiled = model.__dict__.get("_torchtpu_prefill")
+    if compiled is False:  # it failed to compile for this model: eager, as transformers runs it
+        return None
+    forward = type(model).forward
     if compiled is None:
-        forward = type(model).forward
-
         def prefill(*args, **kwargs):
             return forward(model, *args, **kwargs)
 
-        compiled = torch.compile(prefill, backend="tpu")
-        model.__dict__["_torchtpu_prefill"] = compiled
+        compiled = model.__dict__["_torchtpu_prefill"] = _compile(prefill)
 
     def run(*args, **kwargs):
+        from ..compile.lower import Unsupported
+
         _prompt_dynamic(kwargs)
-        return compiled(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except (torch._dynamo.exc.BackendCompilerFailed, Unsupported) as e:
+            # a forward the compiler cannot take (transformers' default keeps it eager):
+            # say so once and run it eagerly from now on
+            warnings.warn(f"torchtpu: the prefill of {type(model).__name__} could not be "
+                          f"compiled ({str(e).splitlines()[0]}); it runs eagerly",
+                          stacklevel=2)
+            model.__dict__["_torchtpu_prefill"] = False
+            return forward(model, *args, **kwargs)
 
     return run
+
+
+def _compile(fn):
+    import torch
+
+    return torch.compile(fn, backend="tpu")
 
 
 def _patch_generation(mod) -> None:
