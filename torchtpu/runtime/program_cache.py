@@ -12,15 +12,19 @@ lowering reads, ``XLA_FLAGS``. A warm process therefore neither traces, lowers n
 key part that has no stable spelling (a user's ``jax_op`` lowering, an unknown object) keeps the
 program in memory only.
 
-Small programs get cheaper XLA options (``FAST_OPTIONS``: LLVM -O0, no expensive passes, both
-leaving the numbers unchanged; their run time is per-call overhead either way): those whose inputs and outputs hold at most
+Small programs get cheaper XLA options (``FAST_OPTIONS``: LLVM -O0, no expensive passes; their
+run time is per-call overhead either way). They change no operation's numbers but one: at -O2
+LLVM fuses a float multiply feeding an add into one fused multiply-add (one rounding) where
+-O0 rounds twice, as PyTorch's two separate ops do (gelu, layer norm, ``a - b * b`` differ in
+the last bit between the two, nothing else measured did): those whose inputs and outputs hold at most
 ``TORCHTPU_FAST_COMPILE_MAX_ELEMENTS`` elements in all (default 65536; 0 turns it off). On
 XLA:CPU, a small program made only of operations whose result is defined bit for bit (data
 movement, dynamic slices, comparisons, IEEE add/sub/mul/div, conversions: ``_EXACT_OPS``; select
 and min/max on integers and booleans) is also
 compiled with XLA's classic emitters, ~3x faster for elementwise programs; programs with a
-transcendental function, a reduction or a contraction never are (the two emitters differ there
-in the last bits). tests/test_persistent_cache.py checks each allowed operation bit for bit;
+transcendental function, a reduction, a dot, or a float multiply together with a float
+add/subtract (a fused multiply-add on some hosts' emitters) never are (the two emitters differ
+there in the last bits). tests/test_persistent_cache.py checks each allowed operation bit for bit;
 ``TORCHTPU_CLASSIC_EMITTERS=0`` turns this off.
 
 Counted per kind (``eager``, ``fused``): ``<kind>_xla_compiles``, ``<kind>_xla_compile_ms``,
@@ -48,7 +52,8 @@ _install_ir_context()
 
 _MAGIC = b"TORCHTPU-XLA-PROGRAM-1\n"
 FAST_MAX_ELEMENTS = int(os.environ.get("TORCHTPU_FAST_COMPILE_MAX_ELEMENTS", "65536"))
-# Only options that leave the numbers bit-identical to a default compile. XLA:CPU's classic
+# Options that leave every operation's numbers as a default compile has them, save that -O0
+# does not contract a multiply and an add into a fused multiply-add. XLA:CPU's classic
 # emitters (xla_cpu_use_fusion_emitters=False) compiled small programs another ~3.5x faster but
 # use other tanh/erf/rsqrt approximations (tanh 3.2e-7 relative error vs 2.3e-7): results of an
 # op then depended on its size and executor, and a 3-step GPT AdamW test drifted past float32
@@ -212,6 +217,8 @@ _EXACT_OPS = frozenset("""
     """.split())
 # exact on integers and booleans only: the default emitters flush a subnormal float there
 _INTEGER_ONLY_OPS = frozenset(("select", "maximum", "minimum", "clamp"))
+# a float multiply and a float add/subtract in one program may become a fused multiply-add
+_CONTRACTIBLE = frozenset(("multiply", "add", "subtract"))
 _FLOAT_TYPE = re.compile(r"[<x](?:b?f\d|complex)")
 _STATEMENT = re.compile(r'^(?:%[^=]*=\s*)?"?([a-z_]+)\.([a-z_]+)')
 _CALL = re.compile(r'^(?:%[^=]*=\s*)?(?:func\.)?call @')
@@ -221,7 +228,12 @@ CLASSIC = os.environ.get("TORCHTPU_CLASSIC_EMITTERS", "1") != "0"
 
 def exact_ops_only(text: str) -> bool:
     """Whether every operation of a lowered module (its text) is one of ``_EXACT_OPS`` or a
-    plain function call; any line not understood answers False."""
+    plain function call; any line not understood answers False. A float multiply together with
+    a float add or subtract answers False too: LLVM may contract the pair into one fused
+    multiply-add (one rounding instead of two), and whether it does depends on the emitter, the
+    optimisation level and the host's vector ISA (a CI host's fusion emitters contracted
+    ``a - b * b`` in float64 where the classic ones did not)."""
+    float_ops = set()
     for line in text.splitlines():
         line = line.strip()
         if not line or line == "}" or line.startswith(("module ", "func.func ", "return ",
@@ -239,7 +251,9 @@ def exact_ops_only(text: str) -> bool:
             return False
         if op == "compare" and "bf16>" in line:
             return False  # the classic emitters see a subnormal bfloat16 as zero here
-    return True
+        if op in _CONTRACTIBLE and _FLOAT_TYPE.search(line):
+            float_ops.add("multiply" if op == "multiply" else "add")
+    return len(float_ops) < 2
 
 
 def _options(lowered) -> dict:
