@@ -7,6 +7,7 @@ integer/bool promotion, error types and messages, gradients through the LAPACK-s
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -515,3 +516,39 @@ def test_det_backward_noncontiguous_view():
 
 def test_fft_of_real_input_through_conj_view():
     check(torch.fft.ifft, X, atol=1e-4, rtol=1e-4)
+
+
+_G = torch.Generator().manual_seed(3)
+_BIG_E = torch.randint(0, 3000, (40, 50), generator=_G)  # 2000 x 1500 pairs: the sorted path
+_BIG_T = torch.randint(0, 3000, (1500,), generator=_G)
+_FN = torch.randn(1100, generator=_G)
+_FN[::7], _FN[::11] = NAN, 0.0
+_FT = torch.cat([_FN[::3], torch.tensor([-0.0, NAN])])
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0])), {}),  # promoted to float
+    ((torch.tensor([1.0, NAN, -0.0]), torch.tensor([NAN, 0.0])), {}),  # NaN in nothing, -0 == 0
+    ((torch.tensor([1, 2, 200], dtype=torch.uint8), torch.tensor([-56], dtype=torch.int8)), {}),
+    ((torch.tensor([1.0, 2.0], dtype=torch.float16), torch.tensor([2.0001])), {}),
+    ((torch.tensor([1, 2]), 2), {}), ((torch.tensor([1, 2]), 2.5), {}),
+    ((2, torch.tensor([1, 2])), {}), ((2.5, torch.tensor([1, 2])), {"invert": True}),
+    ((torch.tensor(5), torch.tensor([5, 6])), {}),
+    ((torch.zeros(0), torch.tensor([1.0])), {}), ((torch.ones(2, 3), torch.zeros(0)), {"invert": True}),
+    ((torch.arange(50).reshape(5, 10), torch.arange(20, 80, 3)), {"assume_unique": True}),
+    ((_BIG_E, _BIG_T), {}), ((_BIG_E, _BIG_T), {"invert": True}),
+    ((_FN, _FT), {}), ((_FN.double(), _FT), {}), ((_FN.bfloat16(), _FT.half()), {}),
+], ids=lambda v: "" if isinstance(v, (tuple, dict)) else None)
+def test_isin(args, kwargs):
+    """isin is one program (its decomposition ran ~10 ops: generate()'s stopping criteria call
+    it every token), equal to CPU's on both its compare-all and its sorted paths."""
+    check(lambda *a: torch.isin(*a, **kwargs), *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64])
+def test_isin_unsupported_dtype_message(dtype):
+    x = torch.ones(3, dtype=dtype)
+    with pytest.raises(RuntimeError) as cpu:
+        torch.isin(x, x)
+    with pytest.raises(RuntimeError, match=re.escape(cpu.value.args[0])):
+        torch.isin(x.to(DEV), x.to(DEV))
