@@ -12,12 +12,13 @@ lowering reads, ``XLA_FLAGS``. A warm process therefore neither traces, lowers n
 key part that has no stable spelling (a user's ``jax_op`` lowering, an unknown object) keeps the
 program in memory only.
 
-Small programs get cheaper XLA options (``FAST_OPTIONS``: LLVM -O0, no expensive passes; their
-run time is per-call overhead either way). They change no operation's numbers but one: at -O2
-LLVM fuses a float multiply feeding an add into one fused multiply-add (one rounding) where
--O0 rounds twice, as PyTorch's two separate ops do (gelu, layer norm, ``a - b * b`` differ in
-the last bit between the two, nothing else measured did): those whose inputs and outputs hold at most
-``TORCHTPU_FAST_COMPILE_MAX_ELEMENTS`` elements in all (default 65536; 0 turns it off). On
+Small programs, those whose inputs and outputs hold at most
+``TORCHTPU_FAST_COMPILE_MAX_ELEMENTS`` elements in all (default 65536; 0 turns it off), get
+cheaper XLA options (``FAST_OPTIONS``: LLVM -O0, no expensive passes; their run time is per-call
+overhead either way). They change no operation's numbers but one: at -O2 LLVM fuses a float
+multiply feeding an add into one fused multiply-add (one rounding) where -O0 rounds twice, as
+PyTorch's two separate ops do (gelu, layer norm, ``a - b * b`` differ in the last bit between
+the two; nothing else measured did). On
 XLA:CPU, a small program made only of operations whose result is defined bit for bit (data
 movement, dynamic slices, comparisons, IEEE add/sub/mul/div, conversions: ``_EXACT_OPS``; select
 and min/max on integers and booleans) is also
