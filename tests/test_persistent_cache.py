@@ -334,6 +334,24 @@ def test_classic_emitters_are_bit_identical_on_exact_ops(dtype):
             assert not pc.exact_ops_only(jax.jit(f).lower(x).as_text())
 
 
+
+@pytest.mark.parametrize("isa", ["AVX2", "AVX"])
+def test_classic_emitters_bit_identical_on_another_vector_isa(isa):
+    """The same check with XLA:CPU limited to another vector ISA: whether LLVM fuses a multiply
+    and an add differs between the emitters per ISA (CI's host contracted ``a - b * b`` in
+    float64 with one emitter only; here, under AVX2, the check before that fix failed the same
+    way). Each ISA in a fresh process, since XLA reads the flag once."""
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the classic emitters are an XLA:CPU option")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_cpu_max_isa={isa}").strip()
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{__file__}::test_classic_emitters_are_bit_identical_on_exact_ops"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "9 passed" in r.stdout, r.stdout[-2000:]
+
 def test_prune_removes_least_recently_used_entries(cache_dir):
     """Over the size limit, the least recently used entries go (a hit counts as a use) down
     to 80% of the limit, stale temporary files too; a pruned program is rebuilt, correctly."""
