@@ -334,7 +334,6 @@ def test_classic_emitters_are_bit_identical_on_exact_ops(dtype):
             assert not pc.exact_ops_only(jax.jit(f).lower(x).as_text())
 
 
-
 @pytest.mark.parametrize("isa", ["AVX2", "AVX"])
 def test_classic_emitters_bit_identical_on_another_vector_isa(isa):
     """The same check with XLA:CPU limited to another vector ISA: whether LLVM fuses a multiply
@@ -351,6 +350,7 @@ def test_classic_emitters_bit_identical_on_another_vector_isa(isa):
         env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "9 passed" in r.stdout, r.stdout[-2000:]
+
 
 def test_prune_removes_least_recently_used_entries(cache_dir):
     """Over the size limit, the least recently used entries go (a hit counts as a use) down

@@ -838,11 +838,12 @@ def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
 
 # ---------------------------------------------------------------- searchsorted / bucketize
 
-def _bsearch(seq, vals, right):
+def _bsearch(seq, vals, right, nan_last=False):
     """PyTorch's binary search, vectorised: seq [..., n] sorted; vals [..., m] (same leading).
 
     lower bound: first i with seq[i] >= v; upper bound: first i with seq[i] > v (comparisons
-    written exactly as PyTorch's, so NaNs land where they land on CPU).
+    written exactly as PyTorch's, so NaNs land where they land on CPU). ``nan_last``: NaNs in
+    ``seq`` (sorted to its end) count as above every value, so the search stays monotone.
     """
     n = seq.shape[-1]
     lo = jnp.zeros(vals.shape, _I64)
@@ -854,6 +855,8 @@ def _bsearch(seq, vals, right):
         midc = jnp.clip(mid, 0, max(n - 1, 0))
         mv = jnp.take_along_axis(seq, midc, axis=-1) if n else jnp.zeros(vals.shape, seq.dtype)
         go_right = ~(mv > vals) if right else ~(mv >= vals)
+        if nan_last:
+            go_right = go_right & ~jnp.isnan(mv)
         lo = jnp.where(active & go_right, mid + 1, lo)
         hi = jnp.where(active & ~go_right, mid, hi)
     return lo
@@ -950,7 +953,7 @@ def _isin(elements, test_elements, invert):
         found = jnp.any(flat[:, None] == t[None, :], axis=1)
     else:
         srt = jnp.sort(t)
-        i = _bsearch(srt[None, :], flat[None, :], False)[0]
+        i = _bsearch(srt[None, :], flat[None, :], False, nan_last=True)[0]
         found = jnp.take(srt, jnp.clip(i, 0, t.size - 1)) == flat
     found = found.reshape(e.shape)
     return ~found if invert else found
