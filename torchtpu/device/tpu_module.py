@@ -376,6 +376,7 @@ from .. import pallas  # noqa: E402  (torch.tpu.pallas.jax_op)
 from . import amp  # noqa: E402  (torch.tpu.amp: torch.cuda.amp's names)
 from .. import profiler  # noqa: E402  (torch.tpu.profiler; hooks torch.profiler for "tpu")
 from .. import export  # noqa: E402  (torch.tpu.export: ExportedProgram -> StableHLO)
+from .. import ops  # noqa: E402  (torch.tpu.ops: custom kernels, TorchTPU's names)
 
 import sys as _sys
 
