@@ -25,6 +25,7 @@ from ..eager import copy as _copy
 from ..eager import rng as _rng
 from ..lowering import registry as _registry
 from ..runtime import buffer as _buffer
+from ..runtime import custom_calls as _custom_calls
 from ..runtime import devices as _devices
 from ..runtime.metrics import COUNTERS, count
 from . import aot_cache as _aot_cache
@@ -400,10 +401,13 @@ class CompiledGraph:
         compiled = None
         key = None
         cacheable = not self._run.fallback_ops and _options.get(self.opts, "persistent_cache", True)
+        targets = ()
         if cacheable:
             try:
-                key = _cache.key_of(lowered.as_text(), copts, (dev.id,))
-                compiled = _cache.load(key, lowered, dev)
+                text = lowered.as_text()
+                targets = _custom_calls.targets(text)
+                key = _cache.key_of(text, copts, (dev.id,))
+                compiled = _cache.load(key, lowered, dev, targets)
             except Exception:  # noqa: BLE001
                 compiled = None
         if compiled is None:
@@ -412,11 +416,12 @@ class CompiledGraph:
             count("xla_compiles")
             count("xla_compile_ms", int((time.perf_counter() - t1) * 1000))
             if key is not None:
-                _cache.store(key, compiled)
-        if gkey is not None and key is not None:
+                _cache.store(key, compiled, targets)
+        if gkey is not None and key is not None and _custom_calls.storable(targets) is None:
             _cache.store_graph(gkey, key, {"in_tree": lowered.in_tree,
                                            "out_tree": lowered.out_tree, "consts": consts,
-                                           "checks": self._run.check_info})
+                                           "checks": self._run.check_info,
+                                           "custom_calls": targets})
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
         return _Entry(compiled, consts, donate, self._run.check_info)
 
@@ -590,8 +595,14 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=Non
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    from torch._functorch import config as functorch_config
+
     opts = _options.resolve(mode, options, kwargs)
-    with _aot_cache.enabled(opts) as serializable:
+    # effect tokens (ordering _linalg_check_errors and other effectful ops) are made inside the
+    # graphs, as for Inductor: a graph loaded from AOTAutogradCache is called without token
+    # inputs (its runtime wrapper adds none), so graphs that took them failed on a warm start
+    with _aot_cache.enabled(opts) as serializable, \
+            functorch_config.patch(unlift_effect_tokens=True):
         backend = aot_autograd(
             fw_compiler=_compiler("forward", opts, serializable),
             bw_compiler=_compiler("backward", opts, serializable),

@@ -90,11 +90,17 @@ def _prod(dims):
 
 
 def _decompose(ep: ExportedProgram, opts: StableHLOExportOptions) -> ExportedProgram:
-    if opts.decompositions == "core":
-        return ep.run_decompositions()
-    from ..compile.backend import _decompositions
+    from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
 
-    return ep.run_decompositions(_decompositions())
+    if opts.decompositions == "core":
+        ep = ep.run_decompositions()
+    else:
+        from ..compile.backend import _decompositions
+
+        ep = ep.run_decompositions(_decompositions())
+    # effect tokens (linalg ops' _linalg_check_errors) become plain calls in node order: a
+    # StableHLO artifact has no token inputs, and its ops run in that order anyway
+    return _remove_effect_tokens(ep)
 
 
 def _symbolic_avals(placeholders, ep):

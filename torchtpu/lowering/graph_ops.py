@@ -78,3 +78,16 @@ def _assert_scalar(self, assert_msg):
 @register(aten.sym_constrain_range_for_size.default, graph_only=True)
 def sym_constrain_range_for_size(size, *, min=None, max=None):
     return ()
+
+
+@register(torch.ops.prims._make_token.default, graph_only=True)
+def _make_token():
+    """An effect token made inside the graph: the compile backend has aot_autograd unlift them
+    (Inductor's convention, which AOTAutogradCache's runtime wrappers assume); effectful ops
+    (``with_effects``) run in the graph's node order, so a token carries nothing."""
+    return jnp.zeros((0,), jnp.bool_)
+
+
+@register(torch.ops.prims._sink_tokens.default, graph_only=True)
+def _sink_tokens(tokens):
+    return ()

@@ -2,9 +2,11 @@
 
 A ``Program`` stands where a ``jax.jit`` function stood: called with flat arguments, it finds the
 XLA executable for their signature (shapes, dtypes, weak types, Python scalar kinds) in this
-process, else in the compile cache folder (``compile/cache.py``: same directory, same entry
-safety: atomic writes, a corrupt or foreign entry is a counted miss and is rebuilt), else traces,
-lowers and compiles it and writes it there. The disk key is the executor's own cache key made
+process, else in the compile cache folder (``disk_cache.py``: atomic writes, a corrupt or
+foreign entry is a counted miss and is rebuilt), else traces, lowers and compiles it and writes
+it there. An entry records its module's custom-call targets; one whose targets cannot be made
+ready in this process (``custom_calls.py``: a LAPACK table JAX fills only while lowering, a host
+callback) is a counted miss (``<kind>_disk_cache_unsafe``, by reason), rebuilt, never run. The disk key is the executor's own cache key made
 stable across processes (``stable``), the signature, the device ids the program runs on, the
 compiler options, and a fingerprint of everything that shapes a trace: jax/jaxlib/torch
 versions, platform, the source of the whole torchtpu package, the jax configuration values a
@@ -45,13 +47,15 @@ import numpy as np
 from jax._src.array import ArrayImpl as _ArrayImpl
 from jax.core import ShapedArray
 
+from . import custom_calls as _custom_calls
+from . import disk_cache as _disk
 from . import prefetch as _prefetch
 from .ir_context import install as _install_ir_context
 from .metrics import count
 
 _install_ir_context()
 
-_MAGIC = b"TORCHTPU-XLA-PROGRAM-1\n"
+_MAGIC = b"TORCHTPU-XLA-PROGRAM-2\n"  # 2: entries record their custom-call targets
 FAST_MAX_ELEMENTS = int(os.environ.get("TORCHTPU_FAST_COMPILE_MAX_ELEMENTS", "65536"))
 # Options that leave every operation's numbers as a default compile has them, save that -O0
 # does not contract a multiply and an add into a fused multiply-add. XLA:CPU's classic
@@ -257,14 +261,15 @@ def exact_ops_only(text: str) -> bool:
     return len(float_ops) < 2
 
 
-def _options(lowered) -> dict:
+def _options(lowered, text) -> dict:
+    """``text``: a function returning the lowered module's text (computed once)."""
     if FAST_MAX_ELEMENTS <= 0:
         return {}
     ins = jax.tree_util.tree_leaves(lowered.in_avals)
     outs = jax.tree_util.tree_leaves(lowered.out_info)
     if _elements(ins) + _elements(outs) > FAST_MAX_ELEMENTS:
         return {}
-    if CLASSIC and _cpu() and exact_ops_only(lowered.as_text()):
+    if CLASSIC and _cpu() and exact_ops_only(text()):
         return CLASSIC_OPTIONS
     return FAST_OPTIONS
 
@@ -276,12 +281,6 @@ def _cpu() -> bool:
 
 
 _platform: list = []
-
-
-def _cache():
-    from ..compile import cache
-
-    return cache
 
 
 class Program:
@@ -337,7 +336,7 @@ class Program:
     def _stable_key(self) -> str:
         if self._disk is None:
             self._disk = ""
-            if self.key is not None and _cache().cache_dir() is not None:
+            if self.key is not None and _disk.cache_dir() is not None:
                 try:
                     self._disk = stable(self.key)
                 except NotStable:
@@ -383,7 +382,7 @@ class Program:
                 if "not found" not in str(e):
                     raise
                 # an executable XLA cannot run (an incomplete serialization): rebuild it
-                _cache()._discard(_cache()._path(info[1]), e, self.kind)
+                _disk._discard(_disk._path(info[1]), e, self.kind)
                 compiled, info = self._build(flat, None, info[2])
                 out = compiled(*flat)
         else:
@@ -416,7 +415,14 @@ class Program:
         else:
             with jax.default_matmul_precision(precision):
                 lowered = jitted.lower(*args)
-        opts = _options(lowered) if fast else {}
+        texts = []
+
+        def text():
+            if not texts:
+                texts.append(lowered.as_text())
+            return texts[0]
+
+        opts = _options(lowered, text) if fast else {}
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts or None)
         ms = int((time.perf_counter() - t0) * 1000)
@@ -428,7 +434,7 @@ class Program:
         if opts is CLASSIC_OPTIONS:
             count(f"{kind}_classic_emitter_compiles")
         if dkey is not None:
-            _store(kind, dkey[0], compiled, lowered)
+            _store(kind, dkey[0], compiled, lowered, _custom_calls.targets(text()))
         return compiled, ("xla", ms, opts)
 
     def _take_prefetched(self, sig):
@@ -539,7 +545,7 @@ def _sig_elements(sig) -> int:
 
 
 def _load(kind: str, key: str, device_id: int):
-    cache = _cache()
+    cache = _disk
     body = cache._read(key, _MAGIC, kind)
     if body is None:
         return None
@@ -550,7 +556,12 @@ def _load(kind: str, key: str, device_id: int):
         digest, payload = body[8 + n:8 + n + 32], body[8 + n + 32:]
         if hashlib.sha256(payload).digest() != digest:  # truncated or damaged: never loaded
             raise ValueError("payload checksum mismatch")
-        in_tree, out_tree = pickle.loads(body[8:8 + n])
+        in_tree, out_tree, targets = pickle.loads(body[8:8 + n])
+        reason = _custom_calls.ready(targets)
+        if reason is not None:  # never run: rebuilt by lowering, which sets up what it needs
+            count(f"{kind}_disk_cache_misses")
+            count(f"{kind}_disk_cache_unsafe", op=reason)
+            return None
         device = next(d for d in jax.local_devices() if d.id == device_id)
         compiled = deserialize_and_load(payload, in_tree, out_tree, backend=device.client,
                                         execution_devices=[device])
@@ -561,13 +572,17 @@ def _load(kind: str, key: str, device_id: int):
     return compiled
 
 
-def _store(kind: str, key: str, compiled, lowered) -> None:
-    cache = _cache()
+def _store(kind: str, key: str, compiled, lowered, targets) -> None:
+    cache = _disk
+    reason = _custom_calls.storable(targets)
+    if reason is not None:  # bound to this process: another one could never run it
+        count(f"{kind}_disk_cache_unstorable", op=reason)
+        return
     try:
         from jax.experimental.serialize_executable import serialize
 
         payload = serialize(compiled)[0]
-        trees = pickle.dumps((lowered.in_tree, lowered.out_tree))
+        trees = pickle.dumps((lowered.in_tree, lowered.out_tree, targets))
     except Exception as e:  # noqa: BLE001 - not serializable: kept in memory only
         count(f"{kind}_disk_cache_write_errors")
         cache._warn_once(f"torchtpu: could not serialize a {kind} program for the cache ({e})")
