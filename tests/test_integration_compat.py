@@ -89,10 +89,11 @@ def probe(order, *flags, path=(), env=None, timeout=400):
     return out
 
 
-FAST_ORDERS = ("submodule_first", "accelerate_first", "explicit_after")
+FAST_ORDERS = ("submodule_first", "explicit_after")
 
 
-@pytest.mark.parametrize("order", [o if o in FAST_ORDERS else pytest.param(o, marks=pytest.mark.slow)
+@pytest.mark.parametrize("order", [o if o in FAST_ORDERS
+                                   else pytest.param(o, marks=pytest.mark.slow)
                                    for o in ORDERS])
 def test_installed_transformers_in_every_import_order(order):
     """The installed (newest claimed) transformers and accelerate: every patch applied and

@@ -11,9 +11,10 @@ then the sharded ``state_dict`` saved and loaded), ``noreshard`` (reshard_after_
 ``root`` (root only), ``mp`` (bf16 parameters, fp32 reduction: compared with one process that
 runs each rank's slice in bf16 and averages the fp32-cast gradients, see reference_mp),
 ``fused`` (Fused eager mode), ``cpu_built`` (per-block sharding of a model left on CPU:
-``fully_shard`` moves it with ``param.data = ...``). ``memory`` reads ``torch.tpu.memory_allocated`` in forward and
-backward hooks: unsharded parameters are released after forward with
-``reshard_after_forward=True``, held with False, and FSDP2's peak is below DDP's.
+``fully_shard`` moves it with ``param.data = ...``). ``memory`` reads
+``torch.tpu.memory_allocated`` in forward and backward hooks: unsharded parameters are
+released after forward with ``reshard_after_forward=True``, held with False, and FSDP2's peak
+is below DDP's.
 Prints "OK <config>" per configuration and "ALL OK <n>"; usage: fsdp_check.py [config ...].
 """
 from __future__ import annotations
