@@ -81,6 +81,22 @@ def check_patches():
              if name.split(".")[0] in ("transformers", "accelerate")
              for k, v in list(getattr(m, "__dict__", {}).items()) if id(v) in originals]
     assert not stale, f"modules still holding an unpatched original: {stale}"
+    # continuous batching sizes its cache from the tpu's memory, by default a fraction that
+    # suits the CPU platform (through the names cache.py imported, old and new signatures)
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from torchtpu.integrations.transformers import CPU_PLATFORM_MEMORY_PERCENT
+    from torchtpu.runtime import devices
+
+    dev, total, _, _ = sys.modules[f"{CB}.cache"].get_device_and_memory_breakdown()
+    assert dev.type == "tpu" and total > 0, dev
+    cb = ContinuousBatchingConfig()
+    resolve = sys.modules[f"{CB}.initialization"].resolve_max_memory_percent
+    kw = {"device": torch.device("tpu", 0)} if "device" in inspect.signature(
+        resolve).parameters else {}
+    resolve(cb, False, **kw)
+    if devices.platform() == "cpu":
+        assert cb.max_memory_percent == CPU_PLATFORM_MEMORY_PERCENT, cb.max_memory_percent
     from accelerate.utils import DynamoBackend
 
     assert DynamoBackend("TPU") is DynamoBackend.TPU
