@@ -4,7 +4,10 @@ These libraries choose their device from a fixed list (CUDA, MPS, XPU, NPU...). 
 has no extension point, a narrow patch of the one function that picks the device is applied
 right after that library's module is imported (a post-import hook: nothing is imported early,
 and nothing changes unless "tpu" is the current accelerator when the function is called).
-``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
+A patch runs once its module has finished executing, whatever the import order (``when_imported``),
+and never breaks the library: a target that is missing, moved or has another signature is
+skipped (``patch``, ``skipped``; ``TORCHTPU_DEBUG_INTEGRATIONS=1`` says so, ``STATUS`` lists every
+target). ``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
 ``transformers.py``, ``flex_attention.py``, ``torchtitan.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1``
 (opt-in) makes ``import torch_tpu`` work for tools that look for Google's module name (Ray
 Train): see ``torch_tpu/__init__.py``.
@@ -12,7 +15,6 @@ Train): see ``torch_tpu/__init__.py``.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import inspect
 import logging
 import os
