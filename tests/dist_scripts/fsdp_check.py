@@ -10,9 +10,11 @@ forward, two micro-batches per step with ``set_requires_gradient_sync(False)`` o
 then the sharded ``state_dict`` saved and loaded), ``noreshard`` (reshard_after_forward=False),
 ``root`` (root only), ``mp`` (bf16 parameters, fp32 reduction: compared with one process that
 runs each rank's slice in bf16 and averages the fp32-cast gradients, see reference_mp),
-``fused`` (Fused eager mode). ``memory`` reads ``torch.tpu.memory_allocated`` in forward and
-backward hooks: unsharded parameters are released after forward with
-``reshard_after_forward=True``, held with False, and FSDP2's peak is below DDP's.
+``fused`` (Fused eager mode), ``cpu_built`` (per-block sharding of a model left on CPU:
+``fully_shard`` moves it with ``param.data = ...``). ``memory`` reads
+``torch.tpu.memory_allocated`` in forward and backward hooks: unsharded parameters are
+released after forward with ``reshard_after_forward=True``, held with False, and FSDP2's peak
+is below DDP's.
 Prints "OK <config>" per configuration and "ALL OK <n>"; usage: fsdp_check.py [config ...].
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 STEPS = 3
 BATCH = 8  # global batch, split across ranks
 CLIP = 0.05  # small enough that clipping is active on every step
-CONFIGS = ["block", "memory", "noreshard", "root", "mp", "fused"]
+CONFIGS = ["block", "memory", "noreshard", "root", "mp", "fused", "cpu_built"]
 
 
 class Block(nn.Module):
@@ -123,7 +125,14 @@ def reference_mp(init, n, dev):
 
 
 def shard(cfg, init, dev, mesh):
-    m = copy.deepcopy(init).to(dev)
+    if cfg == "cpu_built":
+        # left on CPU: fully_shard moves each parameter and buffer with `tensor.data = ...`
+        # (_fsdp_init.py's _move_states_to_device); objects and autograd stay as they were
+        m = copy.deepcopy(init)
+        m.register_buffer("scale", torch.ones(3))
+        before = {id(t) for t in (*m.parameters(), *m.buffers())}
+    else:
+        m = copy.deepcopy(init).to(dev)
     kw = {"mesh": mesh}
     if cfg == "noreshard":
         kw["reshard_after_forward"] = False
@@ -134,6 +143,10 @@ def shard(cfg, init, dev, mesh):
         for b in m.blocks:
             fully_shard(b, **kw)
     fully_shard(m, **kw)
+    if cfg == "cpu_built":
+        here = torch.empty(0, device=dev).device  # the device this rank's tensors report
+        assert m.scale.device == here and id(m.scale) in before, m.scale.device
+        assert all(p.requires_grad and p.to_local().device == here for p in m.parameters())
     return m
 
 

@@ -198,10 +198,14 @@ class Stream(_BaseStream, metaclass=_StreamMeta):
     """``torch.Stream``: torch.tpu.Stream (runtime/sync.py) for "tpu", PyTorch's otherwise."""
 
     def __new__(cls, device=None, *, priority=0, **kwargs):
-        if _means_tpu(device):
-            from ..runtime import sync
+        from ..runtime import sync
 
-            return sync.Stream(device, priority)
+        tpu = (kwargs["device_type"] == sync._PRIVATEUSE1 if "device_type" in kwargs
+               else _means_tpu(device))
+        if tpu:
+            return sync.Stream(device, priority, **kwargs)
+        if device is None:
+            return _BaseStream(priority=priority, **kwargs)
         return _BaseStream(device, priority=priority, **kwargs)
 
 
@@ -469,6 +473,19 @@ def _wrap_accelerator() -> None:
         mod = getattr(acc, "memory", None)
         if mod is not None and getattr(mod, name, None) is orig:
             setattr(mod, name, wrapped)
+    orig_set_stream = getattr(acc, "set_stream", None)
+    if orig_set_stream is not None:
+        @functools.wraps(orig_set_stream)
+        def set_stream(stream):
+            if getattr(stream, "device_type", None) == sync._PRIVATEUSE1:
+                from . import tpu_module
+
+                return tpu_module.set_stream(stream)
+            return orig_set_stream(stream)
+
+        from ..eager.dynamo_skip import skip
+
+        acc.set_stream = skip(set_stream)
     orig_empty = acc.empty_cache
 
     @functools.wraps(orig_empty)

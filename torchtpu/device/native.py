@@ -1,8 +1,11 @@
-"""torchtpu's one piece of C++: PrivateUse1 hooks with a pinned host allocator.
+"""torchtpu's two pieces of C++, each a small library built on first need.
 
-PyTorch's C++ sometimes asks the accelerator's hooks for a pinned host allocator (DDP's Reducer
-does, under ``find_unused_parameters=True`` or ``static_graph=True``); hooks written in Python
-cannot answer. ``pinned_hooks.cpp`` can. It is compiled on first need (not at import), with the
+- ``pinned_hooks.cpp``: PrivateUse1 hooks with a pinned host allocator. PyTorch's C++ sometimes
+  asks the accelerator's hooks for one (DDP's Reducer does, under
+  ``find_unused_parameters=True`` or ``static_graph=True``); hooks written in Python cannot.
+- ``set_data.cpp``: ``tensor.data = other`` between CPU and "tpu" (``device/set_data.py``).
+
+Each is compiled on first need (not at import), with the
 system C++ compiler against the installed torch's headers, and cached on disk under
 ``$TORCHTPU_CACHE_DIR/native`` if that is set, else under torch's extension folder
 (``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), keyed by the torch version and a
@@ -25,7 +28,8 @@ import time
 
 import torch
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pinned_hooks.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_HERE, "pinned_hooks.cpp")
 _lock = threading.Lock()
 _state: dict = {"installed": False, "lib": None, "built": False, "seconds": None}
 
@@ -46,27 +50,27 @@ def cache_dir() -> str:
     return os.path.join(root, "torchtpu_native")
 
 
-def _compiler() -> list[str]:
+_PINNED_WHAT = ("its pinned-memory hooks, which PyTorch requires for DistributedDataParallel "
+                "with find_unused_parameters=True or static_graph=True on device 'tpu'")
+
+
+def _compiler(what: str = _PINNED_WHAT, avoid: str = _AVOID) -> list[str]:
     cxx = os.environ.get("CXX")
     if cxx:
         cmd = shlex.split(cxx)
         if not cmd or shutil.which(cmd[0]) is None:
             raise RuntimeError(
-                f"torchtpu needs a C++ compiler to build its pinned-memory hooks, which "
-                "PyTorch requires for DistributedDataParallel with find_unused_parameters=True "
-                f"or static_graph=True on device 'tpu'; CXX={cxx!r} was not found: fix CXX, "
-                + _AVOID)
+                f"torchtpu needs a C++ compiler to build {what}; CXX={cxx!r} was not found: "
+                "fix CXX, " + avoid)
         return cmd
     for name in ("c++", "g++", "clang++"):
         path = shutil.which(name)
         if path:
             return [path]
     raise RuntimeError(
-        "torchtpu needs a C++ compiler to build its pinned-memory hooks (once; cached in "
-        f"{cache_dir()}), which PyTorch requires for DistributedDataParallel with "
-        "find_unused_parameters=True or static_graph=True on device 'tpu'. No c++, g++ or "
-        "clang++ was found on PATH and CXX is not set: install one (e.g. apt-get install g++), "
-        + _AVOID)
+        f"torchtpu needs a C++ compiler to build {what} (once; cached in {cache_dir()}). "
+        "No c++, g++ or clang++ was found on PATH and CXX is not set: install one (e.g. "
+        "apt-get install g++), " + avoid)
 
 
 def _torch_dir() -> str:
@@ -85,31 +89,31 @@ def _link_flags() -> list[str]:
     return ["-L", os.path.join(_torch_dir(), "lib"), "-lc10", "-ltorch_cpu"]
 
 
-def library_path() -> str:
+def library_path(source: str = _SOURCE) -> str:
     """Where the compiled library for this torch and this source lives (built or not)."""
-    with open(_SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         src = f.read()
     flags = [f for f in _compile_flags() if not f.startswith("/")]  # not the install path
     key = hashlib.sha256(src + "\0".join(flags).encode()).hexdigest()[:16]
     version = re.sub(r"[^0-9A-Za-z.]+", "_", torch.__version__)
-    return os.path.join(cache_dir(), f"pinned_hooks-torch{version}-{key}.so")
+    name = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(cache_dir(), f"{name}-torch{version}-{key}.so")
 
 
-def _build(path: str) -> None:
-    cmd = _compiler()
+def _build(path: str, source: str = _SOURCE, what: str = _PINNED_WHAT,
+           avoid: str = _AVOID) -> None:
+    cmd = _compiler(what, avoid)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
         # sources before libraries: with --as-needed, libraries named first would be dropped
-        full = cmd + _compile_flags() + [_SOURCE, "-o", tmp] + _link_flags()
+        full = cmd + _compile_flags() + [source, "-o", tmp] + _link_flags()
         r = subprocess.run(full, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(
-                "torchtpu could not build its pinned-memory hooks (needed by PyTorch for "
-                "DistributedDataParallel with find_unused_parameters=True or static_graph=True "
-                f"on device 'tpu'). Command: {shlex.join(full)}\n{r.stderr[-4000:]}\n"
-                "Check that the compiler supports C++20, " + _AVOID)
+                f"torchtpu could not build {what}. Command: {shlex.join(full)}\n"
+                f"{r.stderr[-4000:]}\nCheck that the compiler supports C++20, " + avoid)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
         os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
     finally:
@@ -117,7 +121,7 @@ def _build(path: str) -> None:
             os.unlink(tmp)
 
 
-def _build_locked(path: str) -> bool:
+def _build_locked(path: str, *build_args) -> bool:
     """Build ``path`` unless it exists; one process builds, others wait. True if built here."""
     if os.path.exists(path):
         return False
@@ -132,7 +136,7 @@ def _build_locked(path: str) -> bool:
         try:
             if os.path.exists(path):  # another process built it while we waited
                 return False
-            _build(path)
+            _build(path, *build_args)
             return True
         finally:
             if fcntl is not None:
@@ -169,6 +173,18 @@ def install_pinned_hooks() -> None:
                 f"{lib.torchtpu_registered_hooks_type().decode()}), not by torchtpu; " + _AVOID)
         _state.update(installed=True, lib=lib, built=built,
                       seconds=time.perf_counter() - t0)
+
+
+def load(source: str, what: str, avoid: str) -> tuple[ctypes.CDLL, bool]:
+    """The library built from ``source`` (a file beside this one), building it on first need;
+    (library, built by this process). Raises RuntimeError naming ``what`` needs it."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"torchtpu builds {what} for Linux only, not {sys.platform}; "
+                           + avoid)
+    source = os.path.join(_HERE, source)
+    path = library_path(source)
+    built = _build_locked(path, source, what, avoid)
+    return ctypes.CDLL(path), built
 
 
 def status() -> dict:

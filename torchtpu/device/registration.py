@@ -64,3 +64,6 @@ def register() -> None:
     from . import module_apply
 
     module_apply.install()  # module.to("tpu") keeps Parameter objects (weight tying)
+    from . import set_data
+
+    set_data.install()  # param.data = t between "cpu" and "tpu"

@@ -1,8 +1,8 @@
 """``torch.tpu``: the device module PyTorch finds for device type "tpu" (TorchTPU's names)."""
 from __future__ import annotations
 
-import contextlib
 import functools
+import threading
 
 import jax
 import torch
@@ -205,38 +205,117 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
     return "\n".join(f"{k}: {v}" for k, v in st.items() if k != "pjrt")
 
 
-_streams: dict = {}
+_streams: dict = {}  # device index -> its default stream (stream_id 0)
+_tls = threading.local()  # .current: {device index: stream} (per thread, as CUDA's)
 
 
 def default_stream(device=None) -> Stream:
+    """The device's default stream (the current device when None)."""
     i = _index(device)
     s = _streams.get(i)
     if s is None:
-        s = _streams[i] = Stream(i)
+        s = _streams.setdefault(i, Stream(stream_id=0, device_index=i))
     return s
 
 
-current_stream = default_stream
+def _current_map() -> dict:
+    cur = getattr(_tls, "current", None)
+    if cur is None:
+        cur = _tls.current = {}
+    return cur
+
+
+def current_stream(device=None) -> Stream:
+    """The stream selected on the device (this thread): its default stream unless
+    ``set_stream`` / ``stream(s)`` / ``with s:`` selected another."""
+    i = _index(device)
+    s = _current_map().get(i)
+    return s if s is not None else default_stream(i)
+
+
+def _as_tpu_stream(stream) -> Stream:
+    if isinstance(stream, Stream):
+        return stream
+    if isinstance(stream, torch.Stream) and stream.device.type == "tpu":
+        return Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                      device_type=stream.device_type)
+    raise ValueError(f"Expected a tpu stream, but got: {stream!r}")
 
 
 def set_stream(stream) -> None:
-    """Accepted: every device has one in-order stream (see torch.tpu.Stream)."""
-
-
-@contextlib.contextmanager
-def stream(s):
-    yield s
+    """Select ``stream`` as its device's current stream and make its device the current one,
+    as ``torch.cuda.set_stream``; None does nothing. Prefer ``torch.tpu.stream(s)``."""
+    if stream is None:
+        return
+    stream = _as_tpu_stream(stream)
+    i = stream.device_index
+    if i != _current[0]:
+        set_device(i)
+    _current_map()[i] = stream
 
 
 class StreamContext:
-    def __init__(self, s):
-        self.stream = s
+    """``torch.tpu.stream(s)``: selects ``s`` inside the block and restores the streams (and
+    device) that were current, as ``torch.cuda.StreamContext``. Reusable and re-entrant on
+    the same object; with ``None`` it does nothing. ``__enter__`` returns None, as CUDA's."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.idx = current_device()
+        self.src_prev_stream = None
+        self.dst_prev_stream = None
+        self._saved: list = []
 
     def __enter__(self):
-        return self.stream
+        cur = self.stream
+        if cur is None:
+            return
+        cur = _as_tpu_stream(cur)
+        src_prev = current_stream(None)
+        dst_prev = current_stream(cur.device_index) if src_prev.device != cur.device else None
+        self._saved.append((src_prev, dst_prev))
+        self.src_prev_stream, self.dst_prev_stream = src_prev, dst_prev
+        set_stream(cur)
 
     def __exit__(self, *exc):
+        if self.stream is None:
+            return False
+        src_prev, dst_prev = self._saved.pop()
+        if dst_prev is not None:
+            set_stream(dst_prev)
+        set_stream(src_prev)
         return False
+
+
+def stream(stream) -> StreamContext:
+    """Context manager that selects ``stream`` (``torch.cuda.stream``'s semantics)."""
+    return StreamContext(stream)
+
+
+def _enter_stream(s: Stream) -> Stream:
+    """``with s:`` (torch.Stream's context protocol): select ``s`` and its device."""
+    stack = getattr(_tls, "with_stack", None)
+    if stack is None:
+        stack = _tls.with_stack = []
+    i = s.device_index
+    stack.append((_current[0], i, _current_map().get(i)))
+    set_stream(s)
+    return s
+
+
+def _exit_stream(s: Stream) -> None:
+    prev_device, i, prev = _tls.with_stack.pop()
+    if prev is None:
+        _current_map().pop(i, None)
+    else:
+        _current_map()[i] = prev
+    if _current[0] != prev_device:
+        set_device(prev_device)
+
+
+def is_current_stream_capturing() -> bool:
+    """No graph capture on tpu (compiled programs are XLA's): always False."""
+    return False
 
 
 def manual_seed(seed: int) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 
-from . import tpu_is_accelerator, when_imported
+from . import bind, patch, skipped, tpu_is_accelerator, when_imported
 
 
 def torch_cuda_available() -> bool:
@@ -31,12 +31,7 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _patch_state(mod) -> None:
-    cls = mod.PartialState
-    orig = cls.default_device
-    if getattr(orig, "_torchtpu", False):
-        return
-
+def _default_device(orig):
     def default_device(self):
         dev = orig.fget(self)
         if dev.type == "cpu" and tpu_is_accelerator():
@@ -46,37 +41,53 @@ def _patch_state(mod) -> None:
         return dev
 
     default_device.__doc__ = orig.__doc__
-    prop = property(default_device)
-    prop.fget._torchtpu = True
-    cls.default_device = prop
+    return property(default_device)
+
+
+def _patch_state(mod) -> None:
+    patch(mod, "PartialState.default_device", _default_device)
 
     # One process per device (torchrun, accelerate launch): accelerate finds no backend for
     # "tpu" and each rank would train alone; join them in a "tpu_dist" process group instead.
-    orig_prepare = cls._prepare_backend
-    orig_set_device = cls.set_device
-    multi = mod.DistributedType.MULTI_GPU  # accelerate's "one process per accelerator" DDP mode
+    kinds = getattr(mod, "DistributedType", None)
+    if kinds is None or not hasattr(kinds, "MULTI_GPU") or not hasattr(kinds, "NO"):
+        skipped(f"{mod.__name__}.PartialState._prepare_backend", "no DistributedType.MULTI_GPU")
+        return
+    multi = kinds.MULTI_GPU  # accelerate's "one process per accelerator" DDP mode
 
-    @functools.wraps(orig_prepare)
-    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
-        found, kind = orig_prepare(self, cpu, sagemaker_dp, backend)
-        if (kind == mod.DistributedType.NO and not cpu and not sagemaker_dp
-                and int(os.environ.get("LOCAL_RANK", -1)) != -1 and tpu_is_accelerator()):
-            return backend or "tpu_dist", multi
-        return found, kind
+    def prepare_backend(orig):
+        @functools.wraps(orig)
+        def _prepare_backend(self, *args, **kwargs):
+            found, kind = orig(self, *args, **kwargs)
+            ba = bind(orig, (self,) + args, kwargs)
+            if ba is None:
+                return found, kind
+            ba.apply_defaults()
+            cpu, sagemaker_dp = ba.arguments["cpu"], ba.arguments["sagemaker_dp"]
+            if (kind == kinds.NO and not cpu and not sagemaker_dp
+                    and int(os.environ.get("LOCAL_RANK", -1)) != -1 and tpu_is_accelerator()):
+                return ba.arguments["backend"] or "tpu_dist", multi
+            return found, kind
 
-    @functools.wraps(orig_set_device)
-    def set_device(self):
-        if self.device is None and self.distributed_type == multi and tpu_is_accelerator() \
-                and not torch_cuda_available():
-            import torch
+        return _prepare_backend
 
-            self.device = torch.device("tpu", self.local_process_index)
-            torch.tpu.set_device(self.device)
-            return
-        return orig_set_device(self)
+    def set_device(orig):
+        @functools.wraps(orig)
+        def set_device(self):
+            if self.device is None and self.distributed_type == multi and tpu_is_accelerator() \
+                    and not torch_cuda_available():
+                import torch
 
-    cls._prepare_backend = _prepare_backend
-    cls.set_device = set_device
+                self.device = torch.device("tpu", self.local_process_index)
+                torch.tpu.set_device(self.device)
+                return
+            return orig(self)
+
+        return set_device
+
+    if patch(mod, "PartialState._prepare_backend", prepare_backend,
+             params=("cpu", "sagemaker_dp", "backend")):
+        patch(mod, "PartialState.set_device", set_device)
 
 
 def _add_enum_member(enum_cls, name: str, value: str) -> None:
@@ -96,6 +107,9 @@ def _add_enum_member(enum_cls, name: str, value: str) -> None:
 
 
 def _patch_dataclasses(mod) -> None:
+    if not hasattr(mod, "DynamoBackend"):
+        skipped(f"{mod.__name__}.DynamoBackend", "not found")
+        return
     _add_enum_member(mod.DynamoBackend, "TPU", "TPU")
 
 
@@ -111,11 +125,7 @@ def tpu_max_memory() -> dict:
     return out
 
 
-def _patch_modeling(mod) -> None:
-    orig = mod.get_max_memory
-    if getattr(orig, "_torchtpu", False):
-        return
-
+def _max_memory(orig):
     @functools.wraps(orig)
     def get_max_memory(max_memory=None):
         if max_memory is None and tpu_is_accelerator():
@@ -125,16 +135,14 @@ def _patch_modeling(mod) -> None:
             return found
         return orig(max_memory)
 
-    get_max_memory._torchtpu = True
-    mod.get_max_memory = get_max_memory
-    # modules that bound the original before this ran (accelerate imported before torchtpu)
-    import sys
+    return get_max_memory
 
-    for name, attr in (("accelerate.utils", "get_max_memory"),
-                       ("transformers.integrations.accelerate", "accelerate_max_memory")):
-        other = sys.modules.get(name)
-        if other is not None and getattr(other, attr, None) is orig:
-            setattr(other, attr, get_max_memory)
+
+def _patch_modeling(mod) -> None:
+    # rebind: modules that bound the original before this ran (accelerate imported before
+    # torchtpu), transformers' ``accelerate_max_memory`` among them
+    patch(mod, "get_max_memory", _max_memory, params=("max_memory",),
+          rebind=("accelerate", "transformers"))
 
 
 def install() -> None:

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import functools
 
-from . import when_imported
+from . import patch, when_imported
 
 
-def _patch(mod) -> None:
-    orig = mod._validate_device
-    if getattr(orig, "_torchtpu", False):
-        return
-
+def _validate(orig):
     @functools.wraps(orig)
     def _validate_device(query, key, value):
         if query.device.type == "tpu":
             return None
         return orig(query, key, value)
 
-    _validate_device._torchtpu = True
-    mod._validate_device = _validate_device
+    return _validate_device
+
+
+def _patch(mod) -> None:
+    patch(mod, "_validate_device", _validate, params=("query", "key", "value"))
 
 
 def install() -> None:

@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 import warnings
 
-from . import tpu_is_accelerator, when_imported
+from . import bind, patch, skipped, tpu_is_accelerator, when_imported
 
 CPU_PLATFORM_MEMORY_PERCENT = 0.1
 CB_COMPILE_LEVEL = int(os.environ.get("TORCHTPU_CB_COMPILE_LEVEL", "1"))
@@ -63,11 +64,7 @@ def memory_breakdown():
     return dev, total, torch.tpu.memory_reserved(dev), total - free
 
 
-def _patch_cb_utils(mod) -> None:
-    orig = mod.get_device_and_memory_breakdown
-    if getattr(orig, "_torchtpu", False):
-        return
-
+def _breakdown(orig):
     @functools.wraps(orig)
     def get_device_and_memory_breakdown(*args, **kwargs):
         import torch
@@ -76,41 +73,66 @@ def _patch_cb_utils(mod) -> None:
             return memory_breakdown()
         return orig(*args, **kwargs)
 
-    get_device_and_memory_breakdown._torchtpu = True
-    mod.get_device_and_memory_breakdown = get_device_and_memory_breakdown
+    return get_device_and_memory_breakdown
 
 
-def _patch_cb_init(mod) -> None:
-    orig = mod.resolve_max_memory_percent
-    if getattr(orig, "_torchtpu", False):
-        return
+def _patch_breakdown(mod) -> None:
+    # continuous_batching/utils.py since 5.24; requests.py before (a deprecated shim there now)
+    if hasattr(mod, "get_device_and_memory_breakdown") or mod.__name__.endswith(".utils"):
+        patch(mod, "get_device_and_memory_breakdown", _breakdown, rebind=("transformers",))
+
+
+def _memory_percent(orig):
+    """On the CPU platform, default the cache fraction to ``CPU_PLATFORM_MEMORY_PERCENT`` for
+    a cache on "tpu". Releases before 5.22 pass no device: their cache is sized from the
+    no-argument memory breakdown, which reports the tpu device when it is the accelerator."""
+    takes_device = "device" in inspect.signature(orig).parameters
 
     @functools.wraps(orig)
-    def resolve_max_memory_percent(cb_config, has_logit_processors, device=None):
-        if (cb_config.max_memory_percent is None and device is not None
-                and getattr(device, "type", None) == "tpu" and _on_cpu_platform()):
-            cb_config.max_memory_percent = CPU_PLATFORM_MEMORY_PERCENT
-        return orig(cb_config, has_logit_processors, device)
+    def resolve_max_memory_percent(*args, **kwargs):
+        import torch
 
-    resolve_max_memory_percent._torchtpu = True
-    mod.resolve_max_memory_percent = resolve_max_memory_percent
+        ba = bind(orig, args, kwargs)
+        if ba is not None and _on_cpu_platform():
+            cb_config = ba.arguments["cb_config"]
+            device = ba.arguments.get("device")
+            if takes_device:
+                on_tpu = getattr(device, "type", None) == "tpu"
+            else:
+                on_tpu = not torch.cuda.is_available() and tpu_is_accelerator()
+            if on_tpu and getattr(cb_config, "max_memory_percent", 0) is None:
+                cb_config.max_memory_percent = CPU_PLATFORM_MEMORY_PERCENT
+        return orig(*args, **kwargs)
 
-    orig_resolve = mod.resolve_continuous_batching_config
+    return resolve_max_memory_percent
 
-    @functools.wraps(orig_resolve)
-    def resolve_continuous_batching_config(config, cb_config, *args, **kwargs):
-        device = kwargs.get("device", args[2] if len(args) > 2 else None)
-        if (getattr(device, "type", None) == "tpu" and CB_COMPILE_LEVEL > 0
-                and cb_config.default_compile_level == 0
+
+def _compile_level(orig):
+    @functools.wraps(orig)
+    def resolve_continuous_batching_config(*args, **kwargs):
+        ba = bind(orig, args, kwargs)
+        if ba is None:
+            return orig(*args, **kwargs)
+        config, cb_config = ba.arguments["config"], ba.arguments["cb_config"]
+        if (getattr(ba.arguments.get("device"), "type", None) == "tpu" and CB_COMPILE_LEVEL > 0
+                and getattr(cb_config, "default_compile_level", None) == 0
                 and cb_config.varlen_compile_config is None
                 and cb_config.decode_compile_config is None
                 and getattr(config, "compile_config", None) is None):
             cb_config = copy.copy(cb_config)  # the caller's config stays as it was
             cb_config.default_compile_level = CB_COMPILE_LEVEL
-        return orig_resolve(config, cb_config, *args, **kwargs)
+            ba.arguments["cb_config"] = cb_config
+        return orig(*ba.args, **ba.kwargs)
 
-    resolve_continuous_batching_config._torchtpu = True
-    mod.resolve_continuous_batching_config = resolve_continuous_batching_config
+    return resolve_continuous_batching_config
+
+
+def _patch_cb_init(mod) -> None:
+    patch(mod, "resolve_max_memory_percent", _memory_percent, params=("cb_config",),
+          rebind=("transformers",))
+    # the compile level needs the device, which resolve_* take since 5.22
+    patch(mod, "resolve_continuous_batching_config", _compile_level,
+          params=("config", "cb_config", "device"), rebind=("transformers",))
 
 
 def static_cache_length(n: int) -> int:
@@ -199,50 +221,50 @@ def _compile(fn):
     return torch.compile(fn, backend="tpu")
 
 
-def _patch_generation(mod) -> None:
-    cls = mod.GenerationMixin
-    orig = cls._prepare_static_cache
-    if getattr(orig, "_torchtpu", False):
-        return
-    orig_prefill = cls._prefill
-
-    @functools.wraps(orig_prefill)
-    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-        fwd = bucketed_prefill(self, generation_config, model_kwargs)
+def _prefill(orig):
+    @functools.wraps(orig)
+    def _prefill(self, *args, **kwargs):
+        ba = bind(orig, (self,) + args, kwargs)
+        fwd = None if ba is None else bucketed_prefill(
+            self, ba.arguments["generation_config"], ba.arguments["model_kwargs"])
         if fwd is None:
-            return orig_prefill(self, input_ids, generation_config, model_kwargs, *args,
-                                **kwargs)
+            return orig(self, *args, **kwargs)
         # transformers' prefill calls self(...): its forward is ours for that call
         self.__dict__["forward"] = fwd
         try:
-            return orig_prefill(self, input_ids, generation_config, model_kwargs, *args,
-                                **kwargs)
+            return orig(self, *args, **kwargs)
         finally:
             self.__dict__.pop("forward", None)
 
-    _prefill._torchtpu = True
-    cls._prefill = _prefill
+    return _prefill
 
+
+def _static_cache(orig):
     @functools.wraps(orig)
-    def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, *args,
-                              **kwargs):
+    def _prepare_static_cache(self, *args, **kwargs):
         if getattr(getattr(self, "device", None), "type", None) == "tpu":
-            max_cache_len = static_cache_length(max_cache_len)
-        return orig(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs)
+            ba = bind(orig, (self,) + args, kwargs)
+            if ba is not None:
+                ba.arguments["max_cache_len"] = static_cache_length(ba.arguments["max_cache_len"])
+                return orig(*ba.args, **ba.kwargs)
+        return orig(self, *args, **kwargs)
 
-    _prepare_static_cache._torchtpu = True
-    cls._prepare_static_cache = _prepare_static_cache
+    return _prepare_static_cache
 
 
-def _patch_cb_api(mod) -> None:
-    """continuous_api imported the resolver by name: point it at the patched one."""
-    from transformers.generation.continuous_batching import initialization
-
-    mod.resolve_continuous_batching_config = initialization.resolve_continuous_batching_config
+def _patch_generation(mod) -> None:
+    if not hasattr(getattr(mod, "GenerationMixin", None), "_valid_auto_compile_criteria"):
+        # bucketed_prefill asks it whether transformers would compile the decode step
+        skipped(f"{mod.__name__}.GenerationMixin._prefill", "no _valid_auto_compile_criteria")
+    else:
+        patch(mod, "GenerationMixin._prefill", _prefill,
+              params=("generation_config", "model_kwargs"))
+    patch(mod, "GenerationMixin._prepare_static_cache", _static_cache,
+          params=("max_cache_len",))
 
 
 def install() -> None:
-    when_imported("transformers.generation.continuous_batching.utils", _patch_cb_utils)
+    when_imported("transformers.generation.continuous_batching.utils", _patch_breakdown)
+    when_imported("transformers.generation.continuous_batching.requests", _patch_breakdown)
     when_imported("transformers.generation.continuous_batching.initialization", _patch_cb_init)
-    when_imported("transformers.generation.continuous_batching.continuous_api", _patch_cb_api)
     when_imported("transformers.generation.utils", _patch_generation)

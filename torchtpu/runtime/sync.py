@@ -4,9 +4,11 @@ JAX has no user-visible streams: PJRT runs each device's programs in order and o
 data dependencies, so every op behaves as if on one in-order stream per device. The honest
 model, then:
 
-- ``Stream`` is that one stream per device (``current_stream`` and ``default_stream`` return
-  it; ``torch.tpu.stream(s)`` is accepted and changes nothing). ``wait_event``/``wait_stream``
-  need no work: later ops already see the results they depend on.
+- ``Stream`` objects have CUDA's Python semantics (a new ``Stream()`` has its own id; the
+  device's default stream is id 0; ``torch.tpu.stream(s)``, ``set_stream`` and ``with s:``
+  select the current one, device/tpu_module.py), but all of a device's work runs on that one
+  in-order queue whichever is selected. ``wait_event``/``wait_stream`` need no work: later ops
+  already see the results they depend on.
 - ``Event.record()`` snapshots the device arrays still being computed at that moment. The
   event is complete when all of them are ready. With ``enable_timing=True`` a helper thread
   waits for them and stamps the time they became ready, so ``elapsed_time`` measures real
@@ -14,6 +16,7 @@ model, then:
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -189,11 +192,23 @@ class Event(_BaseEvent):
         return f"<torch.tpu.Event enable_timing={self.enable_timing}>"
 
 
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+_stream_ids = itertools.count(1)  # 0: each device's default stream
+_stream_ids_lock = threading.Lock()
+
+
 class Stream(_BaseStream):
-    """The device's one in-order stream (see the module docstring). A ``torch.Stream``
-    subclass: ``torch.Stream(device="tpu")`` returns one too."""
+    """A stream on a tpu device, with CUDA's Python semantics: ``Stream()`` is a new stream
+    (its own ``stream_id``, unequal to the others), ``default_stream()`` the device's stream 0,
+    ``current_stream()`` the one selected by ``set_stream`` / ``torch.tpu.stream(s)`` / ``with
+    s:``. What runs is the same whichever is selected: PJRT orders each device's work by data
+    (see the module docstring), so every wait a stream API asks for already holds. A
+    ``torch.Stream`` subclass: ``torch.Stream(device="tpu")`` returns one too."""
 
     def __new__(cls, device=None, priority: int = 0, **kwargs):
+        if "stream_id" in kwargs and "device_index" in kwargs:  # an existing stream, by id
+            kwargs.setdefault("device_type", _PRIVATEUSE1)
+            return _BaseStream.__new__(cls, priority=priority, **kwargs)
         idx = _index_of(device)
         if idx is None:
             from ..device import tpu_module
@@ -202,9 +217,12 @@ class Stream(_BaseStream):
         from . import devices
 
         devices.jax_device(idx)  # validates the ordinal
-        # the index lives in the C++ base only (no Python attribute): Dynamo wraps a Stream
-        # as soon as the base exists (compiled DDP creates one inside a compiled frame)
-        return _BaseStream.__new__(cls, device=torch.device("tpu", idx), priority=priority)
+        with _stream_ids_lock:
+            sid = next(_stream_ids)
+        # the id and index live in the C++ base only (no Python attribute): Dynamo wraps a
+        # Stream as soon as the base exists (compiled DDP creates one inside a compiled frame)
+        return _BaseStream.__new__(cls, stream_id=sid, device_index=idx,
+                                   device_type=_PRIVATEUSE1, priority=priority)
 
     def __init__(self, device=None, priority: int = 0, **kwargs):
         pass
@@ -220,18 +238,25 @@ class Stream(_BaseStream):
         event.wait(self)
 
     def wait_stream(self, stream: "Stream") -> None:
-        """Nothing to do: one in-order stream per device, ordered by data."""
+        """Nothing to do: the device's work is ordered by data."""
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event if event is not None else Event()
         event.record(self)
         return event
 
-    def __eq__(self, other):
-        return isinstance(other, _BaseStream) and other.device == self.device
+    def __enter__(self):
+        """``with s:`` selects ``s`` (and its device) until the block ends, as torch.Stream."""
+        from ..device import tpu_module
 
-    def __hash__(self):
-        return hash(("tpu", self.device_index))
+        return tpu_module._enter_stream(self)
+
+    def __exit__(self, *exc):
+        from ..device import tpu_module
+
+        tpu_module._exit_stream(self)
+        return False
 
     def __repr__(self):
-        return f"<torch.tpu.Stream device=tpu:{self.device_index}>"
+        return (f"<torch.tpu.Stream device=tpu:{self.device_index} "
+                f"stream_id={self.stream_id}>")
