@@ -225,7 +225,9 @@ def torch_mode(job):
     # 2. litert_torch.convert of the model moved to CPU (still on "tpu", litert-torch 0.10.0
     # can bake one parameter's values in for another's: see README, "Exporting to LiteRT")
     edge = litert_torch.convert(model.cpu(), args)
-    res = edge(*[a.numpy() for a in args])
+    # its inputs are 32-bit as the warning it logs says (enable_x64=False, as to_litert's)
+    res = edge(*[a.numpy().astype(np.int32) if a.dtype == torch.int64 else a.numpy()
+                 for a in args])
     res = res if isinstance(res, (tuple, list)) else [res]
     for i, r in enumerate(res):
         arrays[f"litert_torch/out{i}"] = np.asarray(r)
