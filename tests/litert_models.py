@@ -23,6 +23,23 @@ def cnn():
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
+class InfNet(nn.Module):
+    """Infinite constants: clamps whose bounds are partly +-inf, a -inf masked_fill before a
+    softmax (the converter stores them as +-max float)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 6)
+        inf = float("inf")
+        self.register_buffer("lo", torch.tensor([-inf, -0.5, -inf, -1.0, -inf, 0.0]))
+        self.register_buffer("hi", torch.tensor([inf, 0.5, 1.0, inf, inf, 2.0]))
+
+    def forward(self, x):
+        y = torch.maximum(torch.minimum(self.lin(x), self.hi), self.lo)
+        mask = torch.cat([torch.zeros_like(x[:, :1], dtype=torch.bool), x[:, 1:6] > 0.5], 1)
+        return torch.softmax(y.masked_fill(mask, float("-inf")), -1)
+
+
 def tiny_llama():
     import transformers
 
@@ -89,6 +106,12 @@ def trained(name, device="tpu", steps=3):
                                           torch.randint(0, 10, (32,), generator=g).to(device)),
                         ce, steps)
         return model, (torch.randn(4, 16, generator=g),), losses
+    if name == "infnet":
+        model = InfNet().to(device)
+        losses = _train(model, lambda i: (torch.randn(16, 8, generator=g).to(device),
+                                          torch.rand(16, 6, generator=g).to(device)),
+                        nn.functional.mse_loss, steps)
+        return model, (torch.randn(8, 8, generator=g),), losses
     if name == "cnn":
         model = cnn().to(device)
         losses = _train(model, lambda i: (torch.randn(8, 3, 16, 16, generator=g).to(device),

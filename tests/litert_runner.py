@@ -168,6 +168,21 @@ def saved_mode(job):
         with np.load(case["inputs"]) as z:
             inputs = {k: z[k] for k in z.files}
         paths = {}
+        if case.get("float_only"):  # conversions checked for warnings, errors and outputs
+            import warnings
+
+            p = os.path.join(job["workdir"], f"{name}.tflite")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    litert.to_litert(d, p)
+                except Exception as e:  # noqa: BLE001
+                    meta[name] = {"error": f"{type(e).__name__}: {e}"}
+                    continue
+            meta[name] = {"warnings": [str(w.message) for w in caught]}
+            for k, v in run_signature(p, inputs).items():
+                arrays[f"{name}/float/out/{k}"] = v
+            continue
         for q in (None, "dynamic_int8"):
             p = os.path.join(job["workdir"], f"{name}{'_int8' if q else ''}.tflite")
             litert.to_litert(d, p, quantize=q, output_names=case.get("output_names"))

@@ -22,6 +22,7 @@ layers (ReLU is 1-Lipschitz, GELU's Lipschitz constant is its slope at sqrt(2)).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -163,10 +164,16 @@ def _mlp_bound(model, x, arrays):
 
 def test_mlp_to_litert_from_saved_dir_without_torch(tmp_path):
     """Trained on "tpu", exported, saved; converted by a process that never imports torch
-    (float and dynamic int8); both run in the interpreter."""
+    (float and dynamic int8); both run in the interpreter. With it, a model whose constants
+    hold +-inf (stored as +-max float: same outputs)."""
     case, ref, model = _saved("mlp", tmp_path)
-    arrays, meta = _run({"mode": "saved", "cases": [case]}, tmp_path, timeout=300)
+    inf_case, inf_ref, _ = _saved("infnet", tmp_path)
+    assert np.isinf(np.load(os.path.join(inf_case["artifact"], "state.npz"))["hi"]).any()
+    arrays, meta = _run({"mode": "saved", "cases": [case, inf_case]}, tmp_path, timeout=300)
     assert meta["torch_imported"] is False
+    _check_float("infnet", arrays, inf_ref)
+    (out,) = inf_ref.values()
+    assert (out == 0).any() and np.isfinite(out).all()  # the masked entries
     assert "FULLY_CONNECTED" in meta["mlp"]["ops"], meta["mlp"]["ops"]  # native TFLite ops
     _check_float("mlp", arrays, ref)
     assert _check_int8_weights("mlp", arrays) == 3
@@ -226,6 +233,62 @@ def test_trained_on_tpu_converts_two_ways(name, tmp_path):
         job["output_names"] = LLAMA_OUTPUTS
     arrays, meta = _run(job, tmp_path, timeout=600)
     _check_torch_mode(name, arrays, meta)
+
+
+class _BoolBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("keep", torch.tensor([True, False, True, False]))
+
+    def forward(self, x):
+        return torch.where(self.keep, self.lin(x), -x)
+
+
+def _saved_module(name, model, args, tmp_path, **options):
+    from torchtpu.export import StableHLOExportOptions
+
+    prog = exported_program_to_stablehlo(
+        torch.export.export(model, tuple(a.to("tpu") for a in args)),
+        StableHLOExportOptions(**options) if options else None)
+    d = str(tmp_path / name)
+    prog.save(d)
+    inp = str(tmp_path / f"{name}_inputs.npz")
+    np.savez(inp, **{k: a.float().numpy() for k, a in zip(prog.input_names, args)})
+    return {"name": name, "artifact": d, "inputs": inp, "float_only": True}, prog
+
+
+def test_to_litert_state_kinds_platforms_and_refusals(tmp_path):
+    """A bool buffer (was baked in as one splat value: wrong outputs), an export lowered for
+    two platforms (the platform index, i64 under x64, bound to CPU's), a BatchNorm exported in
+    training mode (its buffer updates are dropped with a warning; outputs use the batch's
+    statistics, as PyTorch's do), and a bfloat16 program (no LiteRT kernels: a clear error)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    boolnet = _BoolBuffer().eval()
+    bool_ref = boolnet(x).detach().numpy()
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    bn_ref = copy.deepcopy(bn)(x).detach().numpy()  # with the batch's statistics
+    bf = torch.nn.Sequential(torch.nn.Linear(4, 3)).to(torch.bfloat16).eval()
+    cases = [
+        _saved_module("boolnet", boolnet.to("tpu"), (x,), tmp_path)[0],
+        _saved_module("twoplatforms", boolnet.to("tpu"), (x,), tmp_path,
+                      platforms=["cpu", "cuda"])[0],
+        _saved_module("bn_train", bn.to("tpu"), (x,), tmp_path)[0],
+        _saved_module("bf16", bf.to("tpu"), (x.to(torch.bfloat16),), tmp_path)[0],
+    ]
+    arrays, meta = _run({"mode": "saved", "cases": cases}, tmp_path, timeout=300)
+    assert meta["torch_imported"] is False
+    for name, ref in [("boolnet", bool_ref), ("twoplatforms", bool_ref), ("bn_train", bn_ref)]:
+        assert "error" not in meta[name], meta[name]
+        (out,) = [v for k, v in arrays.items() if k.startswith(f"{name}/float/out/")]
+        torch.testing.assert_close(torch.from_numpy(out), torch.from_numpy(ref))
+    assert meta["boolnet"]["warnings"] == []
+    (w,) = meta["bn_train"]["warnings"]
+    assert "updates buffers (1.running_mean, 1.running_var, 1.num_batches_tracked)" in w
+    assert meta["bf16"]["error"].startswith("ExportError: torch.tpu.export.to_litert: "
+                                            "litert-converter could not convert the program "
+                                            "(LiteRT's kernels have no bfloat16"), meta["bf16"]
 
 
 def test_errors_without_converter_and_bad_arguments(tmp_path, monkeypatch):
