@@ -142,8 +142,10 @@ def _bind_constants(ir, stablehlo, main, consts, results_kept):
         ret.erase()
 
 
-def _convert(exported, meta, state, *, enable_x64, signature_name, input_names, output_names):
-    """The float .tflite flatbuffer (bytes)."""
+def _convert(exported, meta, state, *, enable_x64, signature_name, input_names, output_names,
+             path=None):
+    """The float .tflite flatbuffer: written to ``path``, else returned (bytes). ``state`` (a
+    list) is consumed: emptied once the constants hold it, to keep one copy of the weights."""
     ir, passmanager, cx, stablehlo = _converter()
     n_state = len(meta["state_names"])
     platforms = tuple(exported.platforms)
@@ -214,6 +216,8 @@ def _convert(exported, meta, state, *, enable_x64, signature_name, input_names, 
             in_names = [n for n in in_names if n not in unused] if input_names is None else \
                 [n for n, m in zip(in_names, meta["input_names"]) if m not in unused]
         _bind_constants(ir, stablehlo, main, consts, set(kept))
+        consts.clear()
+        state.clear()
         try:
             module.operation.verify()
             cx.set_signature(module.operation, signature_name=signature_name,
@@ -226,6 +230,9 @@ def _convert(exported, meta, state, *, enable_x64, signature_name, input_names, 
             # legalization to REDUCE_MAX matches, -inf masks)
             config.canonicalizing_inf_as_min_max_float = False
             cx.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)
+            if path is not None:
+                cx.export_flatbuffer_to_file(module.operation, path)
+                return None
             return cx.export_flatbuffer_to_bytes(module.operation)
         except Exception as e:  # noqa: BLE001  (MLIRError, RuntimeError: the diagnostics)
             hint = ""
@@ -265,14 +272,14 @@ def to_litert(program_or_saved_dir, path, quantize=None, *, enable_x64=False,
         raise ValueError(f"quantize must be None or one of {sorted(QUANTIZE_MODES)}, "
                          f"got {quantize!r}")
     exported, meta, state = _parts(program_or_saved_dir)
+    path = os.fspath(path)
     model = _convert(exported, meta, state, enable_x64=enable_x64,
                      signature_name=signature_name, input_names=input_names,
-                     output_names=output_names)
+                     output_names=output_names, path=None if quantize else path)
     if quantize is not None:
         model = _quantize(model, quantize)
-    path = os.fspath(path)
-    with open(path, "wb") as f:
-        f.write(model)
+        with open(path, "wb") as f:
+            f.write(model)
     return path
 
 
