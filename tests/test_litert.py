@@ -16,9 +16,11 @@ larger of the symmetric ``max|x| / 127 / 2`` and the asymmetric ``range / 255 / 
 quantized FULLY_CONNECTED/CONV_2D with weight W and input x this bounds the output error by
 ``max|x|/254 * sum|W_q| + sum|x| * scale/2`` (accumulation in int32 is exact; the float rescale
 adds ~2^-24 relative, allowed as 2^-20 of ``|x| @ |W_q|``). Checked: every int8 weight against
-its float original, every quantized op against its exact float result on its actual input, and
-for the MLP the whole network's output against PyTorch CPU with the bound carried through the
-layers (ReLU is 1-Lipschitz, GELU's Lipschitz constant is its slope at sqrt(2)).
+its float original, and every quantized op of a run with the builtin kernels (intermediate
+tensors kept) against its exact float result on its actual input; the other ops are float, as
+in the float model checked against PyTorch. A bound carried through whole networks was tried
+and dropped: worst-case, it came out ~300x the MLP's actual error, a check that could not
+fail. The default runtime's (XNNPACK) int8 outputs are run, not bounded.
 """
 from __future__ import annotations
 
@@ -131,42 +133,11 @@ def _check_quantized_ops(name, arrays, meta):
     return worst
 
 
-GELU_LIPSCHITZ = 0.5 * (1 + math.erf(1.0)) + math.sqrt(2) * math.exp(-1.0) / math.sqrt(2 * math.pi)
-
-
-def _mlp_bound(model, x, arrays):
-    """Bound on |int8 MLP - float MLP| from the documented per-weight and per-activation errors,
-    carried through the layers."""
-    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
-    acts = [m for m in model if not isinstance(m, torch.nn.Linear)] + [None]
-    qw = {}
-    n = 0
-    while f"mlp/w{n}/q" in arrays:
-        q, s = arrays[f"mlp/w{n}/q"].astype(np.float64), arrays[f"mlp/w{n}/scale"]
-        qw[q.shape] = (q * s.astype(np.float64)[:, None], s.astype(np.float64))
-        n += 1
-    h, e = x.astype(np.float64), np.zeros_like(x, dtype=np.float64)
-    for lin, act in zip(linears, acts):
-        w = lin.weight.detach().double().numpy()
-        b = lin.bias.detach().double().numpy()
-        wq, s = qw[w.shape]
-        m = (np.abs(h) + e).max()
-        d = (e + m / 254) @ np.abs(wq).T + np.abs(h).sum(1, keepdims=True) * s / 2 \
-            + 2.0 ** -20 * (np.abs(h) + e) @ np.abs(wq).T
-        y = h @ w.T + b
-        if act is None:
-            return d
-        lip = 1.0 if isinstance(act, torch.nn.ReLU) else GELU_LIPSCHITZ
-        assert isinstance(act, (torch.nn.ReLU, torch.nn.GELU))
-        e = lip * d
-        h = act(torch.from_numpy(y)).numpy()
-
-
 def test_mlp_to_litert_from_saved_dir_without_torch(tmp_path):
     """Trained on "tpu", exported, saved; converted by a process that never imports torch
     (float and dynamic int8); both run in the interpreter. With it, a model whose constants
     hold +-inf (stored as +-max float: same outputs)."""
-    case, ref, model = _saved("mlp", tmp_path)
+    case, ref, _ = _saved("mlp", tmp_path)
     inf_case, inf_ref, _ = _saved("infnet", tmp_path)
     assert np.isinf(np.load(os.path.join(inf_case["artifact"], "state.npz"))["hi"]).any()
     arrays, meta = _run({"mode": "saved", "cases": [case, inf_case]}, tmp_path, timeout=300)
@@ -179,13 +150,8 @@ def test_mlp_to_litert_from_saved_dir_without_torch(tmp_path):
     assert _check_int8_weights("mlp", arrays) == 3
     assert meta["mlp"]["qops"] == ["FULLY_CONNECTED"] * 3
     _check_quantized_ops("mlp", arrays, meta)
-    # end to end, with the default runtime (XNNPACK): within the bound carried through
     (key,) = ref
-    x = np.load(case["inputs"])["input"]
-    bound = _mlp_bound(model, x, arrays)
-    err = np.abs(arrays[f"mlp/dynamic_int8/out/{key}"].astype(np.float64) - ref[key])
-    assert np.all(err <= bound), float((err / bound).max())
-    assert err.max() > 0  # it is quantized
+    assert np.abs(arrays[f"mlp/dynamic_int8/out/{key}"] - ref[key]).max() > 0  # quantized
     assert meta["mlp"]["size_int8"] < meta["mlp"]["size_float"] / 2
 
 
