@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
-.PHONY: all venv demo demo-cpu test bench clean help
+.PHONY: all venv venv-litert demo demo-cpu test bench clean help
 
 all: help
 
@@ -27,6 +27,7 @@ help:
 	@echo "make test       run the test suite"
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
+	@echo "make venv-litert  create $(LITERT_VENV): LiteRT (torchtpu[litert]) over $(VENV), for tests/test_litert.py"
 
 venv: $(STAMP)
 
@@ -36,17 +37,38 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[test$(if $(EXTRAS),$(comma)$(EXTRAS))]"
 	@touch $@
 
+# LiteRT (litert-torch, litert-converter, ai-edge-litert, ai-edge-quantizer: ~450 MB) gets its
+# own virtualenv: its pins (xdsl needs typing-extensions < 4.13) are not ours to impose on
+# $(VENV). It reuses $(VENV)'s packages (torch, jax, transformers, torchtpu) through a .pth
+# file naming $(VENV)'s site-packages, found at build time; its own packages come first. Every
+# package $(VENV) has is held at its version (a constraints file from `pip freeze`) except
+# those the LiteRT pins move (typing-extensions and what depends on it: pydantic).
+LITERT_VENV  ?= .venv-litert
+LITERT_PY    := $(LITERT_VENV)/bin/python
+LITERT_STAMP := $(LITERT_VENV)/.torchtpu-litert-installed
+LITERT_FLOAT := typing.extensions|typing.inspection|pydantic|pydantic.core|anyio
+
+venv-litert: $(LITERT_STAMP)
+
+$(LITERT_STAMP): $(STAMP) pyproject.toml
+	@test -x $(LITERT_PY) || $(PY) -m venv $(LITERT_VENV)
+	$(LITERT_PY) -c "import sys, sysconfig, os; open(os.path.join(sysconfig.get_paths()['purelib'], '_torchtpu_base_venv.pth'), 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(PY) -m pip freeze --exclude-editable | grep -v -i -E '^($(LITERT_FLOAT))==' > $(LITERT_VENV)/constraints.txt
+	$(LITERT_PY) -m pip install -c $(LITERT_VENV)/constraints.txt -e ".[litert]"
+	$(LITERT_PY) -c "import litert_converter, ai_edge_litert, ai_edge_quantizer, litert_torch, torchtpu; print('LiteRT ready in $(LITERT_VENV)')"
+	@touch $@
+
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --device tpu $(DEMO_ARGS)
 
 demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(LITERT_STAMP)
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LITERT_VENV) build dist *.egg-info .pytest_cache

@@ -118,6 +118,46 @@ def test_llama_forward_matches_cpu_and_runs_without_torch(tmp_path):
     torch.testing.assert_close(torch.from_numpy(logits), ref)
 
 
+@pytest.mark.parametrize("decompositions", ["tpu", "core"])
+def test_llama_on_tpu_with_sdpa_exports(decompositions):
+    """A model on "tpu" calling F.scaled_dot_product_attention (transformers' default attention):
+    the composite op has a tpu kernel, so run_decompositions kept it whole and the export failed
+    ("aten::scaled_dot_product_attention.default has no lowering"); it is exported through
+    PyTorch's math path. The caller's ExportedProgram is left unchanged."""
+    m = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
+    ref = m(ids, use_cache=False).logits
+    m.to("tpu")
+    ep = torch.export.export(m, (ids.to("tpu"),), kwargs={"use_cache": False})
+    targets = [n.target for n in ep.graph.nodes]
+    assert torch.ops.aten.scaled_dot_product_attention.default in targets
+    prog = exported_program_to_stablehlo(ep, StableHLOExportOptions(decompositions=decompositions))
+    assert [n.target for n in ep.graph.nodes] == targets
+    torch.testing.assert_close(prog(ids.to("tpu"), use_cache=False).logits.cpu(), ref)
+
+
+def test_sdpa_masks_of_a_tpu_model_export():
+    """Boolean and float masks, grouped-query heads and an explicit scale, on "tpu"."""
+    class Attn(nn.Module):
+        def forward(self, q, k, v, bmask, fmask):
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=bmask, enable_gqa=True)
+            b = F.scaled_dot_product_attention(q, k, v, attn_mask=fmask, scale=0.3,
+                                               enable_gqa=True)
+            return a + b
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)
+    bmask = torch.rand(5, 7, generator=g) > 0.3
+    bmask[:, 0] = True  # no fully masked row
+    fmask = torch.randn(2, 1, 5, 7, generator=g)
+    args = (q, k, v, bmask, fmask)
+    ref = Attn()(*args)
+    prog = exported_program_to_stablehlo(torch.export.export(Attn(), tuple(a.to("tpu")
+                                                                           for a in args)))
+    torch.testing.assert_close(prog(*[a.to("tpu") for a in args]).cpu(), ref)
+
+
 def test_llama_core_aten_opset_dynamic_batch_and_length():
     """With PyTorch's core ATen decompositions (the opset torch.export's users target), every
     op lowers (no host callbacks: an op without a lowering would raise ExportError); batch and

@@ -1,4 +1,6 @@
-"""``torch.tpu.export``: ``torch.export`` programs as StableHLO artifacts (see stablehlo.py)."""
+"""``torch.tpu.export``: ``torch.export`` programs as StableHLO artifacts (see stablehlo.py),
+and those as LiteRT models (litert.py, with the optional litert-converter)."""
+from .litert import to_litert  # noqa: F401
 from .stablehlo import (  # noqa: F401
     ExportError,
     StableHLOExportOptions,

@@ -32,16 +32,14 @@ from torch.utils import _pytree as pytree
 
 from ..compile import lower as _lower
 from ..runtime.dtypes import to_jax
+from . import artifact as _artifact
+from .artifact import ExportError
 
 __all__ = ["exported_program_to_stablehlo", "StableHLOGraphModule", "StableHLOExportOptions",
            "load", "ExportError", "export_function"]
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 _MUTATION_KINDS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
-
-
-class ExportError(RuntimeError):
-    """The program cannot become self-contained StableHLO (an op without a lowering...)."""
 
 
 class StableHLOExportOptions:
@@ -92,15 +90,52 @@ def _prod(dims):
 def _decompose(ep: ExportedProgram, opts: StableHLOExportOptions) -> ExportedProgram:
     from torch.export._remove_effect_tokens_pass import _remove_effect_tokens
 
-    if opts.decompositions == "core":
-        ep = ep.run_decompositions()
-    else:
-        from ..compile.backend import _decompositions
+    retargeted = _sdpa_to_math(ep.graph_module)
+    try:
+        if opts.decompositions == "core":
+            ep = ep.run_decompositions()
+        else:
+            from ..compile.backend import _decompositions
 
-        ep = ep.run_decompositions(_decompositions())
+            ep = ep.run_decompositions(_decompositions())
+    finally:  # the caller's program is left as it was
+        for n in retargeted:
+            n.target = torch.ops.aten.scaled_dot_product_attention.default
+        if retargeted:
+            retargeted[0].graph.owning_module.recompile()
     # effect tokens (linalg ops' _linalg_check_errors) become plain calls in node order: a
     # StableHLO artifact has no token inputs, and its ops run in that order anyway
     return _remove_effect_tokens(ep)
+
+
+def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(
+            attn_mask.logical_not(), float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+        enable_gqa=enable_gqa)[0]
+
+
+def _sdpa_to_math(gm):
+    """F.scaled_dot_product_attention of a "tpu" model: the composite op has a tpu kernel
+    (eager/kernels.py routes it to the fused op), so run_decompositions keeps it whole, and the
+    whole op has no lowering (a CPU model's decomposes through CPU's choice of kernel). Its
+    nodes are retargeted to PyTorch's math path, which the retrace decomposes (the fused op is
+    a random op for its dropout, which an export refuses; in one program both are the same
+    math)."""
+    nodes = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and \
+                n.target is torch.ops.aten.scaled_dot_product_attention.default:
+            q = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+            if isinstance(q, torch.Tensor) and q.device.type == "tpu":
+                n.target = _sdpa_math
+                nodes.append(n)
+    if nodes:
+        gm.recompile()
+    return nodes
 
 
 def _symbolic_avals(placeholders, ep):
@@ -346,7 +381,7 @@ class StableHLOGraphModule:
                 a = a.view(np.dtype(f"uint{a.dtype.itemsize * 8}"))
             arrays[n] = a
         np.savez(os.path.join(directory, "state.npz"), **arrays)
-        meta = {"format": "torchtpu.export/1", "state_names": self.state_names,
+        meta = {"format": _artifact.FORMAT, "state_names": self.state_names,
                 "state_dtypes": [str(np.dtype(a.dtype)) for a in self.state],
                 "input_names": self.input_names, "output_names": self.output_names,
                 "n_user_outputs": self.n_user_outputs,
@@ -358,12 +393,7 @@ class StableHLOGraphModule:
 def load(directory) -> StableHLOGraphModule:
     """A saved program (``save``) as a ``StableHLOGraphModule`` (its ``__call__`` takes the flat
     user tensors)."""
-    with open(os.path.join(directory, "program.jaxexport"), "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
-    with open(os.path.join(directory, "meta.json")) as f:
-        meta = json.load(f)
-    with np.load(os.path.join(directory, "state.npz")) as z:
-        state = [jnp.asarray(z[n].view(a.dtype))
-                 for n, a in zip(meta["state_names"], exported.in_avals)]
+    exported, meta, state = _artifact.read(directory)
+    state = [jnp.asarray(a) for a in state]
     return StableHLOGraphModule(exported, meta["state_names"], state, meta["input_names"],
                                 meta["output_names"], meta["n_user_outputs"])
