@@ -9,7 +9,7 @@
   (builtin kernels, intermediate tensors kept).
 - ``"torch"``: trains a model of litert_models.py on "tpu" in this process and converts it
   two ways: ``to_litert(exported_program_to_stablehlo(ep))`` (from the "tpu" model) and
-  ``litert_torch.convert`` of the model moved to CPU; runs each in the interpreter.
+  ``litert_torch.convert`` of the model still on "tpu"; runs each in the interpreter.
 Results go to ``JOB["result"]`` (npz); the test compares them with PyTorch on CPU.
 """
 from __future__ import annotations
@@ -237,9 +237,11 @@ def torch_mode(job):
     out = run_signature(p, feeds)
     for i, k in enumerate(names):
         arrays[f"export/out{i}"] = out[k]
-    # 2. litert_torch.convert of the model moved to CPU (still on "tpu", litert-torch 0.10.0
-    # can bake one parameter's values in for another's: see README, "Exporting to LiteRT")
-    edge = litert_torch.convert(model.cpu(), args)
+    # 2. litert_torch.convert of the model still on "tpu", with "tpu" inputs (litert-torch
+    # 0.10.0 baked one parameter's values in for another's there: integrations/litert_torch.py
+    # hands it a CPU copy); the user's model stays on "tpu"
+    edge = litert_torch.convert(model, tpu_args)
+    assert next(model.parameters()).device.type == "tpu"
     # its inputs are 32-bit as the warning it logs says (enable_x64=False, as to_litert's)
     res = edge(*[a.numpy().astype(np.int32) if a.dtype == torch.int64 else a.numpy()
                  for a in args])

@@ -193,7 +193,7 @@ def _check_torch_mode(name, arrays, meta):
 def test_trained_on_tpu_converts_two_ways(name, tmp_path):
     """In one process of the LiteRT environment: trained on "tpu", then
     to_litert(exported_program_to_stablehlo(ep)) of the "tpu" model, and litert_torch.convert
-    of the model moved to CPU; each matches the model on PyTorch CPU."""
+    of the model still on "tpu" (was: wrong weights in 3 of 4 CNN conversions); each matches the model on PyTorch CPU."""
     job = {"mode": "torch", "model": name}
     if name == "llama":
         job["output_names"] = LLAMA_OUTPUTS

@@ -8,7 +8,7 @@ A patch runs once its module has finished executing, whatever the import order (
 and never breaks the library: a target that is missing, moved or has another signature is
 skipped (``patch``, ``skipped``; ``TORCHTPU_DEBUG_INTEGRATIONS=1`` says so, ``STATUS`` lists every
 target). ``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
-``transformers.py``, ``flex_attention.py``, ``torchtitan.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1``
+``transformers.py``, ``flex_attention.py``, ``torchtitan.py``, ``litert_torch.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1``
 (opt-in) makes ``import torch_tpu`` work for tools that look for Google's module name (Ray
 Train): see ``torch_tpu/__init__.py``.
 """
@@ -234,9 +234,10 @@ def install() -> None:
         sys.meta_path.append(_TorchTpuCompatFinder())
     if not _flag("TORCHTPU_INTEGRATIONS", "1"):
         return
-    from . import accelerate, flex_attention, torchtitan, transformers
+    from . import accelerate, flex_attention, litert_torch, torchtitan, transformers
 
     accelerate.install()
+    litert_torch.install()
     transformers.install()
     flex_attention.install()
     torchtitan.install()
