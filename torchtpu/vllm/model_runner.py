@@ -158,6 +158,14 @@ class TpuModelRunner(GPUModelRunner):
                                                                     desc.num_tokens))
         return mode, desc, ubatch, across_dp, stats
 
+    def _get_slot_mappings(self, *args, **kwargs):
+        by_group, by_layer = super()._get_slot_mappings(*args, **kwargs)
+        # The attention backend writes the KV cache in its forward, from its own metadata
+        # (forward_includes_kv_cache_update); the per-layer slot mappings of the forward
+        # context are for a separate write, and a compiled forward would guard on them (CPU
+        # tensors whose length is the step's): left empty, as at warm-up.
+        return by_group, {}
+
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec, max_sampled = super()._prepare_inputs(scheduler_output,
                                                                     num_scheduled_tokens)
@@ -191,11 +199,14 @@ class TpuModelRunner(GPUModelRunner):
         """One forward of ``T`` padding tokens (nothing written, zeros attended)."""
         md = self._padding_metadata(T)
         names = list(self.compilation_config.static_forward_context)
-        ids = torch.zeros(T, dtype=torch.int32, device=self.device_tpu)
-        pos = torch.zeros(T, dtype=torch.int64, device=self.device_tpu)
+        # host tensors of the step's dtypes, moved as a step moves them (a transfer allocates
+        # its destination with a program per shape)
+        ids = self.input_ids.cpu[:T]
+        pos = self._get_positions(T)
         with set_forward_context({n: md for n in names}, self.vllm_config, num_tokens=T,
                                  slot_mapping={}):
-            return self._forward(input_ids=ids, positions=pos)
+            return self._model_forward(input_ids=torch.zeros_like(ids),
+                                       positions=torch.zeros_like(pos))
 
     def _padding_metadata(self, T: int):
         group = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -206,6 +217,7 @@ class TpuModelRunner(GPUModelRunner):
                                    np.zeros(0, np.int32))
         return _attn.to_device(host, self.device_tpu)
 
+    @torch.inference_mode()  # as the worker runs steps (Dynamo guards on the grad mode)
     def warm_up(self) -> float:
         """Compile (or load from the compile cache) every token bucket's forward, the row
         gather ``hidden_states[logits_indices]`` for every (token, request) bucket pair, and
@@ -215,7 +227,7 @@ class TpuModelRunner(GPUModelRunner):
         for T in self.token_buckets:
             h = self._run_padding_step(T)
             for R in self.request_buckets:
-                rows = h[torch.zeros(R, dtype=torch.int64, device=self.device_tpu)]
+                rows = h[torch.zeros(R, dtype=torch.int64).to(self.device_tpu)]
                 if R not in done:
                     self._compute_logits(rows)
                     done.add(R)
@@ -242,7 +254,8 @@ class _LogitsHook:
         if p is not None and hidden_states.device.type == "tpu" \
                 and hidden_states.shape[0] == p[0]:
             self.runner._pending_logits = None
-            return self.runner._compute_logits(hidden_states)[:p[1]].cpu()
+            # the whole bucket comes back (a device-side slice would be a program per length)
+            return self.runner._compute_logits(hidden_states).cpu()[:p[1]]
         out = self.original(hidden_states)
         return out.cpu() if isinstance(out, torch.Tensor) else out
 
