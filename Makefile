@@ -64,7 +64,8 @@ demo: $(STAMP)
 demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
-test: $(STAMP)
+# the vLLM tests (tests/test_vllm.py) run in their own venv: make it first
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)
