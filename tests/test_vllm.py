@@ -125,3 +125,14 @@ print("ALL OK")
 """
     p = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0 and "ALL OK" in p.stdout, (p.stdout + p.stderr)[-4000:]
+
+
+@needs_venv
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_openai_server_matches_transformers(mode):
+    """`vllm.entrypoints.openai.api_server` on "tpu": concurrent completions, chat and
+    streaming through the openai client equal transformers' greedy text."""
+    out = run_script("server.py", *(["eager"] if mode == "eager" else []), timeout=1200)
+    for what in ("completions OK", "chat OK", "streaming OK"):
+        assert what in out
