@@ -136,3 +136,14 @@ def test_openai_server_matches_transformers(mode):
     out = run_script("server.py", *(["eager"] if mode == "eager" else []), timeout=1200)
     for what in ("completions OK", "chat OK", "streaming OK"):
         assert what in out
+
+
+@needs_venv
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_tensor_parallel_2_matches_transformers(mode):
+    """tensor_parallel_size=2: two worker processes over "tpu_dist" (vLLM's multiprocessing
+    executor, torchtpu's communicator); compiled, the all-reduces are inside each bucket's
+    program (SPMD), no CPU fallback on either rank."""
+    out = run_script("tp.py", mode, timeout=1200)
+    assert "tp=2 greedy OK" in out

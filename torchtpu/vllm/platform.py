@@ -18,9 +18,25 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def jax_platform() -> str:
+    """The PJRT platform "tpu" runs on, without creating the JAX backend when it does not exist
+    yet: vLLM configures itself in processes (its TP workers) that must join the "tpu_dist"
+    job before their first device use."""
+    import importlib.util
+
     from torchtpu.runtime import devices
 
-    return devices.platform()
+    if devices.backend_created():
+        return devices.platform()
+    want = (os.environ.get("TORCHTPU_PLATFORM") or os.environ.get("JAX_PLATFORMS", "")
+            ).split(",")[0].strip().lower()
+    if want:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(want, want)
+    if importlib.util.find_spec("libtpu") is not None:
+        return "tpu"
+    for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin"):
+        if importlib.util.find_spec(plugin) is not None:
+            return "gpu"
+    return "cpu"
 
 
 class TpuPlatform(Platform):
