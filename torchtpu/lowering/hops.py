@@ -235,8 +235,12 @@ def _run_functionalized(op, kwargs, bases, views):
     mut = _mutable_args(schema)
     vals = {}
     for a in mut:
-        b, v = views[a.name]
-        vals[a.name] = None if b is None else _view_of(bases[b], v)
+        info = views[a.name]
+        if isinstance(info, list):  # a Tensor(a!)[] argument: one (base, view) per element
+            vals[a.name] = [None if b is None else _view_of(bases[b], v) for b, v in info]
+        else:
+            b, v = info
+            vals[a.name] = None if b is None else _view_of(bases[b], v)
     args, kw = [], {}
     for a in schema.arguments:
         if a.name in vals:
@@ -268,10 +272,12 @@ def _run_functionalized(op, kwargs, bases, views):
         results = tuple(news[mut[0].name] for _ in range(nres)) if nres else ()
     new_bases = list(bases)
     for a in mut:
-        b, v = views[a.name]
-        if b is None or news.get(a.name) is None:
+        info, new = views[a.name], news.get(a.name)
+        if new is None:
             continue
-        new_bases[b] = _write_view(new_bases[b], v, news[a.name])
+        for (b, v), x in (zip(info, new) if isinstance(info, list) else [(info, new)]):
+            if b is not None and x is not None:
+                new_bases[b] = _write_view(new_bases[b], v, x)
     return results, new_bases
 
 
@@ -281,9 +287,11 @@ def _auto_functionalized_v2(op, _only_clone_these_bases=None, **kwargs):
     views = {}
     for a in _mutable_args(op._schema):
         if str(a.type).endswith("[]"):
-            raise NotImplementedError(f"'{_name(op)}': a mutable tensor-list argument "
-                                      f"({a.name}) is not supported in compiled graphs yet")
-        views[a.name] = _read_view(kwargs, a.name)
+            n = kwargs.pop(f"_{a.name}_length", None)
+            views[a.name] = (None, None) if n is None else \
+                [_read_view(kwargs, f"{a.name}_{i}") for i in range(n)]
+        else:
+            views[a.name] = _read_view(kwargs, a.name)
     results, new_bases = _run_functionalized(op, kwargs, bases, views)
     if not results:
         return (None, *new_bases)
