@@ -147,3 +147,17 @@ def test_tensor_parallel_2_matches_transformers(mode):
     program (SPMD), no CPU fallback on either rank."""
     out = run_script("tp.py", mode, timeout=1200)
     assert "tp=2 greedy OK" in out
+
+
+def test_importing_the_compiler_does_not_create_the_jax_backend():
+    """A process of a distributed job (a vLLM TP worker) may import the tpu compile backend
+    (Dynamo's backend registry does) before it joins its job: the import must not create the
+    JAX backend (it did, measuring a refcount on an array: rank 1's device was then missing)."""
+    import sys
+
+    code = ("import torchtpu.compile.backend; from jax._src import xla_bridge as xb; "
+            "assert not xb.backends_are_initialized(), 'backend created at import'; "
+            "print('ALL OK')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 0 and "ALL OK" in p.stdout, (p.stdout + p.stderr)[-3000:]
