@@ -161,3 +161,23 @@ def test_importing_the_compiler_does_not_create_the_jax_backend():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert p.returncode == 0 and "ALL OK" in p.stdout, (p.stdout + p.stderr)[-3000:]
+
+
+PLAIN_VENV = os.environ.get("TORCHTPU_VLLM_TPU_VENV", os.path.join(ROOT, ".venv-vllm-tpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(PLAIN_VENV, "bin", "python")),
+                    reason=f"no venv with PyPI's plain vllm==0.29.0 wheel at {PLAIN_VENV} "
+                           "(make venv-vllm VLLM_EXTRA=vllm-tpu VLLM_VENV=.venv-vllm-tpu, or "
+                           "TORCHTPU_VLLM_TPU_VENV; see docs/notes/vllm.md)")
+def test_plain_vllm_wheel_without_vllm_C():
+    """PyPI's plain vllm==0.29.0 wheel (a CUDA build: no usable vllm._C on a TPU host) runs the
+    compiled offline checks through the plugin, with no import hook."""
+    global PY
+    saved, PY = PY, os.path.join(PLAIN_VENV, "bin", "python")
+    try:
+        out = run_script("offline.py", "llama", "compiled", "features")
+    finally:
+        PY = saved
+    assert "logprobs OK" in out

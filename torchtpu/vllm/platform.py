@@ -47,7 +47,10 @@ class TpuPlatform(Platform):
     ray_device_key: str = "TPU"
     dist_backend: str = "tpu_dist"
     device_control_env_var: str = "TORCHTPU_VISIBLE_DEVICES"
-    simple_compile_backend: str = "tpu"
+    # vLLM's small torch.compile'd helpers (the sampler's logprob ranks on host tensors, the
+    # vocab-parallel embedding's mask) run eagerly: on the host they are CPU ops, and in the
+    # model they are traced into the bucket's program anyway (model_runner.py compiles it)
+    simple_compile_backend: str = "eager"
     supported_quantization: list[str] = []
 
     @property
