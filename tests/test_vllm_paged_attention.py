@@ -208,3 +208,14 @@ def test_auto_functionalized_v2_lowering_of_a_slice_view():
     sl[1, 0], sl[1, 1], sl[2, 0], sl[2, 1] = 1, 7, 1, 7
     want[1:4] = sl.reshape(3, 2, 2, 3)
     np.testing.assert_array_equal(np.asarray(out[1]), want)
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 20}], ids=["causal", "window"])
+def test_ragged_paged_attention_prefill_blocks_of_one_sequence(kw):
+    """Query blocks wholly inside one sequence (a prefill chunk) take the matrix-product path,
+    mixed blocks the per-token one: both against the dense reference."""
+    case = _case(seed=6, P=200, page=4, Hkv=2, D=8, Hq=4, S=4, pps=40, T=80,
+                 q_lens=(40, 1, 3), kv_lens=(100, 5, 60))
+    ref = pa.dense_reference(*case, sm_scale=0.3, **kw)
+    out = torch.tpu.ops.ragged_paged_attention(*_torch(*case, device="tpu"), sm_scale=0.3, **kw)
+    np.testing.assert_allclose(out.cpu().double().numpy(), ref, atol=3e-5, rtol=3e-5)

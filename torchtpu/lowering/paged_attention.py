@@ -72,17 +72,14 @@ def token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens):
     return seq, pos, valid
 
 
-def ragged_paged_attention_xla(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                               sm_scale=1.0, sliding_window=None, soft_cap=None):
+def _per_token_attention(q, kv_pages, rows, pos, valid, sm_scale, sliding_window, soft_cap,
+                         bp, nblk_max):
+    """Attention of tokens that may belong to different sequences: each token gathers its own
+    pages (``rows``: its sequence's page list) block by block, online softmax."""
     T, Hq, D = q.shape
     _, page, H2, _ = kv_pages.shape
     Hkv = H2 // 2
     G = Hq // Hkv
-    _, pps = page_indices.shape
-    bp = _block_pages(pps, page)
-    nblk_max = -(-pps // bp)
-    pidx_all = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, nblk_max * bp - pps)))
-    seq, pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, T)
     L = bp * page
     prec = _precision(q.dtype)
     qf = q.reshape(T, Hkv, G, D)
@@ -92,7 +89,6 @@ def ragged_paged_attention_xla(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     if sliding_window is not None:  # blocks wholly left of every window are skipped
         first = jnp.min(jnp.where(valid, pos - sliding_window + 1, jnp.iinfo(jnp.int32).max))
         start_blk = jnp.clip(first // L, 0, nblk)
-    rows = pidx_all[seq]  # [T, nblk_max * bp] this token's pages
 
     def body(b, carry):
         m, l, acc = carry
@@ -100,32 +96,119 @@ def ragged_paged_attention_xla(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         kv = jnp.take(kv_pages, pidx, axis=0, mode="clip")  # [T, bp, page, H2, D]
         kv = kv.reshape(T, L, Hkv, 2, D)
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]
-        s = jnp.einsum("tkgd,tlkd->tkgl", qf, k, preferred_element_type=jnp.float32,
-                       precision=prec) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        sc = jnp.einsum("tkgd,tlkd->tkgl", qf, k, preferred_element_type=jnp.float32,
+                        precision=prec) * sm_scale
         j = b * L + jnp.arange(L, dtype=jnp.int32)
         ok = (j[None, :] <= pos[:, None]) & valid[:, None]
         if sliding_window is not None:
             ok = ok & (j[None, :] > pos[:, None] - sliding_window)
-        s = jnp.where(ok[:, None, None, :], s, _NEG)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        p = jnp.where(ok[:, None, None, :], p, 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(-1)
-        pv = jnp.einsum("tkgl,tlkd->tkgd", p.astype(v.dtype) if v.dtype != jnp.float32 else p,
-                        v, preferred_element_type=jnp.float32, precision=prec)
-        acc = acc * alpha[..., None] + pv
-        return m_new, l, acc
+        return _online_step(m, l, acc, sc, ok[:, None, None, :], v, soft_cap, prec,
+                            "tkgl,tlkd->tkgd")
 
     m0 = jnp.full((T, Hkv, G), _NEG, jnp.float32)
     l0 = jnp.zeros((T, Hkv, G), jnp.float32)
     a0 = jnp.zeros((T, Hkv, G, D), jnp.float32)
     _, l, acc = lax.fori_loop(start_blk, nblk, body, (m0, l0, a0))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    out = jnp.where(valid[:, None, None, None], out, 0.0)
-    return out.reshape(T, Hq, D).astype(q.dtype)
+    return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, Hq, D)
+
+
+def _one_sequence_attention(q, kv_pages, row, pos, valid, sm_scale, sliding_window, soft_cap,
+                            bp, nblk_max):
+    """Attention of tokens of one sequence (a prefill chunk): its pages are gathered once per
+    block and every query attends to them in one matrix product."""
+    T, Hq, D = q.shape
+    _, page, H2, _ = kv_pages.shape
+    Hkv = H2 // 2
+    G = Hq // Hkv
+    L = bp * page
+    prec = _precision(q.dtype)
+    qf = q.reshape(T, Hkv, G, D)
+    last = jnp.max(jnp.where(valid, pos, -1))
+    nblk = jnp.clip(last // L + 1, 0, nblk_max)
+    start_blk = jnp.zeros((), jnp.int32)
+    if sliding_window is not None:
+        first = jnp.min(jnp.where(valid, pos - sliding_window + 1, jnp.iinfo(jnp.int32).max))
+        start_blk = jnp.clip(first // L, 0, nblk)
+
+    def body(b, carry):
+        m, l, acc = carry
+        pidx = lax.dynamic_slice_in_dim(row, b * bp, bp)  # [bp]
+        kv = jnp.take(kv_pages, pidx, axis=0, mode="clip").reshape(L, Hkv, 2, D)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        sc = jnp.einsum("tkgd,lkd->tkgl", qf, k, preferred_element_type=jnp.float32,
+                        precision=prec) * sm_scale
+        j = b * L + jnp.arange(L, dtype=jnp.int32)
+        ok = (j[None, :] <= pos[:, None]) & valid[:, None]
+        if sliding_window is not None:
+            ok = ok & (j[None, :] > pos[:, None] - sliding_window)
+        return _online_step(m, l, acc, sc, ok[:, None, None, :], v, soft_cap, prec,
+                            "tkgl,lkd->tkgd")
+
+    m0 = jnp.full((T, Hkv, G), _NEG, jnp.float32)
+    l0 = jnp.zeros((T, Hkv, G), jnp.float32)
+    a0 = jnp.zeros((T, Hkv, G, D), jnp.float32)
+    _, l, acc = lax.fori_loop(start_blk, nblk, body, (m0, l0, a0))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, Hq, D)
+
+
+def _online_step(m, l, acc, sc, ok, v, soft_cap, prec, pv_spec):
+    if soft_cap is not None:
+        sc = soft_cap * jnp.tanh(sc / soft_cap)
+    sc = jnp.where(ok, sc, _NEG)
+    m_new = jnp.maximum(m, sc.max(-1))
+    p = jnp.where(ok, jnp.exp(sc - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = l * alpha + p.sum(-1)
+    pv = jnp.einsum(pv_spec, p.astype(v.dtype) if v.dtype != jnp.float32 else p, v,
+                    preferred_element_type=jnp.float32, precision=prec)
+    return m_new, l, acc * alpha[..., None] + pv
+
+
+Q_BLOCK = 32  # queries per block of the portable path
+
+
+def ragged_paged_attention_xla(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale=1.0, sliding_window=None, soft_cap=None):
+    """The portable path: queries in blocks of ``Q_BLOCK``; a block whose tokens all belong to
+    one sequence (prefill chunks) attends to that sequence's pages with matrix products, any
+    other block (decode tokens of many sequences) gathers each token's pages (chosen on the
+    device with ``lax.cond``). KV positions are walked in blocks of ~128 up to the block's
+    last position: time and memory do not grow with the cache."""
+    T, Hq, D = q.shape
+    _, page, H2, _ = kv_pages.shape
+    _, pps = page_indices.shape
+    bp = _block_pages(pps, page)
+    nblk_max = -(-pps // bp)
+    pidx_all = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, nblk_max * bp - pps)))
+    seq, pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, T)
+    Bq = min(Q_BLOCK, T)
+    nq = -(-T // Bq)
+    pad = nq * Bq - T
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        seq = jnp.pad(seq, (0, pad))
+        pos = jnp.pad(pos, (0, pad))
+        valid = jnp.pad(valid, (0, pad))
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, bp=bp,
+              nblk_max=nblk_max)
+
+    def block(j):
+        sl = lambda x: lax.dynamic_slice_in_dim(x, j * Bq, Bq)  # noqa: E731
+        qb, sb, pb, vb = sl(q), sl(seq), sl(pos), sl(valid)
+        s0 = sb[0]
+        one = jnp.all(jnp.where(vb, sb == s0, True))
+        return lax.cond(
+            jnp.any(vb),
+            lambda: lax.cond(
+                one,
+                lambda: _one_sequence_attention(qb, kv_pages, pidx_all[s0], pb, vb, **kw),
+                lambda: _per_token_attention(qb, kv_pages, pidx_all[sb], pb, vb, **kw)),
+            lambda: jnp.zeros((Bq, Hq, D), jnp.float32))
+
+    out = lax.map(block, jnp.arange(nq))
+    return out.reshape(nq * Bq, Hq, D)[:T].astype(q.dtype)
 
 
 def dense_reference(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale=1.0,
