@@ -66,6 +66,11 @@ def test_offline_compiled_llama_matches_transformers():
     for what in ("greedy OK", "prefix caching OK", "seeded sampling and n=2 OK",
                  "stop strings OK", "logprobs OK", "ran without vllm._C"):
         assert what in out
+    # a second process on the same compile cache folder (the session's TORCHTPU_CACHE_DIR)
+    # builds nothing at start-up: every bucket program, the custom ops' lowerings included,
+    # comes back from the cache
+    out = run_script("offline.py", "llama", "compiled", env={"TORCHTPU_VLLM_EXPECT_WARM": "1"})
+    assert "warm start compiled nothing" in out
 
 
 @needs_venv

@@ -49,6 +49,13 @@ llm = LLM(model=path, dtype="float32", enforce_eager=(mode == "eager"), max_mode
           max_num_seqs=8, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=8 << 20, seed=0,
           enable_prefix_caching=True, enable_chunked_prefill=True)
 print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+if os.environ.get("TORCHTPU_VLLM_EXPECT_WARM") == "1":
+    # a second process on the same TORCHTPU_CACHE_DIR: every program of the start-up (bucket
+    # forwards, logits, gathers, transfers) comes from the compile cache
+    c0 = torch.tpu.metrics()["counters"]
+    built = {k: v for k, v in c0.items() if k.endswith("xla_compiles") or k == "compile_traces"}
+    assert not any(built.values()), f"the warm start compiled: {built}"
+    print("warm start compiled nothing", flush=True)
 
 import transformers  # noqa: E402
 
