@@ -336,15 +336,25 @@ y = torch.tpu.ops.ragged_dot(x, w, torch.tensor([8, 0, 24], device="tpu"))
 z = torch._grouped_mm(x.bfloat16(), w.bfloat16(), torch.tensor([8, 8, 40], dtype=torch.int32,
                                                                    device="tpu"))
 s = (y.sum() + z.float().sum()).item()
+xg, wg = x.clone().requires_grad_(), w.bfloat16().requires_grad_()
+f = torch.compile(lambda x, w, gs: torch.tpu.ops.ragged_dot(x, w, gs).square().sum(),
+                  backend="tpu")
+f(xg, w, torch.tensor([8, 0, 24], device="tpu")).backward()
+g = torch.compile(lambda a, b, o: torch._grouped_mm(a, b, offs=o).float().sum(), backend="tpu")
+g(xg.detach().bfloat16(), wg, torch.tensor([8, 8, 40], dtype=torch.int32, device="tpu")).backward()
+s2 = xg.grad.sum().item() + wg.grad.float().sum().item()
 c = torch.tpu.metrics()["counters"]
-print(json.dumps({"s": s, "compiles": c.get("eager_xla_compiles", 0),
-                  "hits": c.get("eager_disk_cache_hits", 0)}))
+print(json.dumps({"s": s, "s2": s2, "compiles": c.get("eager_xla_compiles", 0),
+                  "hits": c.get("eager_disk_cache_hits", 0),
+                  "graph_compiles": c.get("xla_compiles", 0),
+                  "aot_hits": c.get("aot_cache_hits", 0)}))
 """
 
 
 def test_second_process_loads_the_grouped_programs_from_the_cache(tmp_path):
     """The custom op exists in a fresh process (defined at import), and its programs and
-    _grouped_mm's come back from TORCHTPU_CACHE_DIR: the second process compiles nothing."""
+    _grouped_mm's, eager and compiled (forward and backward graphs, through AOTAutogradCache),
+    come back from TORCHTPU_CACHE_DIR: the second process compiles nothing."""
     env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("XLA_FLAGS", None)
     runs = []
@@ -353,6 +363,7 @@ def test_second_process_loads_the_grouped_programs_from_the_cache(tmp_path):
                            env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    assert runs[0]["s"] == runs[1]["s"]
-    assert runs[0]["compiles"] > 0
+    assert runs[0]["s"] == runs[1]["s"] and runs[0]["s2"] == runs[1]["s2"]
+    assert runs[0]["compiles"] > 0 and runs[0]["graph_compiles"] == 4
     assert runs[1]["compiles"] == 0 and runs[1]["hits"] == runs[0]["compiles"]
+    assert runs[1]["graph_compiles"] == 0 and runs[1]["aot_hits"] == 2
