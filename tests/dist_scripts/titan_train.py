@@ -184,6 +184,8 @@ def run_facts(trainer):
         m = torch.tpu.metrics()
         facts["dist_calls"] = m["per_op"].get("dist_calls", {})
         facts["cpu_fallbacks"] = m["per_op"].get("cpu_fallbacks", {})
+        facts["compile_cpu_fallbacks"] = m["per_op"].get("compile_cpu_fallbacks", {})
+        facts["compile_graphs"] = m["counters"].get("compile_graphs", 0)
     return facts
 
 
