@@ -105,6 +105,7 @@ def _lower_scatter_add(module) -> None:
 def install() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
-    from . import when_imported
+    if __package__:  # not when a CPU reference loads this file alone for the finder above
+        from . import when_imported
 
-    when_imported(SCATTER_ADD, _lower_scatter_add)
+        when_imported(SCATTER_ADD, _lower_scatter_add)
