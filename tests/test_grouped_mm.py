@@ -212,11 +212,21 @@ def test_every_kernel_matches_the_per_group_loop(kernel, dtype, case):
 def test_kernel_choice_follows_the_platform(monkeypatch):
     from torchtpu.runtime import devices
 
+    import ml_dtypes
+
     for plat, want in (("tpu", "megablox"), ("gpu", "xla"), ("cpu", "tiled")):
         monkeypatch.setattr(devices, "platform", lambda p=plat: p)
-        assert G.kernel_for(np.float32) == (want, False)
+        assert G.kernel_for(ml_dtypes.bfloat16) == (want, False)
     monkeypatch.setattr(devices, "platform", lambda: "tpu")
-    assert G.kernel_for(np.float16) == ("tiled", False)  # megablox takes float32/bfloat16
+    assert G.kernel_for(np.float16) == ("xla", False)  # megablox takes float32/bfloat16
+    # true float32 (the default) keeps XLA's ragged dot, which takes the precision
+    assert G.kernel_for(np.float32) == ("xla", False)
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert G.kernel_for(np.float32) == ("megablox", False)
+    finally:
+        torch.set_float32_matmul_precision(prev)
 
 
 def test_tiled_kernel_many_groups_and_tiles():

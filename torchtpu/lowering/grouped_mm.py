@@ -28,7 +28,8 @@ Two grouped products do all the work, each one program over every group:
 - ``tgmm``: the contraction dim grouped, one output [m, n] per group (2d x 2d).
 Which kernel computes them is chosen by the PJRT platform at trace time (``kernel_for``):
 - TPU: the megablox ``gmm`` / ``tgmm`` Pallas kernels that JAX ships
-  (``jax.experimental.pallas.ops.tpu.megablox``), float32 and bfloat16;
+  (``jax.experimental.pallas.ops.tpu.megablox``) for bfloat16 (and float32 when the matmul
+  precision is below "highest"); true float32 products use XLA's ragged dot;
 - GPU: ``jax.lax.ragged_dot_general`` (XLA's ragged-dot instruction);
 - CPU and anything else: a tiled loop in plain JAX (``_gmm_tiled``/``_tgmm_tiled``): row tiles
   of one group each, ~(m + g * tile) * k * n multiply-adds. ``lax.ragged_dot`` on XLA:CPU
@@ -51,9 +52,8 @@ from jax import lax
 from ..runtime import devices
 from ._util import to_jax
 from .linalg import _precision, _tname
-from .registry import aten, register
+from .registry import aten, matmul_precision, register
 
-_F32 = np.dtype(jnp.float32)
 _LOW = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _MEGABLOX_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 KERNELS = ("megablox", "xla", "tiled")
@@ -82,8 +82,14 @@ def kernel_for(dtype) -> tuple[str, bool]:
             return name, interpret
         return "tiled", False
     p = devices.platform()
-    if p == "tpu" and np.dtype(dtype) in _MEGABLOX_DTYPES:
-        return "megablox", False
+    if p == "tpu":
+        # megablox's float32 dot takes no precision argument (what Mosaic does with it is not
+        # verified here): float32 at "highest" (CPU's true float32, the default) goes to
+        # XLA's ragged dot, which honours the precision
+        if np.dtype(dtype) == np.dtype(jnp.bfloat16) or (
+                np.dtype(dtype) == np.dtype(jnp.float32) and matmul_precision() != "highest"):
+            return "megablox", False
+        return "xla", False
     if p == "gpu":
         return "xla", False
     return "tiled", False
