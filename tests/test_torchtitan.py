@@ -1,9 +1,10 @@
 """TorchTitan (its PyPI release, pinned in the ``test`` extra) on "tpu": the llama3 debug model
 trains a few steps with TorchTitan's own trainer, 1 process and FSDP over 2 processes
-(torchrun), and its losses match the same run on CPU with gloo (tests/dist_scripts/
-titan_train.py: generated tokenizer and data, the same initial weights). Each run takes minutes
-on this machine (eager, one XLA program per op): both are slow tests. The pieces they need
-are covered by fast tests here and in test_flex_attention.py."""
+(torchrun), and so does the DeepSeek-V3 MoE debug model (1 process; 2 with expert parallelism);
+their losses match the same run on CPU with gloo (tests/dist_scripts/titan_train.py: generated
+tokenizer and data, the same initial weights). Each run takes minutes on this machine (eager,
+one XLA program per op): all are slow tests. The pieces they need are covered by fast tests
+here, in test_flex_attention.py and test_grouped_mm.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -89,3 +90,99 @@ def test_llama3_debug_fsdp_two_processes_matches_cpu_gloo(tmp_path):
     cpu = _train(tmp_path, "cpu", 2, 900, *FSDP_ARGS)
     tpu = _train(tmp_path, "tpu", 2, 1500, *FSDP_ARGS)
     _compare(tpu, cpu)
+
+
+# The MoE debug model (DeepSeek-V3 flavor: MLA attention, 8 routed experts top-3 plus shared
+# experts; its experts run torch._grouped_mm in bfloat16, lowering/grouped_mm.py). TorchTitan's
+# config check refuses its all-to-all token dispatcher while CUDA graphs are enabled (they are by
+# default, and do nothing on "tpu" or CPU): --training.disable_cuda_graphs
+MOE_ARGS = ("--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel",
+            "--training.disable_cuda_graphs")
+
+
+def _moe_facts(tpu, experts_local):
+    assert tpu["experts_total"] == 8 and tpu["experts_local"] == experts_local
+    assert tpu["cpu_fallbacks"] == {}, tpu["cpu_fallbacks"]
+    assert tpu["compile_cpu_fallbacks"] == {}, tpu["compile_cpu_fallbacks"]
+
+
+@pytest.mark.slow
+def test_deepseek_v3_moe_debug_one_process_matches_cpu(tmp_path):
+    cpu = _train(tmp_path, "cpu", 1, 900, *MOE_ARGS)
+    tpu = _train(tmp_path, "tpu", 1, 1500, *MOE_ARGS)
+    assert tpu["device"] == "tpu:0"
+    _moe_facts(tpu, 8)
+    _compare(tpu, cpu)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_moe_debug_compiled_one_process_matches_cpu(tmp_path):
+    """TorchTitan's --compile.enable (each block through torch.compile, routed to the tpu
+    backend): MoE blocks as compiled graphs (_grouped_mm, the deterministic scatter-add of the
+    combine, complex RoPE's _conj) against CPU's eager run."""
+    cpu = _train(tmp_path, "cpu", 1, 900, *MOE_ARGS)
+    tpu = _train(tmp_path, "tpu", 1, 1500, *MOE_ARGS, "--compile.enable")
+    _moe_facts(tpu, 8)
+    assert tpu["compile_graphs"] > 0
+    _compare(tpu, cpu)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_moe_expert_parallel_two_processes_matches_cpu_gloo(tmp_path):
+    """Expert parallelism 2 (FSDP over the same 2 ranks): each rank holds 4 of the 8 experts,
+    tokens travel by all_to_all_single with uneven splits (TorchTitan's non-Triton dispatcher)."""
+    args = (*MOE_ARGS, *FSDP_ARGS, "--parallelism.expert_parallel_degree", "2")
+    cpu = _train(tmp_path, "cpu", 2, 900, *args)
+    tpu = _train(tmp_path, "tpu", 2, 2400, *args)
+    _moe_facts(tpu, 4)
+    assert tpu["dist_calls"].get("all_to_all_single", 0) > 0
+    _compare(tpu, cpu)
+
+
+def test_complex_rope_backward_compiles_and_conj_views_reach_numpy():
+    """Compiled complex RoPE (DeepSeek-V3's) differentiates through ``_conj`` views: the graph
+    op has a lowering (as a CPU callback it crashed on the conjugate bit), and a CPU op's
+    conjugated result converts to its value."""
+    from torchtpu.lowering import hops
+
+    def f(x, y):
+        return torch.view_as_real(x * y).square().sum()
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(4, 3, dtype=torch.cfloat, generator=g) for _ in range(2))
+    xt, xc = x.to("tpu").requires_grad_(), x.clone().requires_grad_()
+    before = torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0)
+    torch.compile(f, backend="tpu")(xt, y.to("tpu")).backward()
+    f(xc, y).backward()
+    torch.testing.assert_close(xt.grad.cpu(), xc.grad)
+    assert torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0) == before
+    c = torch.randn(3, dtype=torch.cfloat, generator=g)
+    assert (hops.torch_to_np(c.conj()) == c.numpy().conj()).all()
+    assert (hops.torch_to_np(torch._neg_view(c)) == -c.numpy()).all()
+
+
+def test_deterministic_scatter_add_is_lowered_in_compiled_graphs():
+    """TorchTitan's MoE combine op runs inside compiled graphs (no CPU callback), forward and
+    backward equal to CPU; an index out of range raises as scatter_add's does."""
+    from torchtitan.ops.scatter_add import deterministic_scatter_add as dsa
+
+    g = torch.Generator().manual_seed(0)
+    out, src = torch.zeros(5, 3), torch.randn(4, 3, generator=g)
+    idx = torch.tensor([0, 2, 0, 4]).view(-1, 1).expand(-1, 3)
+
+    def f(o, i, s):
+        return dsa(o, i, s).square().sum()
+
+    st, sc = src.to("tpu").requires_grad_(), src.clone().requires_grad_()
+    before = torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0)
+    loss = torch.compile(f, backend="tpu")(out.to("tpu"), idx.to("tpu"), st)
+    loss.backward()
+    want = f(out, idx, sc)
+    want.backward()
+    torch.testing.assert_close(loss.cpu(), want)
+    torch.testing.assert_close(st.grad.cpu(), sc.grad)
+    assert torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0) == before
+    bad = torch.compile(lambda o, i, s: dsa(o, i, s), backend="tpu")(
+        out.to("tpu"), torch.full((4, 3), 7, device="tpu"), st.detach())
+    with pytest.raises(RuntimeError, match="index out of bounds"):
+        bad.cpu()

@@ -11,7 +11,10 @@ fixed seed, copied into the trainer's model, sharded or not), and the same batch
 on "tpu" TorchTitan's compiled FlexAttention runs through torch.compile's default backend, which
 sends tpu graphs to the tpu compiler (the flex_attention HOP lowering); on CPU, where
 FlexAttention has no backward, the reference is PyTorch's eager FlexAttention (its math
-implementation). Rank 0 writes {"loss": [...], "grad_norm": [...]} to OUT_JSON.
+implementation). Rank 0 writes {"loss": [...], "grad_norm": [...], ...} to OUT_JSON, with
+``run_facts`` (experts per rank; on "tpu" the collectives called and any CPU fallbacks).
+Other TorchTitan models are named by the overrides (``--module deepseek_v3 --config
+deepseek_v3_debugmodel``: the MoE debug model).
 """
 from __future__ import annotations
 
@@ -164,9 +167,33 @@ def grad_norm64(trainer):
     return float(sq.sqrt())
 
 
+def run_facts(trainer):
+    """What the run exercised: the routed experts each rank holds (expert parallelism shards
+    them), and on "tpu" the collectives called and the ops that fell back to CPU."""
+    from torch.distributed.tensor import DTensor
+
+    facts = {}
+    for model in trainer.model_parts:
+        for name, p in model.named_parameters():
+            if name.endswith("inner_experts.w1_EFD"):
+                local = p.to_local() if isinstance(p, DTensor) else p
+                facts["experts_total"] = int(p.shape[0])
+                facts["experts_local"] = int(local.shape[0])
+                break
+    if DEVICE == "tpu":
+        m = torch.tpu.metrics()
+        facts["dist_calls"] = m["per_op"].get("dist_calls", {})
+        facts["cpu_fallbacks"] = m["per_op"].get("cpu_fallbacks", {})
+        facts["compile_cpu_fallbacks"] = m["per_op"].get("compile_cpu_fallbacks", {})
+        facts["compile_graphs"] = m["counters"].get("compile_graphs", 0)
+    return facts
+
+
 def main():
     tok_dir, data_dir = make_assets(WORK)
-    args = ["--module", "llama3", "--config", "llama3_debugmodel",
+    # the model: llama3's debug model unless the overrides name another (--module, --config)
+    model = [] if "--module" in EXTRA else ["--module", "llama3", "--config", "llama3_debugmodel"]
+    args = [*model,
             "--hf_assets_path", tok_dir, "--dataloader.dataset_path", data_dir,
             "--training.steps", str(STEPS), "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--metrics.log_freq", "1",
@@ -202,6 +229,7 @@ def main():
 
     trainer.metrics_processor.log = log
     trainer.train()
+    rec.update(run_facts(trainer))
     trainer.close()
     if int(os.environ["RANK"]) == 0:
         with open(OUT, "w") as f:

@@ -15,6 +15,10 @@ When Triton is not installed, that one module is served by a finder here as a mo
 attributes are functions raising a RuntimeError that names the missing kernel and Triton;
 nothing else changes. Dense models (llama3) never call them. With Triton installed, TorchTitan's
 own module loads.
+
+Its MoE combine is a custom op, ``torchtitan::deterministic_scatter_add``: once
+``torchtitan.ops.scatter_add`` is imported, compiled graphs get a lowering for it
+(``_lower_scatter_add``).
 """
 from __future__ import annotations
 
@@ -72,6 +76,36 @@ def triton_available() -> bool:
 _finder = _KernelsFinder()
 
 
+SCATTER_ADD = "torchtitan.ops.scatter_add"
+
+
+def _lower_scatter_add(module) -> None:
+    """``torchtitan::deterministic_scatter_add`` (its MoE combine: ``out.scatter_add(0, index,
+    src)`` with deterministic algorithms on) in compiled graphs: the aten ``scatter_add``
+    lowering, with its index check (XLA's scatter-add is deterministic on CPU and TPU). Eager
+    keeps TorchTitan's own kernel, which runs ``scatter_add`` on "tpu". Without this the op ran
+    as a CPU callback inside every compiled MoE block."""
+    import torch
+
+    from ..lowering import indexing, registry
+
+    op = getattr(getattr(torch.ops, "torchtitan", None), "deterministic_scatter_add", None)
+    if op is None or registry.get(op.default) is not None:
+        return
+
+    def deterministic_scatter_add(out, index, src):
+        return indexing.scatter_add(out, 0, index, src)
+
+    ok, exc, msg = registry.get(torch.ops.aten.scatter_add.default).check
+    registry.register(op.default, graph_only=True,
+                      check=(lambda out, index, src: ok(out, 0, index, src), exc, msg))(
+        deterministic_scatter_add)
+
+
 def install() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+    if __package__:  # not when a CPU reference loads this file alone for the finder above
+        from . import when_imported
+
+        when_imported(SCATTER_ADD, _lower_scatter_add)

@@ -5,6 +5,7 @@ One module per op family; each registers pure JAX functions with ``registry.regi
 from . import registry  # noqa: F401
 from . import (  # noqa: F401
     activations,
+    asserts,
     attention,
     copy,
     elementwise,
@@ -12,6 +13,7 @@ from . import (  # noqa: F401
     fft,
     foreach,
     graph_ops,
+    grouped_mm,
     indexing,
     linalg,
     losses,

@@ -605,6 +605,14 @@ def conj_physical(self):
     return jnp.conj(self) if jnp.issubdtype(self.dtype, jnp.complexfloating) else self
 
 
+@register(aten._conj.default)
+def _conj(self):
+    """The lazy-conjugate view, for graphs (eager keeps PyTorch's view kernel): a graph value
+    is what the view reads, the conjugate (complex RoPE's backward has it; as a CPU callback
+    it failed: numpy() refuses a tensor with the conjugate bit)."""
+    return conj_physical(self)
+
+
 @register(aten.angle.default)
 def angle(self):
     dt = jdtype(self)

@@ -47,8 +47,10 @@ def _plain(x):
 
 
 def torch_to_np(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's value as a numpy array (bfloat16 through ml_dtypes)."""
-    t = t.detach().contiguous()
+    """A CPU tensor's value as a numpy array (bfloat16 through ml_dtypes); PyTorch's lazy
+    conjugate/negative bits are applied (numpy() refuses such a tensor: a CPU op inside a
+    compiled graph may return one, e.g. ``conj``)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
