@@ -40,7 +40,4 @@ def activate() -> str | None:
 
     if not torch.tpu.is_available():
         return None
-    from . import compat
-
-    compat.apply()
     return PLATFORM

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 from sglang.srt.platforms.device_mixin import PlatformEnum
-from sglang.srt.platforms.interface import SRTPlatform
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 import torchtpu  # noqa: F401  (the "tpu" device)
 
@@ -26,6 +26,8 @@ class TpuSRTPlatform(SRTPlatform):
     _enum = PlatformEnum.OOT
     device_name = "tpu"
     device_type = "tpu"
+    # No Triton on "tpu": SGLang's allocators and req-to-token writers take their torch paths.
+    capabilities = PlatformCapabilities(supports_triton=False, supports_pynccl=False)
 
     # ---- device and memory -------------------------------------------------------------
     def get_device_total_memory(self, device_id: int = 0) -> int:
@@ -75,15 +77,13 @@ class TpuSRTPlatform(SRTPlatform):
     def get_default_attention_backend(self) -> str:
         return "torch_native"
 
-    def get_mha_kv_pool_cls(self) -> type:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    def get_kv_pool_cls(self, *, kind: str):
+        """The in-tree pools: plain torch tensors on ``device`` (SGLang resolves every kind
+        while it configures, whatever the model's)."""
+        return None
 
-        return MHATokenToKVPool
-
-    def get_paged_allocator_cls(self) -> type:
-        from .allocator import TpuTokenToKVPoolAllocator
-
-        return TpuTokenToKVPoolAllocator
+    def get_paged_allocator_cls(self):
+        return None  # in-tree; its torch paths since capabilities.supports_triton is False
 
     def get_compile_backend(self, mode: str | None = None) -> str:
         return "tpu"
@@ -102,4 +102,3 @@ class TpuSRTPlatform(SRTPlatform):
             server_args.attention_backend = "torch_native"
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
-        server_args.page_size = 1
