@@ -48,11 +48,11 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_PINS    ?= torch==2.14.1 torchvision==0.29.1
 SGLANG_DEPS    ?= transformers==5.19.0 tokenizers==0.23.2 "huggingface-hub>=1.5,<2" \
                   "kernels>=0.14.1,<0.15" openai==2.8.0 orjson pybase64 msgspec pyzmq \
-                  uvloop ipython traitlets "python-dateutil<3" partial_json_parser \
+                  uvloop ipython traitlets "python-dateutil<3" soundfile==0.13.1 partial_json_parser \
                   prometheus-client python-multipart setproctitle sentencepiece==0.2.1 \
                   tiktoken interegular apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 \
                   xgrammar==0.2.7 loguru gguf jsonschema jsonschema-specifications referencing \
-                  rpds-py soundfile cffi pycparser pytest
+                  rpds-py cffi pycparser pytest
 SGLANG_PY      := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP   := $(SGLANG_VENV)/.torchtpu-sglang-installed
 # What .venv-sglang builds on (empty: an existing $(VENV), left as it is)

@@ -175,7 +175,7 @@ def server(args) -> dict:
             model=path, messages=msgs, max_tokens=n, temperature=0), timeout=600).json()
         res["chat_text"] = chat["choices"][0]["message"]["content"]
         chat_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) else list(chat_ids)
+        chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
         res["hf_chat_text"] = tok.decode(hf_greedy(path, [chat_ids], n)[0],
                                          skip_special_tokens=True)
         # /metrics while requests run: k requests, at most max_running run, the rest queue
@@ -233,9 +233,40 @@ def server(args) -> dict:
     return res
 
 
+def kvpub(args) -> dict:
+    """SGLang's own ZMQ KV-event publisher and a subscriber connecting to 127.0.0.1, with the
+    publisher's endpoint spelled with a wildcard host and with the loopback address."""
+    import msgspec
+    import zmq
+    from sglang.srt.disaggregation.kv_events import (BlockRemoved, BlockStored, KVEventBatch,
+                                                    ZmqEventPublisher)
+
+    res = {}
+    for name, host in (("wildcard", "*"), ("loopback", "127.0.0.1")):
+        port = _free_port()
+        pub = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://{host}:{port}", topic="kv")
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        got, t = [], time.time()
+        while not got and time.time() - t < 5:  # PUB drops what it sends before SUB joined
+            pub.publish(KVEventBatch(ts=time.time(), events=[
+                BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[5, 6],
+                            block_size=2, lora_id=None),
+                BlockRemoved(block_hashes=[1])]))
+            if sub.poll(500):
+                _t, _s, payload = sub.recv_multipart()
+                got = [type(e).__name__ for e in
+                       msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload).events]
+        res[name] = got
+        pub.shutdown()
+        sub.close(linger=0)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["engine", "server"])
+    ap.add_argument("what", choices=["engine", "server", "kvpub"])
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -245,7 +276,7 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
-    res = {"engine": engine, "server": server}[args.what](args)
+    res = {"engine": engine, "server": server, "kvpub": kvpub}[args.what](args)
     print("SGLANG_CHECK " + json.dumps(res), flush=True)
 
 

@@ -63,3 +63,53 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     _check_engine(first)
     _check_engine(second)
     assert first["sampled"] == second["sampled"]
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_server_openai_metrics_kv_events(tmp_path):
+    """``launch_server --device tpu``: completions, chat and streaming equal HF greedy; the
+    llm-d contract: /metrics scraped while 5 requests run with --max-running-requests 2 shows
+    2 running and 3 queued, KV usage between what the running requests hold at least and at
+    most, and 0/0 when idle; KV-cache events over ZMQ: the prompts' blocks stored, a flush
+    clears them."""
+    r = sglang_check("server", "--arch", "llama", "--out", str(tmp_path), timeout=1500)
+    # one word a token (examples/tiny_models.py): equal words are equal token ids; SGLang's
+    # incremental detokenizer puts a space before the first word
+    assert [t.strip() for t in r["completions_text"]] == r["hf_text"]
+    assert "".join(r["stream_chunks"]).strip() == r["hf_text"][0]
+    assert r["chat_text"].strip() == r["hf_chat_text"]
+    load = r["load"]
+    assert all(load["done"])
+    k, cap, total = load["k"], load["max_running"], load["max_total"]
+    full = [s for s in load["scrapes"] if s["sglang:num_running_reqs"] == cap]
+    assert full, load["scrapes"]
+    assert any(s["sglang:num_queue_reqs"] == k - cap for s in full), load["scrapes"]
+    for s in load["scrapes"]:  # never more running than allowed, never more than sent
+        assert s["sglang:num_running_reqs"] <= cap
+        assert s["sglang:num_running_reqs"] + s["sglang:num_queue_reqs"] <= k
+    # KV tokens held while both run: at least their prompts, at most prompts + all new tokens
+    # (+ what was held before the load, e.g. the radix cache's protected nodes)
+    base = load["scrapes"][0]["sglang:num_used_tokens"]
+    lo = cap * min(load["prompt_lens"])
+    hi = base + sum(sorted(load["prompt_lens"])[-cap:]) + cap * load["max_tokens"]
+    for s in full:
+        assert lo <= s["sglang:num_used_tokens"] <= hi, (lo, hi, s)
+        # token_usage is the same count over the pool, as SGLang rounds it (2 decimals)
+        assert abs(s["sglang:token_usage"] - s["sglang:num_used_tokens"] / total) <= 0.005
+    assert r["idle_metrics"] == {"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0}
+    assert r["kv_events"].get("BlockStored", 0) > 0, r["kv_events"]
+    assert r["kv_events"].get("AllBlocksCleared", 0) > 0, r["kv_events"]
+    stored = set(r["kv_stored_tokens"])
+    assert all(set(p[:-1]) <= stored for p in r["prompts"])
+
+
+@needs_sglang
+def test_kv_events_publisher_endpoint():
+    """Why a subscriber received nothing: SGLang's ZMQ publisher *binds* only an endpoint with
+    a wildcard host (``tcp://*:port``) and *connects* to any other, so with
+    ``tcp://127.0.0.1:port`` on both sides nobody binds and every event is dropped. With the
+    wildcard the subscriber (connecting to 127.0.0.1) receives the published batch."""
+    r = sglang_check("kvpub", "--out", "unused", timeout=300)
+    assert r["wildcard"] == ["BlockStored", "BlockRemoved"], r
+    assert r["loopback"] == [], r

@@ -17,6 +17,20 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 import torchtpu  # noqa: F401  (the "tpu" device)
 
+ATTENTION_BACKEND = "torchtpu"  # torchtpu/sglang/attention.py
+
+
+def _register_attention_choice() -> None:
+    # SGLang resolves its platform while its own utilities are still importing: only the
+    # plain list of choices may be touched here (the backend registers in init_backend)
+    from sglang.srt.arg_groups import choices
+
+    if ATTENTION_BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([ATTENTION_BACKEND])
+
+
+_register_attention_choice()
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,7 +89,7 @@ class TpuSRTPlatform(SRTPlatform):
 
     # ---- subsystems --------------------------------------------------------------------
     def get_default_attention_backend(self) -> str:
-        return "torch_native"
+        return ATTENTION_BACKEND
 
     def get_kv_pool_cls(self, *, kind: str):
         """The in-tree pools: plain torch tensors on ``device`` (SGLang resolves every kind
@@ -89,7 +103,10 @@ class TpuSRTPlatform(SRTPlatform):
         return "tpu"
 
     def init_backend(self) -> None:
-        import torchtpu  # noqa: F401
+        """Called in each worker as SGLang's model runner is imported."""
+        from .attention import register
+
+        register()
 
     def get_dispatch_key_name(self) -> str:
         return "native"
@@ -99,6 +116,6 @@ class TpuSRTPlatform(SRTPlatform):
         if getattr(server_args, "device", None) in (None, "tpu"):
             server_args.device = "tpu"
         if getattr(server_args, "attention_backend", None) is None:
-            server_args.attention_backend = "torch_native"
+            server_args.attention_backend = ATTENTION_BACKEND
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
