@@ -34,10 +34,8 @@ def activate() -> str | None:
         return None
     if os.environ.get("SGLANG_PLATFORM") != "tpu" and _sglang_has_own_device():
         return None
-    import torch
-
     import torchtpu  # noqa: F401  (registers the device if torch's autoload did not)
 
-    if not torch.tpu.is_available():
-        return None
+    # no device query here: it would create the JAX backend, which a tensor-parallel rank
+    # must not do before it joins its job (init_process_group)
     return PLATFORM
