@@ -60,7 +60,7 @@ SGLANG_BASE_STAMP ?= $(STAMP)
 
 venv-sglang: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): $(SGLANG_BASE_STAMP) Makefile
+$(SGLANG_STAMP): $(SGLANG_BASE_STAMP) Makefile pyproject.toml
 	@test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 	  "$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torchtpu-base-venv.pth"
@@ -76,7 +76,7 @@ demo: $(STAMP)
 demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)

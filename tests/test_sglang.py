@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -113,3 +114,30 @@ def test_kv_events_publisher_endpoint():
     r = sglang_check("kvpub", "--out", "unused", timeout=300)
     assert r["wildcard"] == ["BlockStored", "BlockRemoved"], r
     assert r["loopback"] == [], r
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_engine_tp2(tmp_path):
+    """``tp_size=2``: two scheduler processes over "tpu_dist" (each joins the JAX job before
+    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU."""
+    _check_engine(sglang_check("engine", "--arch", "llama", "--tp", "2", "--out",
+                               str(tmp_path), timeout=1500))
+
+
+def test_is_available_creates_no_backend():
+    """``torch.tpu.is_available()`` (and ``torch.accelerator.current_accelerator(
+    check_available=True)``, which SGLang calls at import) must not create the JAX backend,
+    as CUDA's creates no context: a rank of a multi-process job joins its job before that.
+    It created it (rank 1 of SGLang --tp 2 then saw one device)."""
+    code = ("import torch, torchtpu\n"
+            "from jax._src import xla_bridge as xb\n"
+            "from torchtpu.runtime import devices\n"
+            "assert torch.tpu.is_available()\n"
+            "assert torch.accelerator.current_accelerator(check_available=True).type == 'tpu'\n"
+            "print('CREATED', devices.backend_created(), xb.backends_are_initialized())\n")
+    env = child_env()
+    env.pop("TORCHTPU_PLATFORM", None)
+    rc, out = run([sys.executable, "-c", code], 300, env)
+    assert rc == 0, out
+    assert "CREATED False False" in out, out

@@ -6,6 +6,14 @@ is that entry point: it answers with the platform class only where the user aske
 (``SGLANG_PLATFORM=tpu``, SGLang's own selector), or where SGLang has no device of its own
 (no CUDA/ROCm, XPU or NPU torch, and not ``SGLANG_USE_CPU_ENGINE=1``), so installing torchtpu
 never takes a GPU host's SGLang away from it. ``TORCHTPU_SGLANG=0`` turns it off.
+
+``plugin`` (entry-point group ``sglang.srt.plugins``) makes tensor parallelism join its job the
+way torchtpu needs: each rank is one process whose JAX backend must be created only after it
+joined the job, but SGLang selects the rank's device (``set_device(gpu_id)``) before it calls
+``init_process_group``. A hook before SGLang's ``init_parallel_runtime`` gives the rank
+``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` so that this first device use joins the job, at the
+coordinator address the platform chose in the launching process (``TpuSRTPlatform.
+apply_server_args_defaults``); ``init_process_group("tpu_dist")`` then finds it joined.
 """
 from __future__ import annotations
 
@@ -39,3 +47,33 @@ def activate() -> str | None:
     # no device query here: it would create the JAX backend, which a tensor-parallel rank
     # must not do before it joins its job (init_process_group)
     return PLATFORM
+
+
+def _active() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    return current_platform.__class__.__module__ + "." + type(current_platform).__name__ == PLATFORM
+
+
+def plugin() -> None:
+    """The ``sglang.srt.plugins`` entry point: hooks SGLang calls in every process."""
+    if not _active():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
+                          _rank_env, HookType.BEFORE)
+
+
+def _rank_env(*args, **kwargs):
+    """Before SGLang sets up a rank: the job's size and this rank for torchtpu's bootstrap."""
+    from sglang.srt.runtime_context import get_device, get_parallel
+
+    p = get_parallel()
+    world = p.tp_size * p.pp_size
+    if world > 1:
+        os.environ["WORLD_SIZE"] = str(world)
+        os.environ["RANK"] = str(p.tp_size * p.pp_rank + p.tp_rank)
+        os.environ["LOCAL_RANK"] = str(get_device().gpu_id)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    return None

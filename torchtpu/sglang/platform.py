@@ -9,6 +9,8 @@ and defaults for the server arguments it would otherwise pick for CUDA.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from typing import Optional
 
 import torch
@@ -32,6 +34,12 @@ def _register_attention_choice() -> None:
 _register_attention_choice()
 
 logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class TpuSRTPlatform(SRTPlatform):
@@ -119,3 +127,7 @@ class TpuSRTPlatform(SRTPlatform):
             server_args.attention_backend = ATTENTION_BACKEND
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
+        ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
+        if ranks > 1 and not os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"):
+            # one JAX coordinator for the ranks this process spawns (they inherit it)
+            os.environ["TORCHTPU_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
