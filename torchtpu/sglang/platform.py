@@ -3,12 +3,12 @@
 What SGLang asks of a platform (``sglang/srt/platforms/interface.py``): the device and its
 memory (``torch.tpu.mem_get_info``: PJRT's allocator statistics on TPU/GPU, the host's
 available memory on the CPU platform), the torch.distributed backend ("tpu_dist"), the
-attention backend, the KV pool and allocator classes, the compile backend and graph runner,
-and defaults for the server arguments it would otherwise pick for CUDA.
+attention backend, the KV pool and allocator classes, the compile backend (no graph runner:
+``capabilities.graph_capture`` is False), and defaults for the server arguments it would
+otherwise pick for CUDA.
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from typing import Optional
@@ -32,8 +32,6 @@ def _register_attention_choice() -> None:
 
 
 _register_attention_choice()
-
-logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -115,9 +113,6 @@ class TpuSRTPlatform(SRTPlatform):
         from .attention import register
 
         register()
-
-    def get_dispatch_key_name(self) -> str:
-        return "native"
 
     # ---- server arguments --------------------------------------------------------------
     def apply_server_args_defaults(self, server_args) -> None:
