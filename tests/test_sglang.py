@@ -141,3 +141,18 @@ def test_is_available_creates_no_backend():
     rc, out = run([sys.executable, "-c", code], 300, env)
     assert rc == 0, out
     assert "CREATED False False" in out, out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_without_keys_matches_cpu(causal):
+    """SDPA over zero keys returns zeros on CPU; on "tpu" the lowering's max over the empty key
+    axis raised (SGLang's startup extend of a tiny Qwen2 reached it through torch_native)."""
+    import torch
+    import torchtpu  # noqa: F401
+
+    F = torch.nn.functional
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 0, 8)
+    ref = F.scaled_dot_product_attention(q, k, k, is_causal=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), k.to("tpu"),
+                                         is_causal=causal, enable_gqa=True)
+    assert torch.equal(out.cpu(), ref)
