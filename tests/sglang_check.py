@@ -30,9 +30,11 @@ def _model(arch: str, root: str) -> str:
 
 
 def _ids(path):
-    from transformers import AutoTokenizer
+    # the tokenizer saved with the model (AutoTokenizer of transformers 5.19 picks
+    # Qwen2Tokenizer for a qwen2 config, which does not know the tiny word vocabulary)
+    from transformers import PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
     return [tok(p)["input_ids"] for p in PROMPTS]
 
 
