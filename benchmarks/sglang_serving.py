@@ -181,6 +181,8 @@ def main():
     ap.add_argument("--child", nargs="*")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="comma list: offline,server,vllm")
+    ap.add_argument("--backends", default="torchtpu,torch_native",
+                    help="SGLang attention backends to run offline (comma list)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
@@ -201,7 +203,7 @@ def main():
     print(f"model: tiny {MODEL}; load: {os.getloadavg()}", flush=True)
     vllm = os.path.exists(VLLM_PY) and os.path.exists(VLLM_BENCH) and "vllm" not in skip
     if "offline" not in skip:
-        for backend in ("torchtpu", "torch_native"):
+        for backend in a.backends.split(","):
             env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")}
             r = _run(me + ["offline", path, backend, str(n_req), str(reps), str(out_tok)], env)
             results[f"sglang-tpu-{backend}"] = r
