@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import jax
@@ -24,6 +25,14 @@ _current = [0]
 
 
 def is_available() -> bool:
+    """Whether "tpu" has a device. Like CUDA's, it does not create the runtime: before the
+    JAX backend exists the answer is True when JAX picks the platform (it always has one, its
+    CPU backend at least), so a process of a multi-process job that asks (libraries do at
+    import) can still join its job before the backend is created; a named platform
+    (TORCHTPU_PLATFORM=tpu/gpu) is checked by creating it."""
+    if not _devices.backend_created() and os.environ.get(
+            "TORCHTPU_PLATFORM", "").strip().lower() in ("", "cpu"):
+        return True
     try:
         return _devices.device_count() > 0
     except Exception:

@@ -90,7 +90,8 @@ def _attend(q, k, v, bias, is_causal, scale, dropout_p=0.0, rng=None):
     s = _scores(q, ke, bias, is_causal, _scale_of(q, scale), acc)
     # softmax as exp(s - max) / sum, not exp(s - logsumexp): the rounding of the logsumexp
     # (several ulps through log and exp) would reach every probability
-    mx = jnp.max(s, axis=-1, keepdims=True)
+    # initial: no keys at all (SGLang's dummy extend has zero-length requests) gives zeros
+    mx = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
     mx = jnp.where(jnp.isfinite(mx), mx, 0)  # fully masked rows
     e = jnp.exp(s - mx)
     tot = jnp.sum(e, axis=-1, keepdims=True)

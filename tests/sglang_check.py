@@ -1,0 +1,286 @@
+"""SGLang on "tpu" checked against transformers on CPU; run by tests/test_sglang*.py in the
+SGLang virtualenv (``make venv-sglang``), one JSON line of results on stdout.
+
+    .venv-sglang/bin/python tests/sglang_check.py engine --arch llama --out /tmp/x
+
+Tiny random-weight models built from configs (examples/tiny_models.py), no download.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+PROMPTS = ["the cat sat on the mat", "hello world how are you today", "red blue green",
+           "one two three four five six seven eight nine ten up down left right"]
+
+
+def _model(arch: str, root: str) -> str:
+    from tiny_models import save_tiny_model
+
+    path = os.path.join(root, f"tiny-{arch}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        save_tiny_model(path, arch)
+    return path
+
+
+def _ids(path):
+    # the tokenizer saved with the model (AutoTokenizer of transformers 5.19 picks
+    # Qwen2Tokenizer for a qwen2 config, which does not know the tiny word vocabulary)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def engine(args) -> dict:
+    """Offline engine: greedy batch, radix prefix cache, seeded sampling."""
+    import sglang as sgl
+    from tiny_models import hf_greedy
+
+    path = _model(args.arch, args.out)
+    ids = _ids(path)
+    n = args.max_tokens
+    greedy = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    res = {"arch": args.arch}
+    t = time.time()
+    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=4096,
+                     random_seed=0, log_level="warning", tp_size=args.tp,
+                     **json.loads(args.engine_args))
+    res["startup_s"] = time.time() - t
+    try:
+        from sglang.srt.platforms import current_platform
+
+        res["platform"] = type(current_platform).__name__
+        t = time.time()
+        out = llm.generate(input_ids=ids, sampling_params=greedy)
+        res["batch_s"] = time.time() - t
+        res["greedy"] = [o["output_ids"] for o in out]
+        # the radix cache: the same prompts again share their whole prefix with the first call
+        out = llm.generate(input_ids=ids, sampling_params=greedy)
+        res["greedy_again"] = [o["output_ids"] for o in out]
+        res["cached_tokens"] = [o["meta_info"].get("cached_tokens", 0) for o in out]
+        # sampling draws from the device generator, seeded by the engine's random_seed: the
+        # same seed in another process gives the same tokens (tests/test_sglang.py compares)
+        sample = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": n,
+                  "ignore_eos": True}
+        out = llm.generate(input_ids=ids, sampling_params=sample)
+        res["sampled"] = [o["output_ids"] for o in out]
+    finally:
+        llm.shutdown()
+    res["hf"] = hf_greedy(path, ids, n)
+    return res
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(base) -> dict:
+    import requests
+
+    out = {}
+    for line in requests.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("sglang:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    return out
+
+
+def server(args) -> dict:
+    """``launch_server --device tpu``: completions, chat, streaming against HF greedy; the
+    llm-d contract: /metrics gauges scraped while requests run, KV-cache events over ZMQ."""
+    import signal
+    import subprocess
+    import threading
+
+    import msgspec
+    import requests
+    import zmq
+    from sglang.srt.disaggregation.kv_events import KVEventBatch
+    from tiny_models import hf_greedy
+    from transformers import AutoTokenizer
+
+    path = _model(args.arch, args.out)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = _ids(path)
+    n = args.max_tokens
+    port, kv_port = _free_port(), _free_port()
+    base = f"http://127.0.0.1:{port}"
+    max_running, max_total = 2, 4096
+    # the publisher binds a wildcard endpoint and the subscriber connects to it (an endpoint
+    # without a wildcard makes SGLang's publisher *connect*, and then nobody binds)
+    kv_cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{kv_port}", "topic": "kv"}
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device",
+           "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-total-tokens", str(max_total), "--max-running-requests", str(max_running),
+           "--enable-metrics", "--kv-events-config", json.dumps(kv_cfg), "--random-seed", "0",
+           "--log-level", "warning", *json.loads(args.server_args)]
+    log = open(os.path.join(args.out, "server.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    res = {"arch": args.arch}
+    events, stop = [], threading.Event()
+
+    def subscribe():
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{kv_port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not stop.is_set():
+            if sub.poll(100):
+                _topic, _seq, payload = sub.recv_multipart()
+                events.extend(dec.decode(payload).events)
+        sub.close(linger=0)
+
+    th = threading.Thread(target=subscribe, daemon=True)
+    th.start()
+    try:
+        t = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited {proc.returncode}")
+            try:
+                if requests.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() - t > args.timeout:
+                raise TimeoutError("server did not come up")
+            time.sleep(1)
+        res["startup_s"] = time.time() - t
+        comp = lambda prompt, **kw: requests.post(base + "/v1/completions", json=dict(
+            model=path, prompt=prompt, max_tokens=n, temperature=0, **kw), timeout=600)
+        out = [comp(p).json() for p in ids]
+        res["completions_text"] = [o["choices"][0]["text"] for o in out]
+        hf = hf_greedy(path, ids, n)
+        res["hf_text"] = [tok.decode(h, skip_special_tokens=True) for h in hf]
+        # streaming: the chunks make up the same text
+        r = requests.post(base + "/v1/completions", json=dict(
+            model=path, prompt=ids[0], max_tokens=n, temperature=0, stream=True),
+            stream=True, timeout=600)
+        chunks = []
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        res["stream_chunks"] = chunks
+        msgs = [{"role": "user", "content": "hello how are you"}]
+        chat = requests.post(base + "/v1/chat/completions", json=dict(
+            model=path, messages=msgs, max_tokens=n, temperature=0), timeout=600).json()
+        res["chat_text"] = chat["choices"][0]["message"]["content"]
+        chat_ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+        res["hf_chat_text"] = tok.decode(hf_greedy(path, [chat_ids], n)[0],
+                                         skip_special_tokens=True)
+        # /metrics while requests run: k requests, at most max_running run, the rest queue
+        k, long = 5, args.load_tokens
+        load_prompts = [ids[3] + ids[i % 3] for i in range(k)]
+        results = [None] * k
+
+        def send(i):
+            results[i] = requests.post(base + "/v1/completions", json=dict(
+                model=path, prompt=load_prompts[i], max_tokens=long, temperature=0,
+                ignore_eos=True), timeout=900).json()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(k)]
+        for th_ in threads:
+            th_.start()
+        scrapes, t = [], time.time()
+        while any(th_.is_alive() for th_ in threads) and time.time() - t < args.timeout:
+            m = _metrics(base)
+            scrapes.append({key: m.get(key) for key in (
+                "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                "sglang:num_used_tokens")})
+            time.sleep(0.2)
+        for th_ in threads:
+            th_.join(timeout=args.timeout)
+        res["load"] = {"k": k, "max_running": max_running, "max_total": max_total,
+                       "prompt_lens": [len(p) for p in load_prompts], "max_tokens": long,
+                       "scrapes": scrapes,
+                       "done": [r is not None and "choices" in r for r in results]}
+        time.sleep(2)
+        m = _metrics(base)
+        res["idle_metrics"] = {key: m.get(key) for key in (
+            "sglang:num_running_reqs", "sglang:num_queue_reqs")}
+        # KV events: the prefix cache's stores, then a flush clears it
+        requests.post(base + "/flush_cache", timeout=60)
+        time.sleep(3)
+    finally:
+        stop.set()
+        th.join(timeout=10)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    kinds = {}
+    stored = []
+    for e in events:
+        kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
+        if type(e).__name__ == "BlockStored":
+            stored.extend(e.token_ids)
+    res["kv_events"] = kinds
+    res["kv_stored_tokens"] = stored
+    res["prompts"] = ids
+    return res
+
+
+def kvpub(args) -> dict:
+    """SGLang's own ZMQ KV-event publisher and a subscriber connecting to 127.0.0.1, with the
+    publisher's endpoint spelled with a wildcard host and with the loopback address."""
+    import msgspec
+    import zmq
+    from sglang.srt.disaggregation.kv_events import (BlockRemoved, BlockStored, KVEventBatch,
+                                                    ZmqEventPublisher)
+
+    res = {}
+    for name, host in (("wildcard", "*"), ("loopback", "127.0.0.1")):
+        port = _free_port()
+        pub = ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://{host}:{port}", topic="kv")
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        got, t = [], time.time()
+        while not got and time.time() - t < 5:  # PUB drops what it sends before SUB joined
+            pub.publish(KVEventBatch(ts=time.time(), events=[
+                BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[5, 6],
+                            block_size=2, lora_id=None),
+                BlockRemoved(block_hashes=[1])]))
+            if sub.poll(500):
+                _t, _s, payload = sub.recv_multipart()
+                got = [type(e).__name__ for e in
+                       msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload).events]
+        res[name] = got
+        pub.shutdown()
+        sub.close(linger=0)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["engine", "server", "kvpub"])
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--engine-args", default="{}")
+    ap.add_argument("--server-args", default="[]")
+    ap.add_argument("--load-tokens", type=int, default=48)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+    res = {"engine": engine, "server": server, "kvpub": kvpub}[args.what](args)
+    print("SGLANG_CHECK " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""SGLang on "tpu" (torchtpu.sglang): the engine and server checked against transformers on CPU.
+
+SGLang lives in its own virtualenv (``make venv-sglang`` -> .venv-sglang; ``make test`` builds
+it first); each check runs there as a subprocess (tests/sglang_check.py), bounded in time and
+killed with its whole session if it overruns. Without that venv the tests skip, saying so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from dist_launch import child_env, run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SGLANG_PY = os.environ.get("TORCHTPU_SGLANG_PYTHON",
+                           os.path.join(ROOT, ".venv-sglang", "bin", "python"))
+CHECK = os.path.join(HERE, "sglang_check.py")
+
+needs_sglang = pytest.mark.skipif(
+    not os.path.exists(SGLANG_PY),
+    reason=f"SGLang's virtualenv is absent ({SGLANG_PY}): build it with `make venv-sglang`")
+
+
+def sglang_check(*args, timeout=900, env=None):
+    """Run ``sglang_check.py args`` in the SGLang venv; its JSON result."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = child_env(PYTHONPATH=path, **(env or {}))
+    rc, out = run([SGLANG_PY, CHECK, *args], timeout, env)
+    lines = [ln for ln in out.splitlines() if ln.startswith("SGLANG_CHECK ")]
+    assert rc == 0 and lines, f"sglang_check {args} exited {rc}:\n{out[-6000:]}"
+    return json.loads(lines[-1][len("SGLANG_CHECK "):])
+
+
+def _check_engine(r, n=8):
+    assert r["platform"] == "TpuSRTPlatform"
+    assert r["greedy"] == r["hf"]
+    # the same prompts again: served from the radix cache (all but the last prompt token)
+    assert r["greedy_again"] == r["hf"]
+    assert all(c > 0 for c in r["cached_tokens"]), r["cached_tokens"]
+    assert all(len(s) == n for s in r["sampled"]) and r["sampled"] != r["hf"]
+
+
+@needs_sglang
+def test_engine_greedy_batch_radix_cache(tmp_path):
+    """A tiny Llama: a batch of greedy prompts equals HF on CPU, then again from the radix
+    prefix cache, and sampling runs (in the default suite)."""
+    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path)))
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
+    """A tiny Qwen2 (qkv biases), twice in fresh processes sharing one compile cache folder:
+    both equal HF greedy, and the seeded sampling (engine random_seed) is the same tokens."""
+    cache = tmp_path / "cache"
+    env = {"TORCHTPU_CACHE_DIR": str(cache)}
+    first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path), env=env)
+    assert any(cache.iterdir()), "the first process wrote no compile cache entry"
+    second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path), env=env)
+    _check_engine(first)
+    _check_engine(second)
+    assert first["sampled"] == second["sampled"]
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_server_openai_metrics_kv_events(tmp_path):
+    """``launch_server --device tpu``: completions, chat and streaming equal HF greedy; the
+    llm-d contract: /metrics scraped while 5 requests run with --max-running-requests 2 shows
+    2 running and 3 queued, KV usage between what the running requests hold at least and at
+    most, and 0/0 when idle; KV-cache events over ZMQ: the prompts' blocks stored, a flush
+    clears them."""
+    r = sglang_check("server", "--arch", "llama", "--out", str(tmp_path), timeout=1500)
+    # one word a token (examples/tiny_models.py): equal words are equal token ids; SGLang's
+    # incremental detokenizer puts a space before the first word
+    assert [t.strip() for t in r["completions_text"]] == r["hf_text"]
+    assert "".join(r["stream_chunks"]).strip() == r["hf_text"][0]
+    assert r["chat_text"].strip() == r["hf_chat_text"]
+    load = r["load"]
+    assert all(load["done"])
+    k, cap, total = load["k"], load["max_running"], load["max_total"]
+    full = [s for s in load["scrapes"] if s["sglang:num_running_reqs"] == cap]
+    assert full, load["scrapes"]
+    assert any(s["sglang:num_queue_reqs"] == k - cap for s in full), load["scrapes"]
+    for s in load["scrapes"]:  # never more running than allowed, never more than sent
+        assert s["sglang:num_running_reqs"] <= cap
+        assert s["sglang:num_running_reqs"] + s["sglang:num_queue_reqs"] <= k
+    # KV tokens held while both run: at least their prompts, at most prompts + all new tokens
+    # (+ what was held before the load, e.g. the radix cache's protected nodes)
+    base = load["scrapes"][0]["sglang:num_used_tokens"]
+    lo = cap * min(load["prompt_lens"])
+    hi = base + sum(sorted(load["prompt_lens"])[-cap:]) + cap * load["max_tokens"]
+    for s in full:
+        assert lo <= s["sglang:num_used_tokens"] <= hi, (lo, hi, s)
+        # token_usage is the same count over the pool, as SGLang rounds it (2 decimals)
+        assert abs(s["sglang:token_usage"] - s["sglang:num_used_tokens"] / total) <= 0.005
+    assert r["idle_metrics"] == {"sglang:num_running_reqs": 0, "sglang:num_queue_reqs": 0}
+    assert r["kv_events"].get("BlockStored", 0) > 0, r["kv_events"]
+    assert r["kv_events"].get("AllBlocksCleared", 0) > 0, r["kv_events"]
+    stored = set(r["kv_stored_tokens"])
+    assert all(set(p[:-1]) <= stored for p in r["prompts"])
+
+
+@needs_sglang
+def test_kv_events_publisher_endpoint():
+    """Why a subscriber received nothing: SGLang's ZMQ publisher *binds* only an endpoint with
+    a wildcard host (``tcp://*:port``) and *connects* to any other, so with
+    ``tcp://127.0.0.1:port`` on both sides nobody binds and every event is dropped. With the
+    wildcard the subscriber (connecting to 127.0.0.1) receives the published batch."""
+    r = sglang_check("kvpub", "--out", "unused", timeout=300)
+    assert r["wildcard"] == ["BlockStored", "BlockRemoved"], r
+    assert r["loopback"] == [], r
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_engine_tp2(tmp_path):
+    """``tp_size=2``: two scheduler processes over "tpu_dist" (each joins the JAX job before
+    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU."""
+    _check_engine(sglang_check("engine", "--arch", "llama", "--tp", "2", "--out",
+                               str(tmp_path), timeout=1500))
+
+
+def test_is_available_creates_no_backend():
+    """``torch.tpu.is_available()`` (and ``torch.accelerator.current_accelerator(
+    check_available=True)``, which SGLang calls at import) must not create the JAX backend,
+    as CUDA's creates no context: a rank of a multi-process job joins its job before that.
+    It created it (rank 1 of SGLang --tp 2 then saw one device)."""
+    code = ("import torch, torchtpu\n"
+            "from jax._src import xla_bridge as xb\n"
+            "from torchtpu.runtime import devices\n"
+            "assert torch.tpu.is_available()\n"
+            "assert torch.accelerator.current_accelerator(check_available=True).type == 'tpu'\n"
+            "print('CREATED', devices.backend_created(), xb.backends_are_initialized())\n")
+    env = child_env()
+    env.pop("TORCHTPU_PLATFORM", None)
+    rc, out = run([sys.executable, "-c", code], 300, env)
+    assert rc == 0, out
+    assert "CREATED False False" in out, out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_without_keys_matches_cpu(causal):
+    """SDPA over zero keys returns zeros on CPU; on "tpu" the lowering's max over the empty key
+    axis raised (SGLang's startup extend of a tiny Qwen2 reached it through torch_native)."""
+    import torch
+    import torchtpu  # noqa: F401
+
+    F = torch.nn.functional
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 0, 8)
+    ref = F.scaled_dot_product_attention(q, k, k, is_causal=causal, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), k.to("tpu"),
+                                         is_causal=causal, enable_gqa=True)
+    assert torch.equal(out.cpu(), ref)

@@ -1,0 +1,104 @@
+"""SGLang on "tpu": an out-of-tree SGLang platform (``sglang.srt.platforms`` entry point).
+
+SGLang (0.5.21+) resolves its platform once per process, when its modules are first imported,
+from the plugins registered under the entry-point group ``sglang.srt.platforms``. ``activate``
+is that entry point: it answers with the platform class only where the user asked for "tpu"
+(``SGLANG_PLATFORM=tpu``, SGLang's own selector), or where SGLang has no device of its own
+(no CUDA/ROCm, XPU or NPU torch, and not ``SGLANG_USE_CPU_ENGINE=1``), so installing torchtpu
+never takes a GPU host's SGLang away from it. ``TORCHTPU_SGLANG=0`` turns it off.
+
+``plugin`` (entry-point group ``sglang.srt.plugins``) makes tensor parallelism join its job the
+way torchtpu needs: each rank is one process whose JAX backend must be created only after it
+joined the job, but SGLang selects the rank's device (``set_device(gpu_id)``) before it calls
+``init_process_group``. A hook before SGLang's ``init_parallel_runtime`` gives the rank
+``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` so that this first device use joins the job, at the
+coordinator address the platform chose in the launching process (``TpuSRTPlatform.
+apply_server_args_defaults``); ``init_process_group("tpu_dist")`` then finds it joined.
+"""
+from __future__ import annotations
+
+import os
+
+PLATFORM = "torchtpu.sglang.platform.TpuSRTPlatform"
+
+
+def _sglang_has_own_device() -> bool:
+    import torch
+
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1":
+        return True
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return True
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def activate() -> str | None:
+    """The ``sglang.srt.platforms`` entry point: the platform's qualified name, or None."""
+    if os.environ.get("TORCHTPU_SGLANG", "1") == "0":
+        return None
+    if os.environ.get("SGLANG_PLATFORM") != "tpu" and _sglang_has_own_device():
+        return None
+    import torchtpu  # noqa: F401  (registers the device if torch's autoload did not)
+
+    # no device query here: it would create the JAX backend, which a tensor-parallel rank
+    # must not do before it joins its job (init_process_group)
+    return PLATFORM
+
+
+def _active() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    return current_platform.__class__.__module__ + "." + type(current_platform).__name__ == PLATFORM
+
+
+def plugin() -> None:
+    """The ``sglang.srt.plugins`` entry point: hooks SGLang calls in every process."""
+    if not _active():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
+                          _rank_env, HookType.BEFORE)
+    if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
+        HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
+                              _write_metrics, HookType.AFTER)
+
+
+_forwards = {"decode": 0, "extend": 0, "other": 0}
+
+
+def _write_metrics(result, runner, forward_batch, *args, **kwargs):
+    """After each model forward of a worker: its ``torch.tpu.metrics()`` counters and forward
+    counts, to ``$TORCHTPU_SGLANG_METRICS_FILE.<rank>`` (benchmarks read compiles and host
+    syncs per step from it; the workers are SGLang's subprocesses). Opt-in: a file write per
+    step."""
+    import json
+
+    import torch
+
+    mode = forward_batch.forward_mode
+    kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
+    _forwards[kind] += 1
+    path = f"{os.environ['TORCHTPU_SGLANG_METRICS_FILE']}.{os.environ.get('RANK', '0')}"
+    with open(path + ".tmp", "w") as f:
+        json.dump({"forwards": _forwards, "counters": torch.tpu.metrics()["counters"]}, f)
+    os.replace(path + ".tmp", path)
+    return None
+
+
+def _rank_env(*args, **kwargs):
+    """Before SGLang sets up a rank: the job's size and this rank for torchtpu's bootstrap."""
+    from sglang.srt.runtime_context import get_device, get_parallel
+
+    p = get_parallel()
+    world = p.tp_size * p.pp_size
+    if world > 1:
+        os.environ["WORLD_SIZE"] = str(world)
+        os.environ["RANK"] = str(p.tp_size * p.pp_rank + p.tp_rank)
+        os.environ["LOCAL_RANK"] = str(get_device().gpu_id)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    return None
