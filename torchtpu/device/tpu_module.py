@@ -69,6 +69,9 @@ def _index(device) -> int:
     raise TypeError(f"invalid device {device!r}")
 
 
+_devices.register_index_hooks(current_device, _index)
+
+
 def set_device(device) -> None:
     idx = _index(device)
     _devices.jax_device(idx)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,10 @@ import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax, to_torch
-from ..runtime.metrics import count
+from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
 from . import views
 
@@ -28,14 +30,38 @@ def _reader(spec):
 
 
 @functools.lru_cache(maxsize=None)
-def _writer(spec, shape, dtype):
+def _writer(spec, shape, dtype, donate=False):
+    """The program writing a value into a view of a storage array; ``donate``: the variant
+    that reuses the old array's buffer (executor.py's donation)."""
     jd = to_jax(dtype)
 
     def write(arr, off, value):
         v = jnp.broadcast_to(value.astype(jd), shape)
         return views.write(arr, spec, off, v)
 
+    if donate:
+        return _program_cache.Program("eager", write, ("copy.write", spec, shape, dtype, "donate"),
+                                      donate_argnums=(0,))
     return _program_cache.Program("eager", write, ("copy.write", spec, shape, dtype))
+
+
+def _probe(holder):
+    arr = holder.array
+    return sys.getrefcount(arr)
+
+
+class _Holder:
+    __slots__ = ("array",)
+
+
+def _sole_count() -> int:
+    """The reference count ``assign`` reads for an array only its storage's Buffer holds."""
+    h = _Holder()
+    h.array = object()
+    return _probe(h)
+
+
+_SOLE = _sole_count()
 
 
 def value_of(t: torch.Tensor):
@@ -58,7 +84,40 @@ def assign(dst: torch.Tensor, value) -> None:
     if spec is None and value.shape == arr.shape and value.dtype == dt:
         buf.array = value  # immutable arrays: sharing is a copy
         return
-    buf.array = _writer(spec, tuple(dst.shape), dst.dtype)(arr, off, value)
+    # donate the old array when only this storage holds it (see executor._donation)
+    ex = _executor()
+    if not ex.DONATE:
+        reason = "disabled"
+    elif sys.getrefcount(arr) > _SOLE or value is arr:
+        reason = "shared"
+    elif ex._multi_device() and len(arr.sharding.device_set) != 1:
+        reason = "sharded"
+    else:
+        reason = None
+    if reason is None:
+        COUNTERS["eager_donated_writes"] += 1
+    else:
+        count("eager_copied_writes", op=reason)
+    donate = reason is None
+    try:
+        buf.array = _writer(spec, tuple(dst.shape), dst.dtype, donate)(arr, off, value)
+    except (RuntimeError, ValueError) as e:
+        oom = _memory.oom_error(e, dst.device.index or 0)
+        if oom is not None:
+            raise oom from e
+        raise
+
+
+def _executor():
+    ex = _EXECUTOR[0]
+    if ex is None:
+        from . import executor as ex
+
+        _EXECUTOR[0] = ex
+    return ex
+
+
+_EXECUTOR = [None]  # eager/executor.py imports this module
 
 
 def assign_out(out: torch.Tensor, value, op_name: str) -> None:

@@ -91,11 +91,9 @@ def _block(arrays) -> None:
 def _index_of(device):
     if device is None:
         return None
-    if isinstance(device, int):
-        return device
-    from ..device import tpu_module
+    from . import devices
 
-    return tpu_module._index(device)
+    return devices.index_of(device)
 
 
 def synchronize(device=None) -> None:
@@ -194,12 +192,9 @@ class Stream(_BaseStream):
     subclass: ``torch.Stream(device="tpu")`` returns one too."""
 
     def __new__(cls, device=None, priority: int = 0, **kwargs):
-        idx = _index_of(device)
-        if idx is None:
-            from ..device import tpu_module
-
-            idx = tpu_module.current_device()
         from . import devices
+
+        idx = devices.index_of(device)
 
         devices.jax_device(idx)  # validates the ordinal
         # the index lives in the C++ base only (no Python attribute): Dynamo wraps a Stream
