@@ -255,7 +255,7 @@ def record(lowering, kind, args, kwargs):
         skey = skey + (matmul_precision(),)
     groups = None
     if kind != FUNCTIONAL and kind != FUNCTIONAL_RAW:
-        groups = executor.storage_groups(kind, args, kwargs, tensors)
+        groups = executor.storage_groups(kind, args, kwargs, tensors, lowering)
         if groups is not None:
             skey = skey + (groups,)
     akey = (skey, tuple(aval_ids))
@@ -315,10 +315,12 @@ def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced
                 groups=None):
     """A new node kind: its pure function and abstract outputs (None: retry with static
     scalars)."""
-    ws = executor._write_slots(kind, args, kwargs)
+    ws = executor._write_slots(kind, args, kwargs, lowering)
     checked = lowering.check is not None
     traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
                                   with_check=checked, groups=groups)
+    if groups is not None:  # one new array per written storage
+        ws = executor._write_slots(kind, args, kwargs, lowering, groups)
     try:
         out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
     except (TypeError, ValueError) as e:
