@@ -26,6 +26,7 @@ from ..eager import rng as _rng
 from ..lowering import registry as _registry
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import memory as _memory
 from ..runtime.metrics import COUNTERS, count
 from . import aot_cache as _aot_cache
 from . import buckets as _buckets
@@ -146,7 +147,10 @@ class CompiledGraph:
             flat = arrays + [words]
         try:
             outs, news, flags = entry.compiled(*flat)
-        except jax.errors.JaxRuntimeError as e:
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            oom = _memory.oom_error(e)  # torch.OutOfMemoryError, as CUDA raises
+            if oom is not None:
+                raise oom from e
             if "not found" not in str(e) or self.opts.get("persistent_cache") is False:
                 raise
             # a disk-cache executable that XLA cannot run ("Function ... not found", the

@@ -72,7 +72,18 @@ def value_of(t: torch.Tensor):
         return arr
     if spec[0] == "r":
         return arr.reshape(spec[1])
-    return _reader(spec)(arr, off)
+    try:
+        return _reader(spec)(arr, off)
+    except (RuntimeError, ValueError) as e:
+        _raise_oom(e, t.device.index or 0)
+        raise
+
+
+def _raise_oom(e, index, nbytes=None) -> None:
+    """Raise ``torch.OutOfMemoryError`` (from ``e``) if ``e`` is XLA running out of memory."""
+    oom = _memory.oom_error(e, index, nbytes)
+    if oom is not None:
+        raise oom from e
 
 
 def assign(dst: torch.Tensor, value) -> None:
@@ -102,9 +113,7 @@ def assign(dst: torch.Tensor, value) -> None:
     try:
         buf.array = _writer(spec, tuple(dst.shape), dst.dtype, donate)(arr, off, value)
     except (RuntimeError, ValueError) as e:
-        oom = _memory.oom_error(e, dst.device.index or 0)
-        if oom is not None:
-            raise oom from e
+        _raise_oom(e, dst.device.index or 0)
         raise
 
 
@@ -182,14 +191,24 @@ def host_to_device(src: torch.Tensor, device_index: int = 0):
     count("transfers_host_to_device")
     # A private copy: jax's CPU client aliases suitably aligned host memory on device_put (even
     # with may_alias=False, jax 0.10.2), so a later in-place change of ``src`` on CPU would
-    # change the device value.
-    return jax.device_put(np.array(host, copy=True), _devices.jax_device(device_index))
+    # change the device value. (On the CPU platform that copy is the device allocation: a
+    # host MemoryError is the device running out of memory.)
+    try:
+        return jax.device_put(np.array(host, copy=True), _devices.jax_device(device_index))
+    except (MemoryError, RuntimeError, ValueError) as e:
+        _raise_oom(e, device_index, host.nbytes)
+        raise
 
 
 def device_to_host(value) -> torch.Tensor:
     """A CPU tensor holding a jax array's value (blocks: a host sync). Raises for a failed
-    pending input check (eager/checks.py) first: the value may depend on the bad op."""
-    host = np.asarray(value)
+    pending input check (eager/checks.py) first: the value may depend on the bad op. An
+    allocation that failed while the value was computed raises ``torch.OutOfMemoryError``."""
+    try:
+        host = np.asarray(value)
+    except (RuntimeError, ValueError) as e:
+        _raise_oom(e, _index_of(value))
+        raise
     _checks.raise_pending()
     count("host_syncs")
     count("bytes_device_to_host", host.nbytes)
@@ -201,6 +220,13 @@ def device_to_host(value) -> torch.Tensor:
     if not host.flags.writeable:
         host = host.copy()
     return torch.from_numpy(host)
+
+
+def _index_of(value) -> int:
+    try:
+        return _devices.devices().index(next(iter(value.sharding.device_set)))
+    except Exception:  # noqa: BLE001 - a deleted or foreign array: the message names tpu:0
+        return 0
 
 
 def _recording() -> bool:

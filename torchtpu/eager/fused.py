@@ -26,6 +26,7 @@ import torch
 
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
+from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
@@ -472,9 +473,12 @@ def flush(reason: str = "explicit") -> None:
             for pb in live:  # their nodes are gone: a later use must not refer to them
                 pb.ref = None
                 pb.error = msg.splitlines()[0]
+            oom = _memory.oom_error(e)
+            if oom is not None:
+                raise oom from e
             raise RuntimeError(msg) from e
         if modes.get_eager_mode() is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-            jax.block_until_ready(results)
+            _memory.block_until_ready(results)
         for pb, v in zip(live, results):
             pb._value = v
             pb.ref = None

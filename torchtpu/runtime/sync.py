@@ -80,12 +80,20 @@ def _arrays(index=None, pending_only=True) -> list:
     return out
 
 
-def _block(arrays) -> None:
+def _block(arrays, raise_oom: bool = False) -> None:
+    oom = None
     for arr in arrays:
         try:
             arr.block_until_ready()
-        except Exception:
-            pass  # deleted/donated meanwhile: nothing left to wait for
+        except Exception as e:  # deleted/donated meanwhile: nothing left to wait for
+            if raise_oom and oom is None:
+                from . import memory
+
+                oom = memory.oom_error(e)
+                if oom is not None:
+                    oom.__cause__ = e
+    if oom is not None:  # a program that ran out of memory while it ran (CUDA raises here too)
+        raise oom
 
 
 def _index_of(device):
@@ -101,7 +109,7 @@ def synchronize(device=None) -> None:
     _flush()
     count("synchronize_calls")
     idx = _index_of(device)
-    _block(_arrays(idx))
+    _block(_arrays(idx), raise_oom=True)
     from . import memory
 
     memory.sample_peak(idx)
