@@ -198,6 +198,8 @@ class CompiledGraph:
                     res.append(_wrap(outs[v]))
             elif kind == "input":
                 res.append(args[v])
+            elif kind == "new":  # a mutated input's new value (lower.py): shared, not copied
+                res.append(_wrap(news[v]))
             else:
                 res.append(v)
         if bucketed is not None:

@@ -274,13 +274,22 @@ class GraphLowering:
                 env[n] = lowering._eval(n, args, kwargs, rng, mutated_vals)
             flat_outs = []
             const_outs = []
+            new_vals = [mutated_vals[i] for i in lowering.mutated]
             out_list = outs if isinstance(outs, (list, tuple)) else [outs]
             for j, o in enumerate(out_list):
                 if j in lowering.out_is_input:
                     const_outs.append(("input", lowering.out_is_input[j]))
                     continue
                 v = env[o] if isinstance(o, torch.fx.Node) else o
-                if _is_array(v):
+                k = None
+                if out_devices is None or out_devices[j] != "cpu":
+                    k = next((k for k, nv in enumerate(new_vals) if nv is v), None)
+                if k is not None:
+                    # an output that is a mutated input's new value (``return x.index_copy_()``):
+                    # returned once, as that value (a second output would be a full copy of a
+                    # buffer the donated input's one already holds); both tensors share it
+                    const_outs.append(("new", k))
+                elif _is_array(v):
                     const_outs.append(("array", len(flat_outs)))
                     flat_outs.append(v)
                 else:
@@ -288,7 +297,6 @@ class GraphLowering:
             lowering.const_outputs = (const_outs, isinstance(outs, (list, tuple)))
             lowering.check_info = tuple(info for _, info in checks)
             lowering._checks_acc = None
-            new_vals = [mutated_vals[i] for i in lowering.mutated]
             return tuple(flat_outs), tuple(new_vals), tuple(ok for ok, _ in checks)
 
         return f
