@@ -14,6 +14,7 @@ read value and every gradient is compared with CPU.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -591,3 +592,37 @@ def test_write_cost_does_not_grow_with_the_storage():
         assert _delta(before, "eager_copied_writes") == 0
         assert _ptr(cache) == ptr
         assert cache.sum().item() == 4096
+
+
+def test_second_process_loads_donating_programs_and_still_writes_in_place(tmp_path):
+    """Donating variants persist like every eager program: a second process compiles nothing
+    and its writes are still in place (the executable loaded from disk keeps the aliasing)."""
+    code = textwrap.dedent("""
+        import json, torch
+        from torchtpu.runtime import buffer
+        ptr = lambda t: buffer.buffer_of(t).array.unsafe_buffer_pointer()
+        x = torch.zeros(64, 256, device="tpu")
+        idx = torch.tensor([1, 5], device="tpu")
+        p0 = ptr(x)
+        x.index_copy_(0, idx, torch.ones(2, 256, device="tpu"))
+        x[10:12].copy_(torch.full((2, 256), 2.0, device="tpu"))
+        x[20:22].mul_(x[1:3])
+        same = ptr(x) == p0
+        total = x.sum().item()
+        c = torch.tpu.metrics()["counters"]
+        print(json.dumps({"same": same, "total": total, "compiles": c.get("eager_xla_compiles", 0),
+                          "hits": c.get("eager_disk_cache_hits", 0),
+                          "donated": c.get("eager_donated_writes", 0)}))
+    """)
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path), TORCHTPU_PREFETCH_THREADS="0")
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["compiles"] > 0 and second["compiles"] == 0, runs
+    assert second["hits"] > 0 and second["donated"] == first["donated"] == 3, runs
+    assert first["same"] and second["same"], runs  # in place in both processes
+    assert first["total"] == second["total"] == 2 * 256 + 4 * 256
