@@ -200,6 +200,12 @@ class CompiledGraph:
                 res.append(args[v])
             elif kind == "new":  # a mutated input's new value (lower.py): shared, not copied
                 res.append(_wrap(news[v]))
+            elif kind == "mutview":  # a view of a written input (lower._mutation_views)
+                i, chain = self._run.mut_views[v]
+                t = args[i]
+                for op, rest, kw in chain:
+                    t = op(t, *rest, **kw)
+                res.append(t)
             else:
                 res.append(v)
         if bucketed is not None:
@@ -223,8 +229,8 @@ class CompiledGraph:
             plan = _buckets.analyse(self.low.gm, self.mutated)
         except Exception as e:  # noqa: BLE001 - never fail a graph over the analysis
             plan = f"analysis failed ({type(e).__name__}: {e})"
-        if isinstance(plan, _buckets.Plan) and self.view_outputs:
-            plan = "outputs that are views of other outputs"
+        if isinstance(plan, _buckets.Plan) and (self.view_outputs or self.low.mut_views):
+            plan = "outputs that are views of other outputs or of written inputs"
         if isinstance(plan, _buckets.Plan) and plan.masked and self.low.mesh is not None:
             return "a graph with collectives that would need masks"  # not tried over a mesh
         if isinstance(plan, _buckets.Plan) and plan.masked:
