@@ -27,6 +27,7 @@ from ..lowering import registry as _registry
 from ..runtime import buffer as _buffer
 from ..runtime import custom_calls as _custom_calls
 from ..runtime import devices as _devices
+from ..runtime import memory as _memory
 from ..runtime.metrics import COUNTERS, count
 from . import aot_cache as _aot_cache
 from . import buckets as _buckets
@@ -151,7 +152,10 @@ class CompiledGraph:
             flat = arrays + [words]
         try:
             outs, news, flags = entry.compiled(*flat)
-        except jax.errors.JaxRuntimeError as e:
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            oom = _memory.oom_error(e)  # torch.OutOfMemoryError, as CUDA raises
+            if oom is not None:
+                raise oom from e
             if "not found" not in str(e) or self.opts.get("persistent_cache") is False:
                 raise
             # a disk-cache executable that XLA cannot run ("Function ... not found", the
@@ -199,6 +203,14 @@ class CompiledGraph:
                     res.append(_wrap(outs[v]))
             elif kind == "input":
                 res.append(args[v])
+            elif kind == "new":  # a mutated input's new value (lower.py): shared, not copied
+                res.append(_wrap(news[v]))
+            elif kind == "mutview":  # a view of a written input (lower._mutation_views)
+                i, chain = self._run.mut_views[v]
+                t = args[i]
+                for op, rest, kw in chain:
+                    t = op(t, *rest, **kw)
+                res.append(t)
             else:
                 res.append(v)
         if bucketed is not None:
@@ -222,8 +234,8 @@ class CompiledGraph:
             plan = _buckets.analyse(self.low.gm, self.mutated)
         except Exception as e:  # noqa: BLE001 - never fail a graph over the analysis
             plan = f"analysis failed ({type(e).__name__}: {e})"
-        if isinstance(plan, _buckets.Plan) and self.view_outputs:
-            plan = "outputs that are views of other outputs"
+        if isinstance(plan, _buckets.Plan) and (self.view_outputs or self.low.mut_views):
+            plan = "outputs that are views of other outputs or of written inputs"
         if isinstance(plan, _buckets.Plan) and plan.masked and self.low.mesh is not None:
             return "a graph with collectives that would need masks"  # not tried over a mesh
         if isinstance(plan, _buckets.Plan) and plan.masked:

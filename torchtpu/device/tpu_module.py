@@ -78,6 +78,9 @@ def _index(device) -> int:
     raise TypeError(f"invalid device {device!r}")
 
 
+_devices.register_index_hooks(current_device, _index)
+
+
 def set_device(device) -> None:
     idx = _index(device)
     _devices.jax_device(idx)
@@ -320,6 +323,9 @@ def _exit_stream(s: Stream) -> None:
         _current_map()[i] = prev
     if _current[0] != prev_device:
         set_device(prev_device)
+
+
+_sync.set_stream_hooks(_enter_stream, _exit_stream)
 
 
 def is_current_stream_capturing() -> bool:

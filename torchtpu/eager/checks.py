@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..runtime import memory as _memory
 from ..runtime import sync as _sync
 from ..runtime.metrics import count
 
@@ -73,7 +74,14 @@ def raise_pending() -> None:
     items = list(_pending)
     _pending.clear()
     # a Fused graph's flag is a pending buffer: reading it runs the graph (at a sync, it has run)
-    values = jax.device_get([ok if isinstance(ok, jax.Array) else ok.array for ok, *_ in items])
+    try:
+        values = jax.device_get([ok if isinstance(ok, jax.Array) else ok.array
+                                 for ok, *_ in items])
+    except (RuntimeError, ValueError) as e:  # an op whose program failed: its flag too
+        oom = _memory.oom_error(e)
+        if oom is not None:
+            raise oom from e
+        raise
     for v, (_, name, exc, msg) in zip(values, items):
         if not bool(v):
             raise exc(f"{msg} (in {name} on device tpu; tpu ops run asynchronously, so this is "

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,10 @@ import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax, to_torch
-from ..runtime.metrics import count
+from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
 from . import views
 
@@ -28,14 +30,38 @@ def _reader(spec):
 
 
 @functools.lru_cache(maxsize=None)
-def _writer(spec, shape, dtype):
+def _writer(spec, shape, dtype, donate=False):
+    """The program writing a value into a view of a storage array; ``donate``: the variant
+    that reuses the old array's buffer (executor.py's donation)."""
     jd = to_jax(dtype)
 
     def write(arr, off, value):
         v = jnp.broadcast_to(value.astype(jd), shape)
         return views.write(arr, spec, off, v)
 
+    if donate:
+        return _program_cache.Program("eager", write, ("copy.write", spec, shape, dtype, "donate"),
+                                      donate_argnums=(0,))
     return _program_cache.Program("eager", write, ("copy.write", spec, shape, dtype))
+
+
+def _probe(holder):
+    arr = holder.array
+    return sys.getrefcount(arr)
+
+
+class _Holder:
+    __slots__ = ("array",)
+
+
+def _sole_count() -> int:
+    """The reference count ``assign`` reads for an array only its storage's Buffer holds."""
+    h = _Holder()
+    h.array = object()
+    return _probe(h)
+
+
+_SOLE = _sole_count()
 
 
 def value_of(t: torch.Tensor):
@@ -46,7 +72,23 @@ def value_of(t: torch.Tensor):
         return arr
     if spec[0] == "r":
         return arr.reshape(spec[1])
-    return _reader(spec)(arr, off)
+    try:
+        return _reader(spec)(arr, off)
+    except (RuntimeError, ValueError) as e:
+        _raise_oom(e, t.device.index or 0)
+        raise
+
+
+from ..lowering import hops as _hops  # noqa: E402
+
+_hops.register_tensor_value(value_of)
+
+
+def _raise_oom(e, index, nbytes=None) -> None:
+    """Raise ``torch.OutOfMemoryError`` (from ``e``) if ``e`` is XLA running out of memory."""
+    oom = _memory.oom_error(e, index, nbytes)
+    if oom is not None:
+        raise oom from e
 
 
 def assign(dst: torch.Tensor, value) -> None:
@@ -58,7 +100,38 @@ def assign(dst: torch.Tensor, value) -> None:
     if spec is None and value.shape == arr.shape and value.dtype == dt:
         buf.array = value  # immutable arrays: sharing is a copy
         return
-    buf.array = _writer(spec, tuple(dst.shape), dst.dtype)(arr, off, value)
+    # donate the old array when only this storage holds it (see executor._donation)
+    ex = _executor()
+    if not ex.DONATE:
+        reason = "disabled"
+    elif sys.getrefcount(arr) > _SOLE or value is arr:
+        reason = "shared"
+    elif ex._multi_device() and len(arr.sharding.device_set) != 1:
+        reason = "sharded"
+    else:
+        reason = None
+    if reason is None:
+        COUNTERS["eager_donated_writes"] += 1
+    else:
+        count("eager_copied_writes", op=reason)
+    donate = reason is None
+    try:
+        buf.array = _writer(spec, tuple(dst.shape), dst.dtype, donate)(arr, off, value)
+    except (RuntimeError, ValueError) as e:
+        _raise_oom(e, dst.device.index or 0)
+        raise
+
+
+def _executor():
+    ex = _EXECUTOR[0]
+    if ex is None:
+        from . import executor as ex
+
+        _EXECUTOR[0] = ex
+    return ex
+
+
+_EXECUTOR = [None]  # eager/executor.py imports this module
 
 
 def assign_out(out: torch.Tensor, value, op_name: str) -> None:
@@ -123,14 +196,24 @@ def host_to_device(src: torch.Tensor, device_index: int = 0):
     count("transfers_host_to_device")
     # A private copy: jax's CPU client aliases suitably aligned host memory on device_put (even
     # with may_alias=False, jax 0.10.2), so a later in-place change of ``src`` on CPU would
-    # change the device value.
-    return jax.device_put(np.array(host, copy=True), _devices.jax_device(device_index))
+    # change the device value. (On the CPU platform that copy is the device allocation: a
+    # host MemoryError is the device running out of memory.)
+    try:
+        return jax.device_put(np.array(host, copy=True), _devices.jax_device(device_index))
+    except (MemoryError, RuntimeError, ValueError) as e:
+        _raise_oom(e, device_index, host.nbytes)
+        raise
 
 
 def device_to_host(value) -> torch.Tensor:
     """A CPU tensor holding a jax array's value (blocks: a host sync). Raises for a failed
-    pending input check (eager/checks.py) first: the value may depend on the bad op."""
-    host = np.asarray(value)
+    pending input check (eager/checks.py) first: the value may depend on the bad op. An
+    allocation that failed while the value was computed raises ``torch.OutOfMemoryError``."""
+    try:
+        host = np.asarray(value)
+    except (RuntimeError, ValueError) as e:
+        _raise_oom(e, _index_of(value))
+        raise
     _checks.raise_pending()
     count("host_syncs")
     count("bytes_device_to_host", host.nbytes)
@@ -142,6 +225,13 @@ def device_to_host(value) -> torch.Tensor:
     if not host.flags.writeable:
         host = host.copy()
     return torch.from_numpy(host)
+
+
+def _index_of(value) -> int:
+    try:
+        return _devices.devices().index(next(iter(value.sharding.device_set)))
+    except Exception:  # noqa: BLE001 - a deleted or foreign array: the message names tpu:0
+        return 0
 
 
 def _recording() -> bool:

@@ -6,6 +6,9 @@ write back mutated storages. Everything else happens once per key, at a cache mi
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,7 @@ import torch
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime.metrics import COUNTERS, count
 from ..runtime.dtypes import TORCH_TO_JAX as _T2J
@@ -217,11 +221,14 @@ _CACHE: dict = {}
 
 
 class _Entry:
-    __slots__ = ("jitted", "writes", "out_count")
+    """A cache entry: the program, the flat positions of the storages it writes (one per
+    storage), and its variants that donate written storages' arrays (``_donation``)."""
+    __slots__ = ("jitted", "writes", "donated")
 
     def __init__(self, jitted, writes):
         self.jitted = jitted
         self.writes = writes
+        self.donated = None  # {(donated positions, argument map): Program}
 
 
 @jax.tree_util.register_pytree_node_class
@@ -283,9 +290,7 @@ def _device_index(dev) -> int:
     """The index a device argument names: "tpu" alone is the current device, as for CUDA (in a
     multi-process job, every index names this process's one device: devices.canonical_index)."""
     if dev is None or dev.index is None:
-        from ..device import tpu_module
-
-        return tpu_module._current[0]
+        return _devices.current_index()
     return _devices.canonical_index(dev.index)
 
 
@@ -414,17 +419,23 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
     return traced
 
 
-def storage_groups(kind, args, kwargs, tensors):
-    """For an in-place op on a list ``self`` (it writes ``tensors[:len(self)]``): None when no
-    written tensor shares its storage with another tensor of the op (the common case), else
-    each tensor's group, the index of the first tensor on the same storage (part of the
-    cache key: it changes the program)."""
+def storage_groups(kind, args, kwargs, tensors, lowering=None):
+    """For an in-place op on a list ``self`` (it writes ``tensors[:len(self)]``), or one whose
+    lowering's ``writes`` flag names several arguments: None when no written tensor shares its
+    storage with another tensor of the op (the common case), else each tensor's group, the
+    index of the first tensor on the same storage (part of the cache key: it changes the
+    program)."""
     if kind != INPLACE and kind != DIRECT_INPLACE:
         return None
-    first = args[0] if args else kwargs.get("self")
-    if type(first) is not list and type(first) is not tuple:
-        return None
-    n_writes = len(first)
+    if lowering is not None and lowering.writes:
+        written = set(_named_slots(lowering, args, kwargs))
+        n_writes = -1
+    else:
+        first = args[0] if args else kwargs.get("self")
+        if type(first) is not list and type(first) is not tuple:
+            return None
+        n_writes = len(first)
+        written = None
     seen: dict = {}
     groups = []
     shared = False
@@ -434,7 +445,8 @@ def storage_groups(kind, args, kwargs, tensors):
             groups.append(j)
             continue
         g = seen.setdefault(id(st), j)
-        if g != j and (g < n_writes or j < n_writes):
+        if g != j and (g < n_writes or j < n_writes if written is None else
+                       g in written or j in written):
             shared = True
         groups.append(g)
     return tuple(groups) if shared else None
@@ -482,6 +494,10 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
     argument outside its lists (``_foreach_addcdiv_(..., scalars: Tensor)``, whose per-position
     meaning the skeleton cannot tell) or a random one is applied to the whole lists at each
     position and position ``i``'s result is taken (XLA drops the rest)."""
+    if lowering.writes:
+        # (the fused optimizers' kernels take another path when storages are shared)
+        raise NotImplementedError(f"{lowering.name}: written tensors that share a storage "
+                                  "(a torchtpu bug: its kernel composes it of other ops then)")
     counter = [0]
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
@@ -489,6 +505,8 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
     op_name = lowering.name
     n = len(tensors)
     n_writes = len(write_slots)
+    # one new array per written storage (``_write_slots`` with the groups: its first tensor)
+    out_groups = [s for s in write_slots if groups[s] == s]
     strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
     check_fn = lowering.check[0] if with_check and lowering.check is not None else None
     top = list(sk_args) + list(sk_kwargs.values())
@@ -537,12 +555,135 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
                                    f"shape {list(v.shape)}")
             g = groups[slot]
             state[g] = views.write(state[g], specs[slot], offsets[slot], v)
-        out = tuple(state[groups[slot]] for slot in write_slots)
+        out = tuple(state[g] for g in out_groups)
         if check_fn is None:
             return out
         return out, (jnp.asarray(True) if ok is None else ok)
 
     return traced
+
+
+# ---- donation: an in-place write reuses its storage's buffer ----
+# A write into a storage produces the storage's whole new array. When nothing but the storage's
+# Buffer holds the old array, the program gets it donated (XLA input/output aliasing): the new
+# array is written into the old one's memory, so a write costs the bytes it writes, not the
+# storage's size, and the storage never exists twice. Anything else that can still read the
+# old array keeps a Python reference to it and so blocks donation (the write then copies, as
+# it always did): another storage sharing the immutable array (zero-copy ``.to``, ``copy_`` of
+# a whole tensor, ``value_of``), a pending Fused graph's inputs, an Event's snapshot, a cached
+# device scalar, a user's jax array. Buffers with external references (a numpy view of the
+# array on the CPU platform, a DLPack capsule) are refused by PJRT itself, which then copies
+# (measured: no error, the view keeps its value). Arrays on several devices are never donated.
+DONATE = os.environ.get("TORCHTPU_DONATE", "1") not in ("0", "")
+_refcount = sys.getrefcount
+
+
+def _probe(flat, s):
+    a = flat[s]
+    return _refcount(a)
+
+
+class _Holder:
+    __slots__ = ("array",)
+
+
+def _sole_count() -> int:
+    """What ``_donation`` reads as the reference count of an array that only its storage's
+    Buffer and the call's argument list hold (measured, not assumed: it differs between Python
+    versions)."""
+    h = _Holder()
+    h.array = object()
+    return _probe([h.array], 0)
+
+
+_SOLE = _sole_count()
+
+
+def _donation(entry, flat):
+    """(program, arguments) for a call of an entry that writes storages: the variant that
+    donates every written array nothing else holds. An array passed at several positions of
+    the call (``x.mul_(x)``, views of one storage in one list) is passed once to the donating
+    variant (part of its key), since PJRT refuses an argument donated and read in one call."""
+    donate = []
+    dups = None
+    for s in entry.writes:
+        a = flat[s]
+        n = _refcount(a)
+        if n > _SOLE or not DONATE:
+            if not DONATE:
+                _copied("disabled")
+                continue
+            k = 0  # extra references the call itself holds: the array at other positions
+            for b in flat:
+                if b is a:
+                    k += 1
+            b = None
+            if n - (k - 1) > _SOLE or type(a) is not _ArrayImpl:
+                _copied("shared")
+                continue
+            if dups is None:
+                dups = {}
+            dups[s] = [j for j, b in enumerate(flat) if b is a and j != s]
+        if _multi_device() and len(a.sharding.device_set) != 1:
+            _copied("sharded")
+            continue
+        donate.append(s)
+    a = None
+    if not donate:
+        return entry.jitted, flat
+    COUNTERS["eager_donated_writes"] += len(donate)
+    if dups is None:
+        variant = (tuple(donate), None)
+        call = flat
+    else:  # pass each donated array once: the others map to its position
+        drop = {}
+        for s, js in dups.items():
+            if s in donate:
+                for j in js:
+                    drop[j] = s
+        keep = [j for j in range(len(flat)) if j not in drop]
+        new_pos = {j: i for i, j in enumerate(keep)}
+        expand = tuple(new_pos[drop.get(j, j)] for j in range(len(flat)))
+        variant = (tuple(new_pos[s] for s in donate), expand)
+        call = [flat[j] for j in keep]
+    progs = entry.donated
+    if progs is None:
+        progs = entry.donated = {}
+    prog = progs.get(variant)
+    if prog is None:
+        prog = progs[variant] = _donating(entry.jitted, *variant)
+    return prog, call
+
+
+def _copied(reason: str) -> None:
+    count("eager_copied_writes", op=reason)
+
+
+def _donating(prog, donate, expand):
+    """The variant of Program ``prog`` that donates flat arguments ``donate`` (positions in its
+    own argument list); ``expand``: for each of ``prog``'s arguments, the position it is taken
+    from (None: the same arguments)."""
+    fn = prog.fn
+    if expand is not None:
+        inner = fn
+
+        def fn(*args):
+            return inner(*[args[i] for i in expand])
+
+        fn.__name__ = inner.__name__
+    key = None if prog.key is None else prog.key + (("donate", donate, expand),)
+    return _program_cache.Program(prog.kind, fn, key, donate_argnums=donate, **prog.jit_kwargs)
+
+
+def _index_of_flat(flat) -> int:
+    """The device index of a call's first committed array (for an out-of-memory message)."""
+    for a in flat:
+        if type(a) is _ArrayImpl:
+            try:
+                return _devices.devices().index(next(iter(a.sharding.device_set)))
+            except Exception:  # noqa: BLE001 - a deleted array, another platform's device
+                return 0
+    return _devices.current_index()
 
 
 def _guess_next(key, flat, ctx) -> None:
@@ -561,14 +702,64 @@ def _guessed_entry(ctx, key):
                          [None] * n, ws, None, None, key), ws)
 
 
-def _write_slots(kind, args, kwargs):
-    """Which flattened tensors an in-place kernel writes: ``self`` (a tensor or a list)."""
-    if kind in (INPLACE, DIRECT_INPLACE):
+def _write_slots(kind, args, kwargs, lowering=None, groups=None):
+    """Which flattened tensors an in-place kernel writes: ``self`` (a tensor or a list), or
+    every tensor of the arguments the lowering's ``writes`` flag names. With storage
+    ``groups``, one slot per written storage (its first tensor): the program returns one new
+    array per storage."""
+    if kind != INPLACE and kind != DIRECT_INPLACE:
+        return ()
+    if lowering is not None and lowering.writes:
+        ws = _named_slots(lowering, args, kwargs)
+    else:
         first = args[0] if args else kwargs.get("self")
         if isinstance(first, Tensor):
             return (0,)
-        return tuple(range(len(first)))
-    return ()
+        ws = tuple(range(len(first)))
+    if groups is not None:
+        ws = tuple(s for s in ws if groups[s] == s)
+    return ws
+
+
+def _n_flat(x) -> int:
+    """How many flat program arguments (tensors, Traced scalars) argument ``x`` gives
+    (``_key``'s walk)."""
+    if isinstance(x, Tensor) or type(x) is Traced:
+        return 1
+    if type(x) is list or type(x) is tuple:
+        n = 0
+        for e in x:
+            n += _n_flat(e)
+        return n
+    return 0
+
+
+def _named_slots(lowering, args, kwargs):
+    """The flat positions of every tensor of the arguments named by the lowering's ``writes``
+    flag, in that order (the order of the new values its lowering returns)."""
+    names = lowering.writes
+    if callable(names):
+        names = names(args, kwargs)
+    schema = [a.name for a in lowering.op._schema.arguments]
+    wrapped = () if lowering.meta.get("static_scalars") else lowering.wrapped_pos
+    spans = {}
+    pos = 0
+    for i, x in enumerate(args):
+        n = _n_flat(x)
+        if i in wrapped and (type(x) is float or (type(x) is int and (x > 1 or x < 0) and
+                                                  _INT64[0] <= x < _INT64[1])):
+            n = 1  # a wrapped number: arg_keys passes it as a Traced
+        spans[schema[i]] = (pos, pos + n)
+        pos += n
+    for name, x in kwargs.items():
+        n = _n_flat(x)
+        spans[name] = (pos, pos + n)
+        pos += n
+    out = []
+    for name in names:
+        if name in spans:
+            out.extend(range(*spans[name]))
+    return tuple(out)
 
 
 def run_strict(lowering, kind, args, kwargs, mode=None):
@@ -678,18 +869,25 @@ def run(lowering, kind, args, kwargs, mode=None):
     entry = _CACHE.get(key)
     if entry is None:
         COUNTERS["eager_cache_misses"] += 1
-        ws = _write_slots(kind, args, kwargs)
+        ws = _write_slots(kind, args, kwargs, lowering)
         entry = _CACHE[key] = _Entry(
             _build(lowering, kind, _trace_wrapped(args, wrapped), kwargs, specs, tensors, ws,
-                   dev, groups, key), ws)
+                   dev, groups, key),
+            ws if groups is None else _write_slots(kind, args, kwargs, lowering, groups))
         guess = dev is None and groups is None and _key_guess.enabled()
     else:
         guess = False
         COUNTERS["eager_cache_hits"] += 1
     if lowering.random:
         flat.append(_rng.next_state(gen))
+    prog = entry.jitted
+    call = flat
+    if entry.writes:
+        arr = None  # (the loop's last array: not a holder)
+        prog, call = _donation(entry, flat)
     try:
-        out = entry.jitted(*flat)
+        out = prog(*call)
+        del call
         if guess:  # a miss: guess the next key if this op's static arguments grow
             _guess_next(key, flat, (lowering, kind, args, kwargs, key_args, key_kwargs,
                                     len(tensors), ws, wrapped, flat))
@@ -699,7 +897,12 @@ def run(lowering, kind, args, kwargs, mode=None):
                 _checks.check_now(ok, lowering.name, *lowering.check[1:])
             else:
                 _checks.add(ok, lowering.name, *lowering.check[1:])
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
+        oom = _memory.oom_error(e, _index_of_flat(flat))
+        if oom is not None:
+            raise oom from e
+        if isinstance(e, RuntimeError):
+            raise
         if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
             # the lowering branches on a scalar_args value: bake its scalars in from now on
             lowering.meta["static_scalars"] = True
@@ -710,7 +913,7 @@ def run(lowering, kind, args, kwargs, mode=None):
             raise
         raise err from e
     if mode is _DEBUG:
-        jax.block_until_ready(out)
+        _memory.block_until_ready(out)
     if lowering.mutates:
         out = _write_mutated(lowering, args, kwargs, out)
     if kind == FUNCTIONAL:

@@ -9,6 +9,7 @@ import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax
 from .executor import _device_index
@@ -22,7 +23,16 @@ def _zeros_fn(shape, jdtype, device):
 
 
 def _zeros(shape, dtype, device_index):
-    return _zeros_fn(tuple(shape), to_jax(dtype), _devices.jax_device(device_index))()
+    try:
+        return _zeros_fn(tuple(shape), to_jax(dtype), _devices.jax_device(device_index))()
+    except (RuntimeError, ValueError) as e:
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        oom = _memory.oom_error(e, device_index, n)
+        if oom is not None:
+            raise oom from e
+        raise
 
 
 def empty_tensor(shape, dtype=None, device=None) -> torch.Tensor:

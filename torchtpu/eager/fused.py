@@ -26,6 +26,7 @@ import torch
 
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
+from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
@@ -255,7 +256,7 @@ def record(lowering, kind, args, kwargs):
         skey = skey + (matmul_precision(),)
     groups = None
     if kind != FUNCTIONAL and kind != FUNCTIONAL_RAW:
-        groups = executor.storage_groups(kind, args, kwargs, tensors)
+        groups = executor.storage_groups(kind, args, kwargs, tensors, lowering)
         if groups is not None:
             skey = skey + (groups,)
     akey = (skey, tuple(aval_ids))
@@ -315,10 +316,12 @@ def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced
                 groups=None):
     """A new node kind: its pure function and abstract outputs (None: retry with static
     scalars)."""
-    ws = executor._write_slots(kind, args, kwargs)
+    ws = executor._write_slots(kind, args, kwargs, lowering)
     checked = lowering.check is not None
     traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
                                   with_check=checked, groups=groups)
+    if groups is not None:  # one new array per written storage
+        ws = executor._write_slots(kind, args, kwargs, lowering, groups)
     try:
         out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
     except (TypeError, ValueError) as e:
@@ -470,9 +473,12 @@ def flush(reason: str = "explicit") -> None:
             for pb in live:  # their nodes are gone: a later use must not refer to them
                 pb.ref = None
                 pb.error = msg.splitlines()[0]
+            oom = _memory.oom_error(e)
+            if oom is not None:
+                raise oom from e
             raise RuntimeError(msg) from e
         if modes.get_eager_mode() is modes.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING:
-            jax.block_until_ready(results)
+            _memory.block_until_ready(results)
         for pb, v in zip(live, results):
             pb._value = v
             pb.ref = None

@@ -307,8 +307,8 @@ def bind_runtime() -> None:
     for name in ("_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"):
         for overload in ("default", "tensor_lr"):
             functional = getattr(getattr(aten, name), overload)
-            _bind(getattr(getattr(aten, name + "_"), overload),
-                  _multi.fused_optimizer_(functional))
+            inplace = getattr(getattr(aten, name + "_"), overload)
+            _bind(inplace, _multi.fused_optimizer_(functional, inplace))
     # SDPA routing (see _sdpa above): the autograd key too, so autograd sees the fused op
     _bind(aten.scaled_dot_product_attention.default, _sdpa)
     _lib.impl("scaled_dot_product_attention", skip(_sdpa), "AutogradPrivateUse1")

@@ -6,6 +6,12 @@ compile-cache key; the storage offset of a strided view is a traced argument, so
 
 spec None           the tensor is the array exactly
 spec ("r", shape)   contiguous over the whole storage: a reshape
+spec ("c", shape[, row])  a contiguous run at a traced offset (``x[i]``, a narrow along dim 0):
+                    a dynamic slice / update; with ``row`` (the run and its offset are whole
+                    rows of the array, ``row`` elements each) in the array's own shape, so a
+                    write is an in-place dynamic-update-slice even when several are chained in
+                    one program (on the flattened array XLA:CPU copied the whole buffer for
+                    each chained write: a reshape around the update defeats its in-place rule)
 spec ("s", shape, strides)   anything else: a gather at offset + sum(i_k * stride_k)
 spec ("b", dtype, inner, off)  the tensor's dtype differs from the array's (``x.view(torch.int32)``,
                     a raw uint8 view of a storage): the storage's bytes are reinterpreted as a
@@ -52,10 +58,18 @@ def _spec_plain(t, arr):
             return ("r", tuple(shape)), None
     if contiguous and t.numel() > 0:
         # a contiguous run (x[i], a narrow along dim 0): a dynamic slice at a traced offset
+        if arr.ndim >= 1:
+            row = arr.size // arr.shape[0] if arr.shape[0] else 0
+            if row and t.numel() % row == 0 and off % row == 0:
+                return ("c", tuple(shape), row), off
         return ("c", tuple(shape)), off
     plan = _box_plan(tuple(shape), tuple(t.stride()), off, arr.size)
     if plan is not None:
-        return ("k", tuple(shape), tuple(t.stride()), off) + plan, None
+        box, starts, limits, perm, inter = plan
+        sizes = tuple(b - a for a, b in zip(starts, limits))
+        st = tuple(sorted((s_ for m, s_ in zip(shape, t.stride()) if m != 1 and s_ != 0),
+                          reverse=True))
+        return ("k", tuple(shape), tuple(t.stride()), box, st, sizes, perm, inter), off
     return ("s", tuple(shape), tuple(t.stride())), off
 
 
@@ -65,7 +79,7 @@ def has_offset(spec) -> bool:
         return False
     if spec[0] == "x":
         return has_offset(spec[3])
-    return spec[0] in ("s", "c")
+    return spec[0] in ("s", "c", "k")
 
 
 def _box_plan(shape, strides, off, n):
@@ -75,7 +89,10 @@ def _box_plan(shape, strides, off, n):
     (rows, s0/s1, ..., s_{k-2}/s_{k-1}, s_{k-1}) holds the view as a plain slice of that box,
     then a transpose back to the view's dimension order and a broadcast for stride-0 dims.
     Transposes, splits of a fused qkv projection and narrowed/step-sliced views all qualify.
-    The offset is baked into the plan (the view's place in its storage rarely varies).
+    The offset is baked into the plan (the view's place in its storage rarely varies). When
+    the smallest stride is 1 the box has no trailing unit dim, so a column block of a matrix
+    (``x[:, :8]``, a q/k/v split) is a slice of the array in its own shape: reads and writes
+    then need no reshape (XLA:CPU copies a whole buffer written through one).
     Returns (box_shape, starts, limits, perm, inter_shape) or None.
     """
     dims = sorted(((st, m, i) for i, (m, st) in enumerate(zip(shape, strides))
@@ -86,13 +103,15 @@ def _box_plan(shape, strides, off, n):
     if any(a <= b or a % b for a, b in zip(st, st[1:])):
         return None
     rows = -(-n // st[0])
-    box = [rows] + [a // b for a, b in zip(st, st[1:])] + [st[-1]]
+    box = [rows] + [a // b for a, b in zip(st, st[1:])] + ([st[-1]] if st[-1] != 1 else [])
     rem, starts = off, []
     for s_ in st:
         starts.append(rem // s_)
         rem -= starts[-1] * s_
-    starts.append(rem)
-    limits = [c + d[1] for c, d in zip(starts, dims)] + [rem + 1]
+    limits = [c + d[1] for c, d in zip(starts, dims)]
+    if st[-1] != 1:
+        starts.append(rem)
+        limits.append(rem + 1)
     if any(lim > b for lim, b in zip(limits, box)):
         return None
     order = [d[2] for d in dims]
@@ -162,17 +181,20 @@ def read(arr, spec, offset):
         size = 1
         for m in shape:
             size *= m
+        if len(spec) == 3:  # whole rows of the array, in its own shape
+            row = spec[2]
+            start = (offset // row,) + (0,) * (arr.ndim - 1)
+            return lax.dynamic_slice(arr, start, (size // row,) + arr.shape[1:]).reshape(shape)
         return lax.dynamic_slice(arr.reshape(-1), (offset,), (size,)).reshape(shape)
     if spec[0] == "k":
-        shape, _, _, box, starts, limits, perm, inter = spec[1:]
-        flat = arr.reshape(-1)
-        total = 1
-        for b in box:
-            total *= b
-        if total != flat.shape[0]:
-            flat = jnp.pad(flat, (0, total - flat.shape[0]))
-        v = lax.slice(flat.reshape(box), starts, limits)
-        v = v.reshape(v.shape[:-1]).transpose(perm)
+        shape, _, box, st, sizes, perm, inter = spec[1:]
+        # a dynamic slice at traced starts: XLA keeps a write of the same window in place
+        # (constant starts fold into a slice, and a fusion that reads a slice of the buffer it
+        # updates is emitted as a pass over the whole buffer)
+        v = lax.dynamic_slice(_as_box(arr, box), _box_starts(offset, st, box), sizes)
+        if len(box) > len(perm):  # the trailing unit dim of a smallest stride > 1
+            v = v.reshape(v.shape[:-1])
+        v = v.transpose(perm)
         return jnp.broadcast_to(v.reshape(inter), shape)
     if spec[0] == "x":
         v = read(arr, spec[3], offset)
@@ -184,6 +206,58 @@ def read(arr, spec, offset):
     if 0 in shape:
         return jnp.zeros(shape, arr.dtype)
     return flat[_flat_index(shape, strides, offset)]
+
+
+def _as_box(arr, box):
+    """The storage array seen as ``box`` (padded at the end): itself when it has that shape."""
+    if tuple(box) == tuple(arr.shape):
+        return arr
+    flat = arr.reshape(-1)
+    total = 1
+    for b in box:
+        total *= b
+    if total != flat.shape[0]:
+        flat = jnp.pad(flat, (0, total - flat.shape[0]))
+    return flat.reshape(box)
+
+
+def _box_starts(offset, st, box):
+    """The box coordinates of storage offset ``offset`` (traced): per sorted stride, then the
+    remainder when the box has a trailing dim."""
+    rem = offset
+    starts = []
+    for s_ in st:
+        q = rem // s_
+        starts.append(q)
+        rem = rem - q * s_
+    if len(box) > len(st):  # a trailing dim: the smallest stride is > 1
+        starts.append(rem)
+    return tuple(starts)
+
+
+def _write_box(arr, spec, offset, value):
+    """A strided view's write. Where the box is the array's own shape (a column block
+    ``x[:, :8]``), a dynamic-update-slice of the array, in place when it is donated. Otherwise
+    a write through a reshape, which XLA:CPU performs on a copy of the whole buffer: a view
+    that is a small part of its storage (under 1/8) is scattered in the array's own shape
+    instead (cost ~ its size), a larger one (``x[::2]``) is written into the box."""
+    shape, strides, box, st, sizes, perm, inter = spec[1:]
+    total = 1
+    for b in box:
+        total *= b
+    n = 1
+    for m in shape:
+        n *= m
+    if tuple(inter) != tuple(shape) or (tuple(box) != tuple(arr.shape) and
+                                        (total != arr.size or 8 * n <= arr.size)):
+        return write(arr, ("s", shape, strides), offset, value)
+    dims = [m for m, s_ in zip(shape, strides) if m != 1 and s_ != 0]
+    inv = tuple(sorted(range(len(perm)), key=lambda k: perm[k]))
+    v = value.reshape(dims).transpose(inv)  # the view's dims in the box's order
+    v = v.reshape(sizes)
+    new = lax.dynamic_update_slice(_as_box(arr, box), v.astype(arr.dtype),
+                                   _box_starts(offset, st, box))
+    return new if new.shape == arr.shape else new.reshape(arr.shape)
 
 
 def write(arr, spec, offset, value):
@@ -204,13 +278,27 @@ def write(arr, spec, offset, value):
         return jnp.broadcast_to(value, spec[1]).reshape(arr.shape)
     if spec[0] == "c":
         shape = spec[1]
-        value = jnp.broadcast_to(value, shape).reshape(-1)
-        return lax.dynamic_update_slice(arr.reshape(-1), value, (offset,)).reshape(arr.shape)
-    if spec[0] == "k":  # writes scatter (the box plan serves reads)
-        return write(arr, ("s",) + spec[1:3], spec[3], value)
+        value = jnp.broadcast_to(value, shape)
+        if len(spec) == 3:  # whole rows: an update in the array's own shape
+            row = spec[2]
+            rows = value.size // row
+            start = (offset // row,) + (0,) * (arr.ndim - 1)
+            return lax.dynamic_update_slice(arr, value.reshape((rows,) + arr.shape[1:]), start)
+        return lax.dynamic_update_slice(arr.reshape(-1), value.reshape(-1),
+                                        (offset,)).reshape(arr.shape)
+    if spec[0] == "k":
+        return _write_box(arr, spec, offset, value)
     _, shape, strides = spec
     if 0 in shape:
         return arr
-    value = jnp.broadcast_to(value, shape)
-    flat = arr.reshape(-1).at[_flat_index(shape, strides, offset).reshape(-1)].set(value.reshape(-1))
-    return flat.reshape(arr.shape)
+    value = jnp.broadcast_to(value, shape).reshape(-1)
+    idx = _flat_index(shape, strides, offset).reshape(-1)
+    if arr.ndim <= 1:
+        return arr.reshape(-1).at[idx].set(value, unique_indices=True).reshape(arr.shape)
+    # scattered in the array's own shape (unravelled indices): no reshape around the update,
+    # which XLA:CPU would perform on a copy of the whole buffer
+    native = []
+    for d in range(arr.ndim - 1, -1, -1):
+        native.append(idx % arr.shape[d])
+        idx = idx // arr.shape[d]
+    return arr.at[tuple(native[::-1])].set(value, unique_indices=True)

@@ -58,13 +58,20 @@ def torch_to_np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+# reads a tpu tensor's jax array: the executors register theirs (eager/copy.py) when they load,
+# so lowering never imports a layer above it
+_tensor_value: list = [None]
+
+
+def register_tensor_value(fn) -> None:
+    _tensor_value[0] = fn
+
+
 def constant(v):
     """A graph constant (``get_attr``) as a jax value: tpu tensors by their array."""
     if isinstance(v, torch.Tensor):
         if v.device.type == "tpu":
-            from ..eager.copy import value_of
-
-            return value_of(v)
+            return _tensor_value[0](v)
         return jnp.asarray(torch_to_np(v.detach().cpu()))
     return v
 

@@ -133,3 +133,49 @@ def fused_adagrad(self, grads, state_sums, state_steps, *, lr, lr_decay, weight_
         _emit(outs, [p0, grads[i], state_sums[i], state_steps[i]], new, skip)
     # the tensor_lr overload returns no state_steps list (its schema has three results)
     return tuple(list(o) for o in outs[:3 if tensor_lr else 4])
+
+
+# The in-place forms eager calls (``_fused_adamw_``...): one program that writes every changed
+# list into its tensors' storages (flag ``writes``), so the executors donate the old parameter
+# and state arrays and the update needs no second copy of them (eager/multi_write_kernels.py
+# routes there unless written tensors share a storage).
+def _in_place(functional, returns, writes):
+    """The in-place lowering of a fused optimizer op: the functional lowering's new values of
+    the arguments ``writes(args, kwargs)`` names (``returns``: the names of its result lists),
+    flattened in that order."""
+    def fused_in_place(*args, **kwargs):
+        new = functional(*args, **kwargs)
+        names = writes(args, kwargs)
+        return [a for name, values in zip(returns, new) if name in names for a in values]
+
+    return fused_in_place
+
+
+def _unscaled_grads(kwargs):
+    return kwargs.get("grad_scale") is not None  # the gradients change only when unscaled
+
+
+def _adam_writes(args, kwargs):
+    return (("self",) + (("grads",) if _unscaled_grads(kwargs) else ())
+            + ("exp_avgs", "exp_avg_sqs") + (("max_exp_avg_sqs",) if kwargs.get("amsgrad") else ()))
+
+
+def _sgd_writes(args, kwargs):
+    return (("self",) + (("grads",) if _unscaled_grads(kwargs) else ())
+            + (("momentum_buffer_list",) if kwargs.get("momentum", 0) != 0 else ()))
+
+
+def _adagrad_writes(args, kwargs):
+    # the step counts are incremented by the optimizer before the op (returned unchanged)
+    return ("self",) + (("grads",) if _unscaled_grads(kwargs) else ()) + ("state_sums",)
+
+
+_ADAM_RESULTS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
+for _name, _adamw in (("_fused_adam_", False), ("_fused_adamw_", True)):
+    _packet = getattr(aten, _name)
+    register(_packet.default, _packet.tensor_lr, writes=_adam_writes)(
+        _in_place(_adam(_adamw), _ADAM_RESULTS, _adam_writes))
+register(aten._fused_sgd_.default, aten._fused_sgd_.tensor_lr, writes=_sgd_writes)(
+    _in_place(fused_sgd, ("self", "grads", "momentum_buffer_list"), _sgd_writes))
+register(aten._fused_adagrad_.default, aten._fused_adagrad_.tensor_lr, writes=_adagrad_writes)(
+    _in_place(fused_adagrad, ("self", "grads", "state_sums", "state_steps"), _adagrad_writes))

@@ -33,6 +33,12 @@ Flags (the executors read them; no op is special-cased inside an executor):
   results followed by the new value of each named argument (``None``: leave it as is); the
   executors write those values back and return only the op's results.
 
+- ``writes``: for a lowering registered on an in-place overload that writes several arguments
+  (the fused optimizers' ``_fused_adamw_``: parameters, states, and the gradients when it
+  unscales them): the names of the arguments it writes, or a function ``(args, kwargs) ->
+  names`` of the static arguments. The lowering returns the new value of every tensor of those
+  arguments, in that order, flattened into one list; the executors write each into its storage
+  (donating the old array where nothing else holds it). Default: ``self`` only.
 - ``check``: ``(fn, exception type, message)``. ``fn`` takes the lowering's arguments and returns
   a boolean 0-d array, True when the inputs are valid (indices in range): a condition that PyTorch
   checks on the host but that needs the data. Every executor computes it in the op's program
@@ -72,6 +78,7 @@ class Lowering:
     reads_layout: bool = False
     meta: dict = field(default_factory=dict)
     graph_only: bool = False
+    writes: object = ()  # names, or (args, kwargs) -> names; () is ("self",)
     # positions of the schema's ``Tensor`` arguments: a Python number there is a wrapped
     # number (``x * lr``), which the executors pass as a traced scalar (set after init)
     wrapped_pos: tuple = ()
@@ -148,7 +155,7 @@ def _overloads(op) -> list[OpOverload]:
 
 
 def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=(),
-             check=None, reads_precision=False, reads_layout=False, graph_only=False):
+             check=None, reads_precision=False, reads_layout=False, graph_only=False, writes=()):
     """Decorator: register ``fn`` as the lowering of each op.
 
     An ``OpOverload`` registers that overload; an ``OpOverloadPacket`` registers all of its
@@ -162,7 +169,8 @@ def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mu
             for ov in _overloads(op):
                 LOWERINGS[ov] = Lowering(ov, fn, random, dynamic_shape, tuple(scalar_args),
                                          tuple(mutates), check, reads_precision,
-                                         reads_layout, graph_only=graph_only)
+                                         reads_layout, graph_only=graph_only,
+                                         writes=writes)
         return fn
 
     return deco

@@ -92,3 +92,32 @@ def device_name(index: int | None = None) -> str:
     d = jax_device(index)
     kind = getattr(d, "device_kind", "") or d.platform
     return kind
+
+
+# The device layer (device/tpu_module.py) owns the current device and parses device arguments
+# ("tpu:1", torch.device, an int); it registers both here at import, so the runtime (memory
+# statistics, synchronisation) and the executors ask through these without importing it (a
+# lower layer never imports a higher one). Before registration: device 0, ints only.
+_index_hooks: list = [lambda: 0, None]
+
+
+def register_index_hooks(current, index_of) -> None:
+    """``current() -> int`` (the current device); ``index_of(device) -> int`` (None: current)."""
+    _index_hooks[0] = current
+    _index_hooks[1] = index_of
+
+
+def current_index() -> int:
+    """The current tpu device's index (``torch.tpu.current_device()``)."""
+    return _index_hooks[0]()
+
+
+def index_of(device) -> int:
+    """The index a device argument names (None: the current device)."""
+    if device is None:
+        return _index_hooks[0]()
+    if isinstance(device, int):
+        return device
+    if _index_hooks[1] is None:
+        raise RuntimeError(f"torchtpu: device {device!r} named before the device layer loaded")
+    return _index_hooks[1](device)

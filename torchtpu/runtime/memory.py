@@ -10,6 +10,18 @@ Two sources, whichever the platform has:
   ``synchronize()``, or event record since the last ``reset_peak_memory_stats()``: a sampled
   peak, not an allocator-exact one (``memory_stats()["source"]`` says which source was used).
 
+Out of memory (``oom_error``): XLA reports an allocation it cannot make as ``RESOURCE_EXHAUSTED``
+(XLA:CPU: "Out of memory allocating N bytes"; TPU/GPU: "... trying to allocate 1.00G"). Every
+path that runs device work (allocation, transfers, eager ops, Fused graphs, compiled graphs, the
+host syncs that surface an asynchronous failure) turns it into ``torch.OutOfMemoryError`` with
+CUDA's message shape ("TPU out of memory. Tried to allocate 2.00 GiB. TPU 0 has a total
+capacity of ... of which ... is free. ..."), which is what ``except torch.OutOfMemoryError`` and
+accelerate's ``find_executable_batch_size`` look for. XLA allocates a program's outputs when it
+is dispatched on ready inputs (the error is raised by the op that asked) and its temporaries, or
+everything when its inputs are still being computed, when it runs: such a failure surfaces at the
+next host sync, and the values that program (and anything computed from them) would have made
+are lost; tensors it does not write keep their values.
+
 Size and free memory (``mem_get_info``, ``total_memory``): PJRT's ``bytes_limit`` and bytes in
 use where the platform reports them. On the CPU platform the device's memory *is* the host's, so
 they come from the host: total is physical memory, free is the kernel's ``MemAvailable`` (both
@@ -21,10 +33,13 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import jax
+import torch
 
 from . import devices as _devices
+from .metrics import count
 
 _peak: dict[int, int] = {}
 _alloc_count: dict[int, int] = {}
@@ -57,15 +72,7 @@ def live_bytes(index: int) -> tuple[int, int]:
 
 
 def _index(device) -> int:
-    if device is None:
-        from ..device import tpu_module
-
-        return tpu_module.current_device()
-    if isinstance(device, int):
-        return device
-    from ..device import tpu_module
-
-    return tpu_module._index(device)
+    return _devices.index_of(device)
 
 
 def memory_allocated(device=None) -> int:
@@ -273,3 +280,89 @@ def sample_peak(index: int | None = None) -> None:
                 memory_allocated(i)
     elif _pjrt_stats(index) is None:
         memory_allocated(index)
+
+
+# ---- out of memory ----
+
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM ")
+_BYTES = re.compile(r"allocat\w* (\d+) bytes")
+_SIZED = re.compile(r"allocate (?:a buffer of )?([\d.]+)\s*([KMGT]?)i?B?\b")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def format_size(n: int) -> str:
+    """PyTorch's CUDA allocator spelling of a size (``format_size`` in CUDACachingAllocator)."""
+    if n < 1024:
+        return f"{n} bytes"
+    if n < 1 << 20:
+        return f"{n / 1024:.2f} KiB"
+    if n < 1 << 30:
+        return f"{n / (1 << 20):.2f} MiB"
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception is XLA (or the host, on the CPU platform) running out of memory."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False  # already translated
+    if isinstance(exc, MemoryError):
+        return True
+    if not isinstance(exc, (RuntimeError, ValueError)):
+        return False
+    msg = str(exc)
+    return any(m in msg for m in _OOM_MARKERS)
+
+
+def requested_bytes(msg: str):
+    """The size of the failed allocation an XLA message names, or None."""
+    m = _BYTES.search(msg)
+    if m is not None:
+        return int(m.group(1))
+    m = _SIZED.search(msg)
+    if m is not None:
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return None
+
+
+def oom_error(exc: BaseException, index: int | None = None, nbytes: int | None = None):
+    """``torch.OutOfMemoryError`` for an out-of-memory failure of device work on tpu:index
+    (CUDA's message, the device named), or None when ``exc`` is something else. ``nbytes``: the
+    allocation's size where the caller knows it and the message does not say."""
+    if not is_oom(exc):
+        return None
+    count("out_of_memory_errors")
+    msg = str(exc)
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if any(m in ln for m in _OOM_MARKERS)),
+                 lines[0] if lines else type(exc).__name__)
+    want = requested_bytes(msg)
+    if want is None:
+        want = nbytes
+    i = _devices.current_index() if index is None else index
+    try:
+        free, total = mem_get_info(i)
+        held = memory_allocated(i)
+    except Exception:  # noqa: BLE001 - the message is best effort, the error type is not
+        free = total = held = None
+    parts = ["TPU out of memory."]
+    parts.append(f"Tried to allocate {format_size(want)}." if want is not None else
+                 "Tried to allocate more memory than is free.")
+    if total is not None:
+        parts.append(f"TPU {i} has a total capacity of {format_size(total)} of which "
+                     f"{format_size(free)} is free.")
+        parts.append(f"Of the allocated memory {format_size(held)} is allocated by PyTorch "
+                     f"(torchtpu's live arrays on tpu:{i}).")
+    parts.append(f"({_devices.platform()} runtime: {first.strip()})")
+    return torch.OutOfMemoryError(" ".join(parts))
+
+
+def block_until_ready(x):
+    """``jax.block_until_ready``, raising ``torch.OutOfMemoryError`` for an allocation that failed
+    while the work ran (Debug mode's wait after each op)."""
+    try:
+        return jax.block_until_ready(x)
+    except (RuntimeError, ValueError) as e:
+        oom = oom_error(e)
+        if oom is not None:
+            raise oom from e
+        raise

@@ -83,22 +83,28 @@ def _arrays(index=None, pending_only=True) -> list:
     return out
 
 
-def _block(arrays) -> None:
+def _block(arrays, raise_oom: bool = False) -> None:
+    oom = None
     for arr in arrays:
         try:
             arr.block_until_ready()
-        except Exception:
-            pass  # deleted/donated meanwhile: nothing left to wait for
+        except Exception as e:  # deleted/donated meanwhile: nothing left to wait for
+            if raise_oom and oom is None:
+                from . import memory
+
+                oom = memory.oom_error(e)
+                if oom is not None:
+                    oom.__cause__ = e
+    if oom is not None:  # a program that ran out of memory while it ran (CUDA raises here too)
+        raise oom
 
 
 def _index_of(device):
     if device is None:
         return None
-    if isinstance(device, int):
-        return device
-    from ..device import tpu_module
+    from . import devices
 
-    return tpu_module._index(device)
+    return devices.index_of(device)
 
 
 def synchronize(device=None) -> None:
@@ -106,7 +112,7 @@ def synchronize(device=None) -> None:
     _flush()
     count("synchronize_calls")
     idx = _index_of(device)
-    _block(_arrays(idx))
+    _block(_arrays(idx), raise_oom=True)
     from . import memory
 
     memory.sample_peak(idx)
@@ -192,6 +198,15 @@ class Event(_BaseEvent):
         return f"<torch.tpu.Event enable_timing={self.enable_timing}>"
 
 
+# (enter, exit) of ``with stream:``: the device layer selects streams (device/tpu_module.py
+# installs these when it loads; runtime never imports it)
+_stream_hooks: list = [None, None]
+
+
+def set_stream_hooks(enter, exit_) -> None:
+    _stream_hooks[0], _stream_hooks[1] = enter, exit_
+
+
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
 _stream_ids = itertools.count(1)  # 0: each device's default stream
 _stream_ids_lock = threading.Lock()
@@ -209,12 +224,9 @@ class Stream(_BaseStream):
         if "stream_id" in kwargs and "device_index" in kwargs:  # an existing stream, by id
             kwargs.setdefault("device_type", _PRIVATEUSE1)
             return _BaseStream.__new__(cls, priority=priority, **kwargs)
-        idx = _index_of(device)
-        if idx is None:
-            from ..device import tpu_module
-
-            idx = tpu_module.current_device()
         from . import devices
+
+        idx = devices.index_of(device)
 
         devices.jax_device(idx)  # validates the ordinal
         with _stream_ids_lock:
@@ -247,14 +259,10 @@ class Stream(_BaseStream):
 
     def __enter__(self):
         """``with s:`` selects ``s`` (and its device) until the block ends, as torch.Stream."""
-        from ..device import tpu_module
-
-        return tpu_module._enter_stream(self)
+        return _stream_hooks[0](self)
 
     def __exit__(self, *exc):
-        from ..device import tpu_module
-
-        tpu_module._exit_stream(self)
+        _stream_hooks[1](self)
         return False
 
     def __repr__(self):
