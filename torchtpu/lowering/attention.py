@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import flash
 from .registry import aten, register
 
 
@@ -107,10 +108,238 @@ def _attend(q, k, v, bias, is_causal, scale, dropout_p=0.0, rng=None):
     return out, lse.astype(jnp.float32), seed
 
 
+# ---------------------------------------------------------------- blockwise path (flash.py)
+
+# Scores of at most this many elements in all (batch x heads x L x S) are computed densely:
+# one fused program, exact, and faster than a loop at small sizes. Above it, the blockwise
+# kernel keeps memory O(L*d + block^2) per head.
+DENSE_MAX_ELEMENTS = 1 << 22
+# elements of one (batch x heads x query block x key block) tile of the blockwise kernel
+TILE_ELEMENTS = 1 << 21
+MIN_BLOCK, MAX_BLOCK = 128, 512
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_sizes(bh: int, L: int, S: int) -> tuple[int, int]:
+    """(query block, key block): powers of two, at most MAX_BLOCK, no larger than the
+    sequence (rounded up to a power of two), halved while a tile over every (batch, head)
+    exceeds TILE_ELEMENTS (down to MIN_BLOCK)."""
+    bq = min(MAX_BLOCK, _pow2_at_least(L))
+    bk = min(MAX_BLOCK, _pow2_at_least(S))
+    while bh * bq * bk > TILE_ELEMENTS and max(bq, bk) > MIN_BLOCK:
+        if bq >= bk:
+            bq //= 2
+        else:
+            bk //= 2
+    return bq, bk
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+class _Layout:
+    """How the op's shapes map onto flash.py's (B, Hk, G, L, E) layout, and back."""
+
+    def __init__(self, q, k, v, bias):
+        self.lead = q.shape[:-3]
+        self.hq, self.L, self.E = q.shape[-3:]
+        self.hk, self.S = k.shape[-3], k.shape[-2]
+        self.ev = v.shape[-1]
+        self.B = _prod(self.lead)
+        self.G = self.hq // self.hk
+        self.bias_shape = None if bias is None else bias.shape
+        self.bq, self.bk = block_sizes(self.B * self.hq, self.L, self.S)
+
+    def qkv(self, q, k, v):
+        return (q.reshape(self.B, self.hk, self.G, self.L, self.E),
+                k.reshape(self.B, self.hk, self.S, self.E),
+                v.reshape(self.B, self.hk, self.S, self.ev))
+
+    def q_like(self, x, last):
+        return x.reshape(self.lead + (self.hq, self.L) + ((last,) if last else ()))
+
+    # bias: right-aligned to (..., Hq, L, S); normalised to (B1, h1, g1, l1, s1), each dim 1
+    # or full, padded along full L / S dims to whole blocks
+    def bias_dims(self):
+        nd = len(self.lead) + 3
+        shp = (1,) * (nd - len(self.bias_shape)) + tuple(self.bias_shape)
+        lead = shp[:-3]
+        lead_full = not all(n == 1 for n in lead)
+        return shp, lead_full
+
+    def norm_bias(self, bias):
+        shp, lead_full = self.bias_dims()
+        b = bias.reshape(shp)
+        if lead_full:
+            b = jnp.broadcast_to(b, self.lead + shp[-3:])
+        hb, lb, sb = shp[-3:]
+        h1, g1 = (self.hk, self.G) if hb == self.hq and self.hq > 1 else (1, 1)
+        b = b.reshape((self.B if lead_full else 1, h1, g1, lb, sb))
+        if lb > 1:
+            b = flash._pad_to(b, 3, flash.cdiv(self.L, self.bq) * self.bq)
+        if sb > 1:
+            b = flash._pad_to(b, 4, flash.cdiv(self.S, self.bk) * self.bk)
+        return b
+
+    def bias_grad_back(self, g):
+        """(B1, h1, g1, l1, s1) padded gradient -> the bias's own shape."""
+        shp, lead_full = self.bias_dims()
+        g = g[..., :shp[-2], :shp[-1]]
+        g = g.reshape((self.lead if lead_full else shp[:-3]) + shp[-3:])
+        return _sum_to(g, self.bias_shape)
+
+
+def _blocked_fits(q, k, v, bias) -> bool:
+    """Shapes the blockwise kernel covers (else the dense path)."""
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        return False
+    if q.shape[:-3] != k.shape[:-3] or k.shape[:-1] != v.shape[:-1]:
+        return False
+    hq, hk = q.shape[-3], k.shape[-3]
+    if hk == 0 or hq % hk:
+        return False
+    if bias is not None:
+        if bias.ndim > q.ndim:
+            return False
+        shp = (1,) * (q.ndim - bias.ndim) + tuple(bias.shape)
+        full = q.shape[:-1] + (k.shape[-2],)
+        if any(b not in (1, n) for b, n in zip(shp, full)):
+            return False
+    return True
+
+
+def use_blocked(q, k, v, bias) -> bool:
+    """The blockwise kernel when the dense scores would exceed DENSE_MAX_ELEMENTS."""
+    n = _prod(q.shape[:-1]) * k.shape[-2]
+    return n > DENSE_MAX_ELEMENTS and _blocked_fits(q, k, v, bias)
+
+
+def _sdpa_tile(lay, bias_n, is_causal):
+    S, bq, bk = lay.S, lay.bq, lay.bk
+    pad_k = S % bk != 0
+    lb = sb = 1
+    if bias_n is not None:
+        lb, sb = bias_n.shape[3] > 1, bias_n.shape[4] > 1
+
+    def tile(s, i, j):
+        ok = None
+        if is_causal or pad_k:
+            rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+            cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+            if is_causal:
+                ok = cols <= rows
+            if pad_k:
+                ok = (cols < S) if ok is None else (ok & (cols < S))
+        if bias_n is not None:
+            bt = bias_n
+            if lb:
+                bt = lax.dynamic_slice_in_dim(bt, i * bq, bq, axis=3)
+            if sb:
+                bt = lax.dynamic_slice_in_dim(bt, j * bk, bk, axis=4)
+            if bt.dtype == jnp.bool_:
+                ok = bt if ok is None else (ok & bt)
+            else:
+                s = s + bt.astype(s.dtype)
+        return s if ok is None else jnp.where(ok, s, -jnp.inf)
+
+    return tile
+
+
+def _kv_range(lay, is_causal):
+    nk = flash.cdiv(lay.S, lay.bk)
+    if not is_causal:
+        return lambda i: (0, nk)
+    bq, bk = lay.bq, lay.bk
+    return lambda i: (0, jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk))
+
+
+def _blocked_forward(q, k, v, bias, is_causal, scale, dropout_p, rkey):
+    lay = _Layout(q, k, v, bias)
+    acc = _acc(q.dtype)
+    bias_n = None if bias is None else lay.norm_bias(bias)
+    qn, kn, vn = lay.qkv(q, k, v)
+    out, lse = flash.forward(qn, kn, vn, scale=_scale_of(q, scale), bq=lay.bq, bk=lay.bk,
+                             tile=_sdpa_tile(lay, bias_n, is_causal),
+                             kv_range=_kv_range(lay, is_causal), acc=acc,
+                             dropout_p=dropout_p, key=rkey)
+    return lay.q_like(out, lay.ev), lay.q_like(lse, None)
+
+
+def _blocked_backward(grad_out, q, k, v, out, bias, lse, dropout_p, is_causal, rkey, scale,
+                      want_bias_grad):
+    lay = _Layout(q, k, v, bias)
+    acc = _acc(q.dtype)
+    bias_n = None if bias is None else lay.norm_bias(bias)
+    qn, kn, vn = lay.qkv(q, k, v)
+    B, hk, G = lay.B, lay.hk, lay.G
+    don = grad_out.reshape(B, hk, G, lay.L, lay.ev)
+    outn = out.reshape(B, hk, G, lay.L, lay.ev)
+    lsen = lse.reshape(B, hk, G, lay.L)
+    bias_grad = None
+    if want_bias_grad:
+        b1, h1, g1, lp, sp = bias_n.shape
+        full_l, full_s = lp > 1, sp > 1
+        bq, bk = lay.bq, lay.bk
+        red = tuple(a for a, n in enumerate((b1, h1, g1)) if n == 1) + \
+            ((3,) if not full_l else ()) + ((4,) if not full_s else ())
+
+        def add(db, ds, i, j):
+            t = jnp.sum(ds, axis=red, keepdims=True) if red else ds
+            i0 = i * bq if full_l else 0
+            j0 = j * bk if full_s else 0
+            cur = lax.dynamic_slice(db, (0, 0, 0, i0, j0), t.shape)
+            return lax.dynamic_update_slice(db, cur + t, (0, 0, 0, i0, j0))
+
+        bias_grad = (jnp.zeros(bias_n.shape, acc), add)
+    res = flash.backward(don, qn, kn, vn, outn, lsen, scale=_scale_of(q, scale), bq=lay.bq,
+                         bk=lay.bk, tile=_sdpa_tile(lay, bias_n, is_causal),
+                         kv_range=_kv_range(lay, is_causal), acc=acc, dropout_p=dropout_p,
+                         key=rkey, bias_grad=bias_grad)
+    dq = lay.q_like(res[0], lay.E).astype(q.dtype)
+    dk = res[1].reshape(k.shape).astype(k.dtype)
+    dv = res[2].reshape(v.shape).astype(v.dtype)
+    gb = lay.bias_grad_back(res[3]).astype(bias.dtype) if want_bias_grad else None
+    return dq, dk, dv, gb
+
+
+def _dropout_key(rng):
+    rkey = jax.random.key_data(rng).reshape(-1)[:2].astype(jnp.uint32)
+    return jax.random.wrap_key_data(rkey, impl="threefry2x32")
+
+
+def attend(q, k, v, bias, is_causal, scale, dropout_p=0.0, rng=None):
+    """(out, float32 logsumexp, dropout seed): the dense program or the blockwise kernel."""
+    if not use_blocked(q, k, v, bias):
+        return _attend(q, k, v, bias, is_causal, scale, dropout_p, rng)
+    rkey = _dropout_key(rng) if dropout_p > 0 else None
+    out, lse = _blocked_forward(q, k, v, bias, is_causal, scale, dropout_p, rkey)
+    seed = _pack_key(rkey) if dropout_p > 0 else jnp.zeros((), jnp.int64)
+    return out, lse, seed
+
+
+def attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal, seed,
+                    scale, want_bias_grad=True):
+    """Gradients of q, k, v and of a float bias, through the forward's path."""
+    if not use_blocked(q, k, v, bias):
+        return _attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal,
+                                seed, scale)
+    rkey = _unpack_key(seed) if dropout_p > 0 else None
+    want = want_bias_grad and bias is not None and bias.dtype != jnp.bool_
+    return _blocked_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal,
+                             rkey, scale, want)
+
+
 @register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
 def sdpa_fused(rng, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
                return_debug_mask=False, *, scale=None):
-    out, lse, seed = _attend(query, key, value, attn_bias, is_causal, scale, dropout_p, rng)
+    out, lse, seed = attend(query, key, value, attn_bias, is_causal, scale, dropout_p, rng)
     L, S = query.shape[-2], key.shape[-2]
     return (out, lse, None, None, L, S, seed, jnp.zeros((), jnp.int64), None)
 
@@ -130,7 +359,7 @@ def _check_cpu_flash(query, dropout_p, attn_mask):
 def sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                        scale=None):
     _check_cpu_flash(query, dropout_p, attn_mask)
-    out, lse, _ = _attend(query, key, value, attn_mask, is_causal, scale)
+    out, lse, _ = attend(query, key, value, attn_mask, is_causal, scale)
     return out, lse
 
 
@@ -182,8 +411,8 @@ def _attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_caus
 def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
                         cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
                         philox_offset, *, scale=None):
-    grads = _attend_backward(grad_out, query, key, value, out, attn_bias, logsumexp, dropout_p,
-                             is_causal, philox_seed, scale)
+    grads = attend_backward(grad_out, query, key, value, out, attn_bias, logsumexp, dropout_p,
+                            is_causal, philox_seed, scale, want_bias_grad=grad_input_mask[3])
     return tuple(g if want else None for g, want in zip(grads, grad_input_mask))
 
 
@@ -191,8 +420,8 @@ def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
 def sdpa_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
                                 is_causal, *, attn_mask=None, scale=None):
     _check_cpu_flash(query, dropout_p, attn_mask)
-    return _attend_backward(grad_out, query, key, value, out, attn_mask, logsumexp, 0.0, is_causal,
-                            None, scale)[:3]
+    return attend_backward(grad_out, query, key, value, out, attn_mask, logsumexp, 0.0, is_causal,
+                           None, scale, want_bias_grad=False)[:3]
 
 
 # ---------------------------------------------------------------- nn.MultiheadAttention /
