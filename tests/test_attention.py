@@ -131,3 +131,89 @@ def test_blockwise_program_memory_grows_with_length_not_its_square():
     t8 = _program_bytes(8192, fwd_bwd)
     assert t16 < 160 * 2 ** 20, t16
     assert t16 < 2.5 * t8, (t8, t16)  # linear, not quadratic
+
+
+# ------------------------------------------------------------- the kernels JAX ships
+
+def _flash_reference(q, k, v, do, scale, causal, bq=64, bk=64):
+    from torchtpu.lowering import flash
+
+    L, S = q.shape[3], k.shape[2]
+
+    def tile(s, i, j):
+        if not causal:
+            return s
+        rows = i * bq + jnp.arange(bq)[:, None]
+        cols = j * bk + jnp.arange(bk)[None, :]
+        return jnp.where(cols <= rows, s, -jnp.inf)
+
+    kv = (lambda i: (0, jnp.minimum(S // bk, i * bq // bk + 1))) if causal else \
+        (lambda i: (0, S // bk))
+    out, lse = flash.forward(q, k, v, scale=scale, bq=bq, bk=bk, tile=tile, kv_range=kv,
+                             acc=jnp.float32)
+    grads = flash.backward(do, q, k, v, out, lse, scale=scale, bq=bq, bk=bk, tile=tile,
+                           kv_range=kv, acc=jnp.float32)
+    return (out, lse) + tuple(grads)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_pallas_kernels_in_interpret_mode_match_the_blockwise_lowering(kernel, causal):
+    """The TPU splash kernel and the GPU Pallas/Triton kernel, wired as the op uses them
+    (grouped-query layout, scale, the forward's logsumexp handed to the backward), run in
+    Pallas interpret mode on tiny shapes against flash.py."""
+    from torchtpu.lowering import attention_kernels as K
+
+    g = np.random.default_rng(0)
+    B, Hk, G, n, E = 1, 2, 2, 256, 64
+    q, do = (jnp.asarray(g.standard_normal((B, Hk, G, n, E)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(g.standard_normal((B, Hk, n, E)), jnp.float32) for _ in range(2))
+    fw, bw = (K.splash_forward, K.splash_backward) if kernel == "splash" else \
+        (K.gpu_forward, K.gpu_backward)
+    out, lse = fw(q, k, v, scale=0.125, causal=causal, interpret=True)
+    grads = bw(do, q, k, v, out, lse, scale=0.125, causal=causal, interpret=True)
+    want = _flash_reference(q, k, v, do, 0.125, causal)
+    for got, ref in zip((out, lse) + tuple(grads), want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_choice_by_platform_shape_dtype_and_features():
+    from torchtpu.lowering.attention_kernels import choose
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    kw = dict(has_mask=False, dropout_p=0.0, precision="highest")
+    assert choose("tpu", bf16, 4096, 4096, 128, 128, **kw) == "splash"
+    assert choose("gpu", bf16, 4096, 4096, 128, 128, **kw) == "pallas_gpu"
+    assert choose("cpu", bf16, 4096, 4096, 128, 128, **kw) is None
+    # float32 at "highest" keeps true float32 products (flash.py); lower precision may use them
+    assert choose("tpu", f32, 4096, 4096, 128, 128, **kw) is None
+    assert choose("tpu", f32, 4096, 4096, 128, 128, has_mask=False, dropout_p=0.0,
+                  precision="default") == "splash"
+    # masks (rows may be empty: -inf semantics), dropout, ragged lengths: flash.py
+    assert choose("tpu", bf16, 4096, 4096, 128, 128, has_mask=True, dropout_p=0.0,
+                  precision="highest") is None
+    assert choose("tpu", bf16, 4096, 4096, 128, 128, has_mask=False, dropout_p=0.1,
+                  precision="highest") is None
+    assert choose("tpu", bf16, 4000, 4096, 128, 128, **kw) is None
+    assert choose("gpu", bf16, 2048, 4096, 128, 128, **kw) is None  # fused bwd: L == S
+
+
+def test_sdpa_op_routes_to_the_platform_kernel(monkeypatch):
+    """The op's lowering on a TPU takes splash for a bf16 causal self-attention above the dense
+    threshold (forward and backward); here the platform is pretended and the kernel
+    interpreted, and the result checked against the blockwise kernel."""
+    from torchtpu.lowering import attention_kernels as K
+
+    g = np.random.default_rng(1)
+    shape = (1, 2, 1536, 64)
+    q, k, v, do = (jnp.asarray(g.standard_normal(shape), jnp.bfloat16) for _ in range(4))
+    ref_out, ref_lse, seed = attention.attend(q, k, v, None, True, None)
+    ref = attention.attend_backward(do, q, k, v, ref_out, None, ref_lse, 0.0, True, seed, None)
+    monkeypatch.setattr(attention._devices, "platform", lambda: "tpu")
+    monkeypatch.setattr(K, "INTERPRET", True)
+    assert attention.pallas_kernel(q, k, v, None, 0.0) == "splash"
+    out, lse, seed = attention.attend(q, k, v, None, True, None)
+    got = attention.attend_backward(do, q, k, v, out, None, lse, 0.0, True, seed, None)
+    for a, b in zip((out, lse) + tuple(got[:3]), (ref_out, ref_lse) + tuple(ref[:3])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-2)

@@ -3,11 +3,19 @@
 ``F.scaled_dot_product_attention`` on "tpu" reaches
 ``_scaled_dot_product_fused_attention_overrideable`` (see eager/kernels.py: PyTorch chooses the
 SDPA backend through a C++ DispatchStub that a Python backend cannot register, so a small
-routing kernel sends SDPA here). One XLA program computes scores, mask, softmax, dropout and
-the value product; the backward recomputes the probabilities from the saved logsumexp.
+routing kernel sends SDPA here). Three implementations sit behind the op, chosen from static
+facts only (platform, shapes, dtype, mask, dropout, matmul precision), the same way in the
+forward and the backward:
+- at most ``DENSE_MAX_ELEMENTS`` score elements: one dense XLA program (scores, mask, softmax,
+  dropout, value product; the backward recomputes the probabilities from the logsumexp);
+- above it, on TPU/GPU where a kernel JAX ships applies (``attention_kernels.choose``): Pallas
+  splash attention (TPU) or the Pallas/Triton flash kernel (GPU);
+- otherwise the blockwise online-softmax kernel of ``flash.py`` on any PJRT device: memory
+  O(L*d + block^2) per head, causal key blocks beyond the diagonal skipped.
 
 Dropout: the op is ``random``; the key's two 32-bit words are returned packed in
-``philox_seed`` (int64), so the backward regenerates exactly the same keep-mask.
+``philox_seed`` (int64), so the backward regenerates exactly the same keep-mask (per tile in
+the blockwise kernel).
 """
 from __future__ import annotations
 
@@ -17,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import flash
-from .registry import aten, register
+from ..runtime import devices as _devices
+from . import attention_kernels, flash
+from .registry import aten, matmul_precision, register
 
 
 def _acc(dtype):
@@ -314,10 +323,52 @@ def _dropout_key(rng):
     return jax.random.wrap_key_data(rkey, impl="threefry2x32")
 
 
+def pallas_kernel(q, k, v, bias, dropout_p) -> str | None:
+    """The kernel JAX ships for this platform, shape and dtype, if one applies (see
+    attention_kernels.choose); only for shapes the blockwise path would take."""
+    L, E = q.shape[-2:]
+    S, Ev = v.shape[-2:]
+    return attention_kernels.choose(_devices.platform(), q.dtype, L, S, E, Ev,
+                                    has_mask=bias is not None, dropout_p=dropout_p,
+                                    precision=matmul_precision())
+
+
+def _pallas_forward(kernel, q, k, v, is_causal, scale):
+    lay = _Layout(q, k, v, None)
+    qn, kn, vn = lay.qkv(q, k, v)
+    sc = _scale_of(q, scale)
+    interp = attention_kernels.INTERPRET
+    if kernel == "splash":
+        out, lse = attention_kernels.splash_forward(qn, kn, vn, scale=sc, causal=is_causal,
+                                                    interpret=interp)
+    else:
+        out, lse = attention_kernels.gpu_forward(qn, kn, vn, scale=sc, causal=is_causal,
+                                                 interpret=interp)
+    return lay.q_like(out, lay.ev), lay.q_like(lse, None)
+
+
+def _pallas_backward(kernel, grad_out, q, k, v, out, lse, is_causal, scale):
+    lay = _Layout(q, k, v, None)
+    qn, kn, vn = lay.qkv(q, k, v)
+    shp = (lay.B, lay.hk, lay.G, lay.L)
+    don, outn, lsen = grad_out.reshape(shp + (lay.ev,)), out.reshape(shp + (lay.ev,)), \
+        lse.reshape(shp)
+    fn = attention_kernels.splash_backward if kernel == "splash" else \
+        attention_kernels.gpu_backward
+    dq, dk, dv = fn(don, qn, kn, vn, outn, lsen, scale=_scale_of(q, scale), causal=is_causal,
+                    interpret=attention_kernels.INTERPRET)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), None
+
+
 def attend(q, k, v, bias, is_causal, scale, dropout_p=0.0, rng=None):
-    """(out, float32 logsumexp, dropout seed): the dense program or the blockwise kernel."""
+    """(out, float32 logsumexp, dropout seed): the dense program, the kernel JAX ships for
+    this platform, or the blockwise kernel."""
     if not use_blocked(q, k, v, bias):
         return _attend(q, k, v, bias, is_causal, scale, dropout_p, rng)
+    kernel = pallas_kernel(q, k, v, bias, dropout_p)
+    if kernel is not None:
+        out, lse = _pallas_forward(kernel, q, k, v, is_causal, scale)
+        return out, lse, jnp.zeros((), jnp.int64)
     rkey = _dropout_key(rng) if dropout_p > 0 else None
     out, lse = _blocked_forward(q, k, v, bias, is_causal, scale, dropout_p, rkey)
     seed = _pack_key(rkey) if dropout_p > 0 else jnp.zeros((), jnp.int64)
@@ -330,13 +381,17 @@ def attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causa
     if not use_blocked(q, k, v, bias):
         return _attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal,
                                 seed, scale)
+    kernel = pallas_kernel(q, k, v, bias, dropout_p)
+    if kernel is not None:
+        return _pallas_backward(kernel, grad_out, q, k, v, out, logsumexp, is_causal, scale)
     rkey = _unpack_key(seed) if dropout_p > 0 else None
     want = want_bias_grad and bias is not None and bias.dtype != jnp.bool_
     return _blocked_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal,
                              rkey, scale, want)
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+@register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True,
+          reads_precision=True)
 def sdpa_fused(rng, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
                return_debug_mask=False, *, scale=None):
     out, lse, seed = attend(query, key, value, attn_bias, is_causal, scale, dropout_p, rng)
@@ -355,7 +410,7 @@ def _check_cpu_flash(query, dropout_p, attn_mask):
                            "same data type as query")
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default, reads_precision=True)
 def sdpa_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                        scale=None):
     _check_cpu_flash(query, dropout_p, attn_mask)
@@ -407,7 +462,8 @@ def _attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_caus
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), gb
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+@register(aten._scaled_dot_product_fused_attention_overrideable_backward.default,
+          reads_precision=True)
 def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp,
                         cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
                         philox_offset, *, scale=None):
@@ -416,7 +472,7 @@ def sdpa_fused_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
     return tuple(g if want else None for g, want in zip(grads, grad_input_mask))
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, reads_precision=True)
 def sdpa_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
                                 is_causal, *, attn_mask=None, scale=None):
     _check_cpu_flash(query, dropout_p, attn_mask)
