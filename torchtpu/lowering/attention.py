@@ -230,7 +230,10 @@ def use_blocked(q, k, v, bias) -> bool:
     return n > DENSE_MAX_ELEMENTS and _blocked_fits(q, k, v, bias)
 
 
-def _sdpa_tile(lay, bias_n, is_causal):
+def _sdpa_tile(lay, bias_n, is_causal, window=None, seg=None):
+    """Scores of tile (i, j) with -inf where a key is hidden: past the end (padding), after
+    the query (causal), outside ``window = (left, right)`` (keys i - left .. i + right), in
+    another segment (``seg = (q ids (B, Lp), kv ids (B, Sp))``), or masked by the bias."""
     S, bq, bk = lay.S, lay.bq, lay.bk
     pad_k = S % bk != 0
     lb = sb = 1
@@ -239,13 +242,27 @@ def _sdpa_tile(lay, bias_n, is_causal):
 
     def tile(s, i, j):
         ok = None
-        if is_causal or pad_k:
+
+        def both(a, b):
+            return b if a is None else (a & b)
+
+        if is_causal or pad_k or window is not None:
             rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
             cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
             if is_causal:
                 ok = cols <= rows
             if pad_k:
-                ok = (cols < S) if ok is None else (ok & (cols < S))
+                ok = both(ok, cols < S)
+            if window is not None:
+                left, right = window
+                if left is not None:
+                    ok = both(ok, cols >= rows - left)
+                if right is not None:
+                    ok = both(ok, cols <= rows + right)
+        if seg is not None:
+            sq = lax.dynamic_slice_in_dim(seg[0], i * bq, bq, axis=1)
+            skv = lax.dynamic_slice_in_dim(seg[1], j * bk, bk, axis=1)
+            ok = both(ok, (sq[:, :, None] == skv[:, None, :])[:, None, None])
         if bias_n is not None:
             bt = bias_n
             if lb:
@@ -253,7 +270,7 @@ def _sdpa_tile(lay, bias_n, is_causal):
             if sb:
                 bt = lax.dynamic_slice_in_dim(bt, j * bk, bk, axis=4)
             if bt.dtype == jnp.bool_:
-                ok = bt if ok is None else (ok & bt)
+                ok = both(ok, bt)
             else:
                 s = s + bt.astype(s.dtype)
         return s if ok is None else jnp.where(ok, s, -jnp.inf)
@@ -261,12 +278,27 @@ def _sdpa_tile(lay, bias_n, is_causal):
     return tile
 
 
-def _kv_range(lay, is_causal):
+def _kv_range(lay, is_causal, window=None):
+    """The key blocks query block i visits: none wholly after the diagonal (causal) or
+    outside the window."""
     nk = flash.cdiv(lay.S, lay.bk)
-    if not is_causal:
-        return lambda i: (0, nk)
     bq, bk = lay.bq, lay.bk
-    return lambda i: (0, jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk))
+    left, right = window if window is not None else (None, None)
+    if right is None and not is_causal and left is None:
+        return lambda i: (0, nk)
+
+    def rng(i):
+        lo = 0 if left is None else jnp.maximum(0, (i * bq - left) // bk)
+        last = (i + 1) * bq - 1  # the block's last query row
+        reach = None
+        if is_causal:
+            reach = last
+        if right is not None:
+            reach = last + right if reach is None else jnp.minimum(reach, last + right)
+        hi = nk if reach is None else jnp.clip(reach // bk + 1, 0, nk)
+        return lo, jnp.maximum(lo, hi)
+
+    return rng
 
 
 def _blocked_forward(q, k, v, bias, is_causal, scale, dropout_p, rkey):
@@ -388,6 +420,109 @@ def attend_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causa
     want = want_bias_grad and bias is not None and bias.dtype != jnp.bool_
     return _blocked_backward(grad_out, q, k, v, out, bias, logsumexp, dropout_p, is_causal,
                              rkey, scale, want)
+
+
+# ---------------------------------------------------------------- torch.tpu.ops.splash_sdpa
+# (the op is defined in torchtpu/ops/attention.py; these are its lowerings)
+
+def _splash_window(window_left, window_right):
+    return None if window_left is None and window_right is None else (window_left,
+                                                                       window_right)
+
+
+def _splash_checks(q, k, v, q_seg, kv_seg):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise RuntimeError("splash_sdpa: expected 4-D query, key and value (batch, heads, "
+                           f"length, head dim), got {q.ndim}-D, {k.ndim}-D and {v.ndim}-D")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RuntimeError("splash_sdpa: expected query, key and value to have the same dtype")
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise RuntimeError(f"splash_sdpa: incompatible shapes {tuple(q.shape)}, "
+                           f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise RuntimeError(f"splash_sdpa: {q.shape[1]} query heads are not a multiple of "
+                           f"{k.shape[1]} key heads")
+    if (q_seg is None) != (kv_seg is None):
+        raise RuntimeError("splash_sdpa: give both q_segment_ids and kv_segment_ids or neither")
+    if q_seg is not None and (q_seg.shape != q.shape[:1] + q.shape[2:3]
+                              or kv_seg.shape != k.shape[:1] + k.shape[2:3]):
+        raise RuntimeError("splash_sdpa: segment ids must have shapes (batch, query length) "
+                           "and (batch, key length)")
+
+
+def _splash_plan(q, k, v, q_seg, window):
+    """The kernel: splash on TPU, the GPU kernel for plain causal/full attention, else None
+    (flash.py)."""
+    kernel = attention_kernels.choose(_devices.platform(), q.dtype, q.shape[2], k.shape[2],
+                                      q.shape[3], v.shape[3], has_mask=False, dropout_p=0.0,
+                                      precision=matmul_precision())
+    if kernel == "pallas_gpu" and (q_seg is not None or window is not None):
+        return None
+    return kernel
+
+
+def _splash_segments(lay, q_seg, kv_seg):
+    if q_seg is None:
+        return None
+    return (flash._pad_to(q_seg.astype(jnp.int32), 1, flash.cdiv(lay.L, lay.bq) * lay.bq),
+            flash._pad_to(kv_seg.astype(jnp.int32), 1, flash.cdiv(lay.S, lay.bk) * lay.bk))
+
+
+def splash_sdpa_forward(query, key, value, q_segment_ids=None, kv_segment_ids=None,
+                        is_causal=False, scale=None, window_left=None, window_right=None):
+    """-> (out, float32 logsumexp (B, Hq, L))."""
+    _splash_checks(query, key, value, q_segment_ids, kv_segment_ids)
+    window = _splash_window(window_left, window_right)
+    lay = _Layout(query, key, value, None)
+    qn, kn, vn = lay.qkv(query, key, value)
+    sc = _scale_of(query, scale)
+    kernel = _splash_plan(query, key, value, q_segment_ids, window)
+    interp = attention_kernels.INTERPRET
+    if kernel == "splash":
+        out, lse = attention_kernels.splash_forward(qn, kn, vn, scale=sc, causal=is_causal,
+                                                    window=window, seg_q=q_segment_ids,
+                                                    seg_kv=kv_segment_ids, interpret=interp)
+    elif kernel == "pallas_gpu":
+        out, lse = attention_kernels.gpu_forward(qn, kn, vn, scale=sc, causal=is_causal,
+                                                 interpret=interp)
+    else:
+        seg = _splash_segments(lay, q_segment_ids, kv_segment_ids)
+        out, lse = flash.forward(qn, kn, vn, scale=sc, bq=lay.bq, bk=lay.bk,
+                                 tile=_sdpa_tile(lay, None, is_causal, window, seg),
+                                 kv_range=_kv_range(lay, is_causal, window),
+                                 acc=_acc(query.dtype))
+    return lay.q_like(out, lay.ev), lay.q_like(lse, None)
+
+
+def splash_sdpa_backward(grad_out, query, key, value, out, logsumexp, q_segment_ids=None,
+                         kv_segment_ids=None, is_causal=False, scale=None, window_left=None,
+                         window_right=None):
+    """-> (grad query, grad key, grad value)."""
+    window = _splash_window(window_left, window_right)
+    lay = _Layout(query, key, value, None)
+    qn, kn, vn = lay.qkv(query, key, value)
+    shp = (lay.B, lay.hk, lay.G, lay.L)
+    don, outn = grad_out.reshape(shp + (lay.ev,)), out.reshape(shp + (lay.ev,))
+    lsen = logsumexp.reshape(shp)
+    sc = _scale_of(query, scale)
+    kernel = _splash_plan(query, key, value, q_segment_ids, window)
+    interp = attention_kernels.INTERPRET
+    if kernel == "splash":
+        dq, dk, dv = attention_kernels.splash_backward(
+            don, qn, kn, vn, outn, lsen, scale=sc, causal=is_causal, window=window,
+            seg_q=q_segment_ids, seg_kv=kv_segment_ids, interpret=interp)
+    elif kernel == "pallas_gpu":
+        dq, dk, dv = attention_kernels.gpu_backward(don, qn, kn, vn, outn, lsen, scale=sc,
+                                                    causal=is_causal, interpret=interp)
+    else:
+        seg = _splash_segments(lay, q_segment_ids, kv_segment_ids)
+        dq, dk, dv = flash.backward(don, qn, kn, vn, outn, lsen, scale=sc, bq=lay.bq,
+                                    bk=lay.bk,
+                                    tile=_sdpa_tile(lay, None, is_causal, window, seg),
+                                    kv_range=_kv_range(lay, is_causal, window),
+                                    acc=_acc(query.dtype))
+    return (dq.reshape(query.shape).astype(query.dtype), dk.reshape(key.shape).astype(key.dtype),
+            dv.reshape(value.shape).astype(value.dtype))
 
 
 @register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True,
