@@ -138,22 +138,25 @@ def test_blockwise_program_memory_grows_with_length_not_its_square():
 def _flash_reference(q, k, v, do, scale, causal, bq=64, bk=64):
     from torchtpu.lowering import flash
 
-    L, S = q.shape[3], k.shape[2]
+    S = k.shape[2]
 
-    def tile(s, i, j):
-        if not causal:
-            return s
-        rows = i * bq + jnp.arange(bq)[:, None]
-        cols = j * bk + jnp.arange(bk)[None, :]
-        return jnp.where(cols <= rows, s, -jnp.inf)
+    class Causal(flash.Plan):
+        def phases(self, i):
+            hi = jnp.minimum(S // bk, i * bq // bk + 1) if causal else S // bk
+            return [(0, hi, lambda t: (t, None), True)]
 
-    kv = (lambda i: (0, jnp.minimum(S // bk, i * bq // bk + 1))) if causal else \
-        (lambda i: (0, S // bk))
-    out, lse = flash.forward(q, k, v, scale=scale, bq=bq, bk=bk, tile=tile, kv_range=kv,
-                             acc=jnp.float32)
-    grads = flash.backward(do, q, k, v, out, lse, scale=scale, bq=bq, bk=bk, tile=tile,
-                           kv_range=kv, acc=jnp.float32)
-    return (out, lse) + tuple(grads)
+        def scores(self, s, i, j, masked):
+            if not causal:
+                return s
+            rows = i * bq + jnp.arange(bq)[:, None]
+            cols = j * bk + jnp.arange(bk)[None, :]
+            return jnp.where(cols <= rows, s, -jnp.inf)
+
+    plan = Causal(S // bk)
+    out, lse, _ = flash.forward(q, k, v, scale=scale, bq=bq, bk=bk, plan=plan, acc=jnp.float32)
+    grads = flash.backward(do, q, k, v, out, lse, scale=scale, bq=bq, bk=bk, plan=plan,
+                           acc=jnp.float32)
+    return (out, lse) + tuple(grads[:3])
 
 
 @pytest.mark.parametrize("kernel", ["splash", "pallas_gpu"])

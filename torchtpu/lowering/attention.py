@@ -230,75 +230,94 @@ def use_blocked(q, k, v, bias) -> bool:
     return n > DENSE_MAX_ELEMENTS and _blocked_fits(q, k, v, bias)
 
 
-def _sdpa_tile(lay, bias_n, is_causal, window=None, seg=None):
-    """Scores of tile (i, j) with -inf where a key is hidden: past the end (padding), after
-    the query (causal), outside ``window = (left, right)`` (keys i - left .. i + right), in
-    another segment (``seg = (q ids (B, Lp), kv ids (B, Sp))``), or masked by the bias."""
-    S, bq, bk = lay.S, lay.bq, lay.bk
-    pad_k = S % bk != 0
-    lb = sb = 1
-    if bias_n is not None:
-        lb, sb = bias_n.shape[3] > 1, bias_n.shape[4] > 1
+class SdpaPlan(flash.Plan):
+    """flash.py's plan for SDPA and splash_sdpa: one key block per step for every head,
+    ``-inf`` where a key is hidden: past the end (padding), after the query (causal), outside
+    ``window = (left, right)`` (keys i - left .. i + right), in another segment
+    (``seg = (q ids (B, Lp), kv ids (B, Sp))``) or masked by the bias; key blocks wholly
+    hidden by causality or the window are not visited. ``bias_grad``: accumulate the
+    gradient of the additive bias (``extra``)."""
 
-    def tile(s, i, j):
+    def __init__(self, lay, bias_n=None, is_causal=False, window=None, seg=None,
+                 bias_grad=False, acc=jnp.float32):
+        super().__init__(flash.cdiv(lay.S, lay.bk))
+        self.lay, self.bias_n, self.is_causal = lay, bias_n, is_causal
+        self.window, self.seg = window, seg
+        self.lb = self.sb = False
+        if bias_n is not None:
+            self.lb, self.sb = bias_n.shape[3] > 1, bias_n.shape[4] > 1
+        self.bias_grad = bias_grad
+        if bias_grad:
+            self.extra_init = jnp.zeros(bias_n.shape, acc)
+
+    def phases(self, i):
+        lay, nk = self.lay, self.nk
+        bq, bk = lay.bq, lay.bk
+        left, right = self.window if self.window is not None else (None, None)
+        lo, hi = 0, nk
+        if left is not None:
+            lo = jnp.maximum(0, (i * bq - left) // bk)
+        last = (i + 1) * bq - 1  # the block's last query row
+        reach = last if self.is_causal else None
+        if right is not None:
+            reach = last + right if reach is None else jnp.minimum(reach, last + right)
+        if reach is not None:
+            hi = jnp.maximum(lo, jnp.clip(reach // bk + 1, 0, nk))
+        return [(lo, hi, lambda t: (t, None), True)]
+
+    def _bias_tile(self, i, j):
+        bt = self.bias_n
+        if self.lb:
+            bt = lax.dynamic_slice_in_dim(bt, i * self.lay.bq, self.lay.bq, axis=3)
+        if self.sb:
+            bt = lax.dynamic_slice_in_dim(bt, j * self.lay.bk, self.lay.bk, axis=4)
+        return bt
+
+    def scores(self, s, i, j, masked):
+        lay = self.lay
+        S, bq, bk = lay.S, lay.bq, lay.bk
         ok = None
 
         def both(a, b):
             return b if a is None else (a & b)
 
-        if is_causal or pad_k or window is not None:
+        if self.is_causal or S % bk or self.window is not None:
             rows = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
             cols = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-            if is_causal:
+            if self.is_causal:
                 ok = cols <= rows
-            if pad_k:
+            if S % bk:
                 ok = both(ok, cols < S)
-            if window is not None:
-                left, right = window
+            if self.window is not None:
+                left, right = self.window
                 if left is not None:
                     ok = both(ok, cols >= rows - left)
                 if right is not None:
                     ok = both(ok, cols <= rows + right)
-        if seg is not None:
-            sq = lax.dynamic_slice_in_dim(seg[0], i * bq, bq, axis=1)
-            skv = lax.dynamic_slice_in_dim(seg[1], j * bk, bk, axis=1)
+        if self.seg is not None:
+            sq = lax.dynamic_slice_in_dim(self.seg[0], i * bq, bq, axis=1)
+            skv = lax.dynamic_slice_in_dim(self.seg[1], j * bk, bk, axis=1)
             ok = both(ok, (sq[:, :, None] == skv[:, None, :])[:, None, None])
-        if bias_n is not None:
-            bt = bias_n
-            if lb:
-                bt = lax.dynamic_slice_in_dim(bt, i * bq, bq, axis=3)
-            if sb:
-                bt = lax.dynamic_slice_in_dim(bt, j * bk, bk, axis=4)
+        if self.bias_n is not None:
+            bt = self._bias_tile(i, j)
             if bt.dtype == jnp.bool_:
                 ok = both(ok, bt)
             else:
                 s = s + bt.astype(s.dtype)
         return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
-    return tile
-
-
-def _kv_range(lay, is_causal, window=None):
-    """The key blocks query block i visits: none wholly after the diagonal (causal) or
-    outside the window."""
-    nk = flash.cdiv(lay.S, lay.bk)
-    bq, bk = lay.bq, lay.bk
-    left, right = window if window is not None else (None, None)
-    if right is None and not is_causal and left is None:
-        return lambda i: (0, nk)
-
-    def rng(i):
-        lo = 0 if left is None else jnp.maximum(0, (i * bq - left) // bk)
-        last = (i + 1) * bq - 1  # the block's last query row
-        reach = None
-        if is_causal:
-            reach = last
-        if right is not None:
-            reach = last + right if reach is None else jnp.minimum(reach, last + right)
-        hi = nk if reach is None else jnp.clip(reach // bk + 1, 0, nk)
-        return lo, jnp.maximum(lo, hi)
-
-    return rng
+    def scores_vjp(self, s, i, j, masked, ds, extra):
+        if not self.bias_grad:
+            return ds, extra
+        # the bias's gradient is the scores' (hidden entries have p = 0, so ds = 0 there),
+        # summed over the dims the bias broadcasts
+        b1, h1, g1 = self.bias_n.shape[:3]
+        red = tuple(a for a, n in enumerate((b1, h1, g1)) if n == 1) + \
+            ((3,) if not self.lb else ()) + ((4,) if not self.sb else ())
+        t = jnp.sum(ds, axis=red, keepdims=True) if red else ds
+        at = (0, 0, 0, i * self.lay.bq if self.lb else 0, j * self.lay.bk if self.sb else 0)
+        cur = lax.dynamic_slice(extra, at, t.shape)
+        return ds, lax.dynamic_update_slice(extra, cur + t, at)
 
 
 def _blocked_forward(q, k, v, bias, is_causal, scale, dropout_p, rkey):
@@ -306,10 +325,9 @@ def _blocked_forward(q, k, v, bias, is_causal, scale, dropout_p, rkey):
     acc = _acc(q.dtype)
     bias_n = None if bias is None else lay.norm_bias(bias)
     qn, kn, vn = lay.qkv(q, k, v)
-    out, lse = flash.forward(qn, kn, vn, scale=_scale_of(q, scale), bq=lay.bq, bk=lay.bk,
-                             tile=_sdpa_tile(lay, bias_n, is_causal),
-                             kv_range=_kv_range(lay, is_causal), acc=acc,
-                             dropout_p=dropout_p, key=rkey)
+    out, lse, _ = flash.forward(qn, kn, vn, scale=_scale_of(q, scale), bq=lay.bq, bk=lay.bk,
+                                plan=SdpaPlan(lay, bias_n, is_causal), acc=acc,
+                                dropout_p=dropout_p, key=rkey)
     return lay.q_like(out, lay.ev), lay.q_like(lse, None)
 
 
@@ -323,30 +341,14 @@ def _blocked_backward(grad_out, q, k, v, out, bias, lse, dropout_p, is_causal, r
     don = grad_out.reshape(B, hk, G, lay.L, lay.ev)
     outn = out.reshape(B, hk, G, lay.L, lay.ev)
     lsen = lse.reshape(B, hk, G, lay.L)
-    bias_grad = None
-    if want_bias_grad:
-        b1, h1, g1, lp, sp = bias_n.shape
-        full_l, full_s = lp > 1, sp > 1
-        bq, bk = lay.bq, lay.bk
-        red = tuple(a for a, n in enumerate((b1, h1, g1)) if n == 1) + \
-            ((3,) if not full_l else ()) + ((4,) if not full_s else ())
-
-        def add(db, ds, i, j):
-            t = jnp.sum(ds, axis=red, keepdims=True) if red else ds
-            i0 = i * bq if full_l else 0
-            j0 = j * bk if full_s else 0
-            cur = lax.dynamic_slice(db, (0, 0, 0, i0, j0), t.shape)
-            return lax.dynamic_update_slice(db, cur + t, (0, 0, 0, i0, j0))
-
-        bias_grad = (jnp.zeros(bias_n.shape, acc), add)
-    res = flash.backward(don, qn, kn, vn, outn, lsen, scale=_scale_of(q, scale), bq=lay.bq,
-                         bk=lay.bk, tile=_sdpa_tile(lay, bias_n, is_causal),
-                         kv_range=_kv_range(lay, is_causal), acc=acc, dropout_p=dropout_p,
-                         key=rkey, bias_grad=bias_grad)
-    dq = lay.q_like(res[0], lay.E).astype(q.dtype)
-    dk = res[1].reshape(k.shape).astype(k.dtype)
-    dv = res[2].reshape(v.shape).astype(v.dtype)
-    gb = lay.bias_grad_back(res[3]).astype(bias.dtype) if want_bias_grad else None
+    plan = SdpaPlan(lay, bias_n, is_causal, bias_grad=want_bias_grad, acc=acc)
+    dq, dk, dv, db = flash.backward(don, qn, kn, vn, outn, lsen, scale=_scale_of(q, scale),
+                                    bq=lay.bq, bk=lay.bk, plan=plan, acc=acc,
+                                    dropout_p=dropout_p, key=rkey)
+    dq = lay.q_like(dq, lay.E).astype(q.dtype)
+    dk = dk.reshape(k.shape).astype(k.dtype)
+    dv = dv.reshape(v.shape).astype(v.dtype)
+    gb = lay.bias_grad_back(db).astype(bias.dtype) if want_bias_grad else None
     return dq, dk, dv, gb
 
 
@@ -487,10 +489,9 @@ def splash_sdpa_forward(query, key, value, q_segment_ids=None, kv_segment_ids=No
                                                  interpret=interp)
     else:
         seg = _splash_segments(lay, q_segment_ids, kv_segment_ids)
-        out, lse = flash.forward(qn, kn, vn, scale=sc, bq=lay.bq, bk=lay.bk,
-                                 tile=_sdpa_tile(lay, None, is_causal, window, seg),
-                                 kv_range=_kv_range(lay, is_causal, window),
-                                 acc=_acc(query.dtype))
+        out, lse, _ = flash.forward(qn, kn, vn, scale=sc, bq=lay.bq, bk=lay.bk,
+                                    plan=SdpaPlan(lay, None, is_causal, window, seg),
+                                    acc=_acc(query.dtype))
     return lay.q_like(out, lay.ev), lay.q_like(lse, None)
 
 
@@ -516,11 +517,10 @@ def splash_sdpa_backward(grad_out, query, key, value, out, logsumexp, q_segment_
                                                     causal=is_causal, interpret=interp)
     else:
         seg = _splash_segments(lay, q_segment_ids, kv_segment_ids)
-        dq, dk, dv = flash.backward(don, qn, kn, vn, outn, lsen, scale=sc, bq=lay.bq,
-                                    bk=lay.bk,
-                                    tile=_sdpa_tile(lay, None, is_causal, window, seg),
-                                    kv_range=_kv_range(lay, is_causal, window),
-                                    acc=_acc(query.dtype))
+        dq, dk, dv, _ = flash.backward(don, qn, kn, vn, outn, lsen, scale=sc, bq=lay.bq,
+                                       bk=lay.bk, plan=SdpaPlan(lay, None, is_causal, window,
+                                                                seg),
+                                       acc=_acc(query.dtype))
     return (dq.reshape(query.shape).astype(query.dtype), dk.reshape(key.shape).astype(key.dtype),
             dv.reshape(value.shape).astype(value.dtype))
 
