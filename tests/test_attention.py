@@ -321,3 +321,61 @@ def test_splash_sdpa_lowering_takes_the_platform_kernel(platform, monkeypatch):
     for a, b in zip(run(), want):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------- twice: the compile cache
+
+TWICE = r"""
+import json, torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torchtpu.ops.attention import splash_sdpa
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 2100, 16, generator=g).to("tpu").requires_grad_()
+           for _ in range(3))
+out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+out.sum().backward()
+seg = (torch.arange(2100) // 700).view(1, -1).to("tpu")
+o2 = splash_sdpa(q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+o2.sum().backward()
+bm = create_block_mask(lambda b, h, i, j: i >= j, 1, None, 2100, 2100, device="tpu")
+o3 = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - 0.01 * (i - j), block_mask=bm)
+o3.sum().backward()
+o4 = torch.compile(flex_attention, backend="tpu")(q, k, v, block_mask=bm)
+o4.sum().backward()
+c = torch.tpu.metrics()["counters"]
+print(json.dumps({"out": [float(t.detach().sum().cpu()) for t in (out, o2, o3, o4)],
+                  "grad": float(q.grad.sum().cpu()),
+                  "counters": {k: v for k, v in c.items() if "compile" in k}}))
+"""
+
+
+@pytest.mark.slow
+def test_second_process_loads_every_attention_program(tmp_path):
+    """SDPA's blockwise lowering, splash_sdpa, eager FlexAttention (its subgraphs traced and
+    filed by their code) and compiled FlexAttention: a second process with the same cache
+    folder compiles nothing and gets the same numbers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        p = subprocess.Popen([sys.executable, "-c", TWICE], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = p.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        assert p.returncode == 0, err[-3000:]
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["counters"].get("eager_xla_compiles", 0) > 0
+    w = warm["counters"]
+    assert w.get("eager_xla_compiles", 0) == 0 and w.get("eager_compiles", 0) == 0, w
+    assert w.get("fused_xla_compiles", 0) == 0 and w.get("xla_compiles", 0) == 0, w
+    assert warm["out"] == cold["out"] and warm["grad"] == cold["grad"]
