@@ -5,7 +5,8 @@ has no extension point, a narrow patch of the one function that picks the device
 right after that library's module is imported (a post-import hook: nothing is imported early,
 and nothing changes unless "tpu" is the current accelerator when the function is called).
 ``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
-``transformers.py``, ``flex_attention.py``, ``torchtitan.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1``
+``transformers.py``, ``flex_attention.py``, ``torchtitan.py``; DTensor's op strategies get
+the attention ops "tpu" reaches (``distributed/attention.py``). ``TORCHTPU_TORCH_TPU_COMPAT=1``
 (opt-in) makes ``import torch_tpu`` work for tools that look for Google's module name (Ray
 Train): see ``torch_tpu/__init__.py``.
 """
@@ -116,3 +117,8 @@ def install() -> None:
     transformers.install()
     flex_attention.install()
     torchtitan.install()
+    from ..distributed import attention as dist_attention  # DTensor strategies, CP: SDPA
+
+    when_imported("torch.distributed.tensor._ops._matrix_ops", dist_attention.install)
+    when_imported("torch.distributed.tensor.experimental._context_parallel._attention",
+                  dist_attention.install_cp)

@@ -615,6 +615,32 @@ def sdpa_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dro
                            None, scale, want_bias_grad=False)[:3]
 
 
+def _like_layout(t, like):
+    """``t`` (contiguous) with ``like``'s stride order, as PyTorch's kernels allocate
+    attention outputs (``alloc_with_matching_layout``) and gradients (``empty_like``)."""
+    if t is None or like is None or like.is_contiguous() or t.dim() != like.dim():
+        return t
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    inverse = [order.index(d) for d in range(like.dim())]
+    return t.permute(order).contiguous().permute(inverse)
+
+
+def _fwd_layout(args, kwargs, res):
+    return (_like_layout(res[0], args[0]),) + tuple(res[1:])
+
+
+def _bwd_layout(args, kwargs, res):
+    return tuple(_like_layout(g, a) for g, a in zip(res, args[1:5]))
+
+
+for _op, _fn in ((aten._scaled_dot_product_fused_attention_overrideable.default, _fwd_layout),
+                 (aten._scaled_dot_product_fused_attention_overrideable_backward.default,
+                  _bwd_layout)):
+    from .registry import LOWERINGS as _L
+
+    _L[_op].meta["eager_layout"] = _fn
+
+
 # ---------------------------------------------------------------- nn.MultiheadAttention /
 # nn.TransformerEncoderLayer inference fast paths (eval, no grad, batch_first)
 

@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..lowering import attention as _lowering
+from ..lowering import registry
 from ..lowering.registry import register
 
 __all__ = ["splash_sdpa"]
@@ -135,6 +136,9 @@ torch.library.register_autograd("tpu::splash_sdpa_forward", _backward,
 
 register(_fwd, reads_precision=True)(_lowering.splash_sdpa_forward)
 register(_bwd, reads_precision=True)(_lowering.splash_sdpa_backward)
+# the gradients are laid out like their inputs (the fake kernel's empty_like), in eager too
+registry.get(_bwd).meta["eager_layout"] = lambda args, kwargs, res: tuple(
+    _lowering._like_layout(g, a) for g, a in zip(res, args[1:4]))
 
 
 def _bind_if_late() -> None:
