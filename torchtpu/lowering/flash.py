@@ -77,45 +77,62 @@ class Plan:
 
 
 class _Blocks:
-    """Loading key/value blocks and adding into key/value-shaped buffers, for a scalar block
-    index or one per (batch, key head, group)."""
+    """Key/value blocks for a scalar block index or one per (batch, key head, group), and
+    adding into key/value-gradient buffers.
 
-    def __init__(self, kp, vp, bk):
+    XLA:CPU multiplies (m, k) x (k, n) operands and transposes anything else into that form,
+    a copy of the operand per product: the operands are therefore laid out once, outside the
+    loops, so that no tile is transposed inside them. ``kT``/``vT`` hold the keys and values
+    as (E, key) blocks (for q k^T and dO v^T), the gradient buffers hold dK^T and dV^T blocks
+    (E, key), written as dO^T P and Q^T dS, and transposed once at the end.
+    """
+
+    def __init__(self, kp, vp, bk, transposed_v=False):
         B, Hk, Sp, E = kp.shape
+        Ev = vp.shape[-1]
         self.bk, self.nk = bk, Sp // bk
         self.k5 = kp.reshape(B, Hk, self.nk, bk, E)
-        self.v5 = vp.reshape(B, Hk, self.nk, bk, vp.shape[-1])
+        self.kT5 = jnp.swapaxes(self.k5, -1, -2)
+        self.v5 = vp.reshape(B, Hk, self.nk, bk, Ev)
+        self.vT5 = jnp.swapaxes(self.v5, -1, -2) if transposed_v else None
         self.bi = jnp.arange(B)[:, None, None]
         self.hi = jnp.arange(Hk)[None, :, None]
 
-    def load(self, j, acc):
+    def _take(self, x5, j):
+        if x5 is None:
+            return None
         if jnp.ndim(j) == 0:
-            kb = lax.dynamic_index_in_dim(self.k5, j, axis=2, keepdims=False)
-            vb = lax.dynamic_index_in_dim(self.v5, j, axis=2, keepdims=False)
-        else:  # (B, Hk, G, bk, E)
-            kb, vb = self.k5[self.bi, self.hi, j], self.v5[self.bi, self.hi, j]
-        return kb.astype(acc), vb.astype(acc)
+            return lax.dynamic_index_in_dim(x5, j, axis=2, keepdims=False)
+        return x5[self.bi, self.hi, j]  # (B, Hk, G, ...)
+
+    def load(self, j, acc):
+        """(k (.., bk, E), k^T (.., E, bk), v (.., bk, Ev), v^T or None) in acc precision."""
+        return tuple(None if x is None else x.astype(acc)
+                     for x in (self._take(self.k5, j), self._take(self.kT5, j),
+                               self._take(self.v5, j), self._take(self.vT5, j)))
 
     def add(self, buf5, j, blk):
-        """buf5 (B, Hk, nk, bk, X) += blk: (B, Hk, bk, X) for a scalar j, else per group."""
+        """buf5 (B, Hk, nk, X, bk) += blk: (B, Hk, X, bk) for a scalar j, else per group."""
         if jnp.ndim(j) == 0:
             cur = lax.dynamic_index_in_dim(buf5, j, axis=2, keepdims=True)
             return lax.dynamic_update_index_in_dim(buf5, cur + blk[:, :, None], j, axis=2)
         return buf5.at[self.bi, self.hi, j].add(blk)
 
 
-def _qk(qb, kb, acc):
-    spec = "bhgqe,bhke->bhgqk" if kb.ndim == 4 else "bhgqe,bhgke->bhgqk"
-    return jnp.einsum(spec, qb, kb, precision=_prec(acc), preferred_element_type=acc)
+def _mm(spec, a, b, acc):
+    return jnp.einsum(spec, a, b, precision=_prec(acc), preferred_element_type=acc)
+
+
+def _qk(qb, kTb, acc):
+    return _mm("bhgqe,bhek->bhgqk" if kTb.ndim == 4 else "bhgqe,bhgek->bhgqk", qb, kTb, acc)
 
 
 def _pv(p, vb, acc):
-    spec = "bhgqk,bhkd->bhgqd" if vb.ndim == 4 else "bhgqk,bhgkd->bhgqd"
-    return jnp.einsum(spec, p, vb, precision=_prec(acc))
+    return _mm("bhgqk,bhkd->bhgqd" if vb.ndim == 4 else "bhgqk,bhgkd->bhgqd", p, vb, acc)
 
 
-def _tile_scores(plan, qb, kb, i, j, valid, masked, scale, acc):
-    raw = _qk(qb, kb, acc) * scale
+def _tile_scores(plan, qb, kTb, i, j, valid, masked, scale, acc):
+    raw = _qk(qb, kTb, acc) * scale
     s = plan.scores(raw, i, j, masked)
     if valid is not None:
         s = jnp.where(valid[..., None, None], s, -jnp.inf)
@@ -141,8 +158,8 @@ def forward(q, k, v, *, scale, bq, bk, plan, acc, dropout_p=0.0, key=None):
             def kv_block(t, st, block=block, masked=masked):
                 m, l, a = st
                 j, valid = block(t)
-                kb, vb = blocks.load(j, acc)
-                _, s = _tile_scores(plan, qb, kb, i, j, valid, masked, scale, acc)
+                _, kTb, vb, _ = blocks.load(j, acc)
+                _, s = _tile_scores(plan, qb, kTb, i, j, valid, masked, scale, acc)
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 m_safe = jnp.where(m_new == neg, 0, m_new)
                 p = jnp.exp(s - m_safe[..., None])
@@ -190,52 +207,57 @@ def backward(do, q, k, v, out, lse, *, scale, bq, bk, plan, acc, dropout_p=0.0, 
     lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # masked rows: p = exp(-inf) = 0
     qp, dop = _pad_to(q, 3, Lp), _pad_to(do, 3, Lp)
     Dp, lsep = _pad_to(D, 3, Lp), _pad_to(lse_safe, 3, Lp)
-    blocks = _Blocks(_pad_to(k, 2, nk * bk), _pad_to(v, 2, nk * bk), bk)
+    blocks = _Blocks(_pad_to(k, 2, nk * bk), _pad_to(v, 2, nk * bk), bk, transposed_v=True)
 
     def q_block(i, carry):
-        dq, dk, dv, extra = carry
+        dq, dkT, dvT, extra = carry
         qb = lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=3).astype(acc)
         dob = lax.dynamic_slice_in_dim(dop, i * bq, bq, axis=3).astype(acc)
+        # (g, q) are contracted together with the tile: (B, Hk, E, G, bq), once per query block
+        qTb, doTb = jnp.moveaxis(qb, -1, 2), jnp.moveaxis(dob, -1, 2)
         Db = lax.dynamic_slice_in_dim(Dp, i * bq, bq, axis=3)
         lb = lax.dynamic_slice_in_dim(lsep, i * bq, bq, axis=3)
-        st = (jnp.zeros((B, Hk, G, bq, E), acc), dk, dv, extra)
+        st = (jnp.zeros((B, Hk, G, bq, E), acc), dkT, dvT, extra)
         for lo, hi, block, masked in plan.phases(i):
             def kv_block(t, st, block=block, masked=masked):
-                dqb, dk, dv, extra = st
+                dqb, dkT, dvT, extra = st
                 j, valid = block(t)
-                kb, vb = blocks.load(j, acc)
-                raw, s = _tile_scores(plan, qb, kb, i, j, valid, masked, scale, acc)
+                kb, kTb, _, vTb = blocks.load(j, acc)
+                raw, s = _tile_scores(plan, qb, kTb, i, j, valid, masked, scale, acc)
                 p = jnp.exp(s - lb[..., None])
                 if dropout_p > 0:
                     keep = _keep(key, i, j, nk, dropout_p, p.shape)
                     pd = jnp.where(keep, p / (1.0 - dropout_p), 0)
                 else:
                     pd = p
-                grouped = kb.ndim == 5
-                dvj = jnp.einsum("bhgqk,bhgqd->bhgkd" if grouped else "bhgqk,bhgqd->bhkd",
-                                 pd, dob, precision=_prec(acc))
-                dp = jnp.einsum("bhgqd,bhgkd->bhgqk" if grouped else "bhgqd,bhkd->bhgqk",
-                                dob, vb, precision=_prec(acc))
+                if kb.ndim == 5:  # a key block per (batch, head, group)
+                    dvTj = _mm("bhdgq,bhgqk->bhgdk", doTb, pd, acc)
+                    dp = _mm("bhgqd,bhgdk->bhgqk", dob, vTb, acc)
+                else:
+                    dvTj = _mm("bhdgq,bhgqk->bhdk", doTb, pd, acc)
+                    dp = _mm("bhgqd,bhdk->bhgqk", dob, vTb, acc)
                 if dropout_p > 0:
                     dp = jnp.where(keep, dp / (1.0 - dropout_p), 0)
                 ds = p * (dp - Db[..., None])
                 ds, extra = plan.scores_vjp(raw, i, j, masked, ds, extra)
                 if valid is not None:
                     ds = jnp.where(valid[..., None, None], ds, 0)
-                dqb = dqb + jnp.einsum("bhgqk,bhgke->bhgqe" if grouped else
-                                       "bhgqk,bhke->bhgqe", ds, kb, precision=_prec(acc))
-                dkj = jnp.einsum("bhgqk,bhgqe->bhgke" if grouped else "bhgqk,bhgqe->bhke",
-                                 ds, qb, precision=_prec(acc))
-                return dqb, blocks.add(dk, j, dkj), blocks.add(dv, j, dvj), extra
+                if kb.ndim == 5:
+                    dqb = dqb + _mm("bhgqk,bhgke->bhgqe", ds, kb, acc)
+                    dkTj = _mm("bhegq,bhgqk->bhgek", qTb, ds, acc)
+                else:
+                    dqb = dqb + _mm("bhgqk,bhke->bhgqe", ds, kb, acc)
+                    dkTj = _mm("bhegq,bhgqk->bhek", qTb, ds, acc)
+                return dqb, blocks.add(dkT, j, dkTj), blocks.add(dvT, j, dvTj), extra
 
             st = lax.fori_loop(lo, hi, kv_block, st)
-        dqb, dk, dv, extra = st
+        dqb, dkT, dvT, extra = st
         dq = lax.dynamic_update_slice_in_dim(dq, dqb * scale, i * bq, axis=3)
-        return dq, dk, dv, extra
+        return dq, dkT, dvT, extra
 
-    init = (jnp.zeros((B, Hk, G, Lp, E), acc), jnp.zeros((B, Hk, nk, bk, E), acc),
-            jnp.zeros((B, Hk, nk, bk, Ev), acc), plan.extra_init)
-    dq, dk, dv, extra = lax.fori_loop(0, nq, q_block, init)
-    dk = dk.reshape(B, Hk, nk * bk, E)[:, :, :S] * scale
-    dv = dv.reshape(B, Hk, nk * bk, Ev)[:, :, :S]
+    init = (jnp.zeros((B, Hk, G, Lp, E), acc), jnp.zeros((B, Hk, nk, E, bk), acc),
+            jnp.zeros((B, Hk, nk, Ev, bk), acc), plan.extra_init)
+    dq, dkT, dvT, extra = lax.fori_loop(0, nq, q_block, init)
+    dk = jnp.swapaxes(dkT, -1, -2).reshape(B, Hk, nk * bk, E)[:, :, :S] * scale
+    dv = jnp.swapaxes(dvT, -1, -2).reshape(B, Hk, nk * bk, Ev)[:, :, :S]
     return dq[..., :L, :], dk, dv, extra
