@@ -124,7 +124,7 @@ def _attend(q, k, v, bias, is_causal, scale, dropout_p=0.0, rng=None):
 # kernel keeps memory O(L*d + block^2) per head.
 DENSE_MAX_ELEMENTS = 1 << 22
 # elements of one (batch x heads x query block x key block) tile of the blockwise kernel
-TILE_ELEMENTS = 1 << 21
+TILE_ELEMENTS = 1 << 19
 MIN_BLOCK, MAX_BLOCK = 128, 512
 
 
