@@ -19,10 +19,11 @@ against full) and, as a yardstick, with PyTorch CPU's causal SDPA at the same le
 
 Time: medians of repeated calls, each ending with ``torch.tpu.synchronize()``, "tpu" and CPU
 interleaved in one process per (case, length) after a warm-up call (compilation excluded).
-Peak memory: every (case, length, device) in a fresh process: one warm-up call, then the
-peak resident set is reset (``/proc/self/clear_refs``) and read back (VmHWM) around one more
-call; the number is the growth over the resident set before that call (inputs exist then, so
-it counts the outputs, gradients and every temporary). The table ends with the targets:
+Peak memory: every (case, length, device) in a fresh process running one call: the growth of
+the peak resident set (VmHWM) over the resident set once the inputs exist (so it counts the
+outputs, gradients and every temporary). For "tpu" that process finds its XLA programs in a
+compile cache folder a first process filled (the number excludes compiling, which a warm-up
+call in the same process would not: freed memory stays in the process and hides peaks). The table ends with the targets:
 memory at 16k within 2x of PyTorch CPU's, time within 2x at every length, causal flex at most
 0.6x full flex.
 """
@@ -130,15 +131,16 @@ def worker_time(case, L, repeats, devices):
 
 def worker_mem(case, L, dev):
     step = make_step(case, L, dev)
-    step()
     before = _rss_mib("VmRSS")
     _reset_peak()
     step()
     return _rss_mib("VmHWM") - before
 
 
-def _spawn(args, timeout):
+def _spawn(args, timeout, cache=None):
     env = dict(os.environ)
+    if cache is not None:
+        env["TORCHTPU_CACHE_DIR"] = cache
     if "cpu" in args and "tpu" not in args:
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # plain PyTorch for the CPU-only process
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", *args],
@@ -159,6 +161,7 @@ def main():
     ap.add_argument("--lengths", default="1024,4096,16384,32768")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--only", choices=("time", "mem"), default=None)
     ap.add_argument("--worker", nargs="+")
     a = ap.parse_args()
     if a.worker:
@@ -172,17 +175,28 @@ def main():
     sys.path.insert(0, HERE)
     from common import environment
 
+    import tempfile
+
+    cache = tempfile.mkdtemp(prefix="attention-bench-cache-")
     rows = []
     for L in (int(x) for x in a.lengths.split(",")):
         for case in a.cases.split(","):
             devs = ["tpu", "cpu"] if case.startswith("sdpa") else ["tpu"]
-            t, err = _spawn(["time", case, str(L), str(REPEATS.get(L, 2)), *devs], a.timeout)
+            t, err = None, None
+            if a.only != "mem":
+                t, err = _spawn(["time", case, str(L), str(REPEATS.get(L, 2)), *devs],
+                                a.timeout)
             row = {"case": case, "L": L, "time": t or {}, "err": err, "mem": {}}
-            for d in devs:
-                m, merr = _spawn(["mem", case, str(L), d], a.timeout)
+            for d in devs if a.only != "time" else ():
+                if d == "tpu":  # a first process fills the compile cache
+                    _spawn(["mem", case, str(L), d], a.timeout, cache)
+                m, merr = _spawn(["mem", case, str(L), d], a.timeout, cache)
                 row["mem"][d] = m if m is not None else merr
             rows.append(row)
             print(json.dumps(row), flush=True)
+    import shutil
+
+    shutil.rmtree(cache, ignore_errors=True)
     print()
     print(f"{'case':15s} {'L':>6s} {'tpu s':>8s} {'CPU s':>8s} {'tpu/CPU':>8s} "
           f"{'tpu MiB':>9s} {'CPU MiB':>9s} {'tpu/CPU':>8s}")

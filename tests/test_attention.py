@@ -65,7 +65,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+_SLOW_CASES = {"plain", "causal_scale_rect", "3d"}  # the default run keeps causal and GQA
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in _SLOW_CASES
+                                  else c for c in sorted(CASES)])
 def test_blockwise_sdpa_matches_cpu(case):
     fn, inputs = CASES[case]
     _compare(fn, *inputs)
@@ -245,7 +249,8 @@ def test_splash_sdpa_cpu_reference_is_sdpa_with_the_described_mask():
     torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("mode", ["strict", pytest.param("fused", marks=pytest.mark.slow),
+                                  "compiled"])
 def test_splash_sdpa_on_tpu_matches_cpu(mode):
     """Causal, document (segment ids) and window masks with GQA, forward and backward, in
     every executor; no CPU fallback anywhere."""

@@ -188,7 +188,8 @@ def _big_check(fn, q, k, v, mask, score=None, grad=True):
             torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("mode", ["strict", pytest.param("fused", marks=pytest.mark.slow),
+                                  "compiled"])
 def test_blockwise_causal_flex_matches_cpu(mode):
     torch._dynamo.reset()
     q, k, v = _big()
