@@ -122,19 +122,155 @@ def test_flex_attention_gqa_and_captured_mask_match_cpu():
     _check(_run(flex_attention, q, k, v, bm_doc, grad=False), q, k, v, doc)
 
 
-@pytest.mark.slow
-def test_flex_attention_hop_lowering_unsupported_is_an_error():
-    """A score_mod with a learned captured tensor needs its gradient: a clear error, never a
-    silently missing gradient."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_learned_score_mod_bias_gets_its_gradient(compiled):
+    """A score_mod reading a learned tensor (PyTorch's joint graph scatters its gradient with
+    flex_lib::zeros_and_scatter): the tpu lowerings differentiate the forward subgraph."""
     torch._dynamo.reset()
-    q, k, v = (x.to("tpu").requires_grad_() for x in inputs())
-    bias = torch.zeros(L, device="tpu", requires_grad=True)
+    q, k, v = inputs()
+    bias = torch.linspace(-1, 1, L)
+    res = {}
+    for dev in ("cpu", "tpu"):
+        qt, kt, vt, bt = (x.to(dev, copy=True).requires_grad_() for x in (q, k, v, bias))
 
-    def learned(score, b, h, q_idx, kv_idx):
-        return score + bias[kv_idx]
+        def learned(score, b, h, q_idx, kv_idx):
+            return score + bt[kv_idx] * (h + 1)
 
-    bm = create_block_mask(causal, B, None, L, L, device="tpu")
+        if dev == "cpu":  # the same math, plain PyTorch
+            s = qt @ kt.transpose(-2, -1) / E ** 0.5 + bt * torch.arange(1, H + 1).view(
+                1, -1, 1, 1)
+            s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).tril().logical_not(),
+                              float("-inf"))
+            out = torch.softmax(s, -1) @ vt
+        else:
+            bm = create_block_mask(causal, B, None, L, L, device=dev)
+            f = torch.compile(flex_attention, backend="tpu") if compiled else flex_attention
+            out = f(qt, kt, vt, score_mod=learned, block_mask=bm)
+        out.square().sum().backward()
+        res[dev] = [out.detach().cpu()] + [t.grad.cpu() for t in (qt, kt, vt, bt)]
+    for got, want in zip(res["tpu"], res["cpu"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------- blockwise, block-sparse lowering
+
+LB = 2048  # B * H * LB * LB scores exceed the dense threshold: the blockwise kernel
+
+
+def _big(seed=0, b=1, hq=2, hkv=2, n=LB):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, n, E, generator=g), torch.randn(b, hkv, n, E, generator=g),
+            torch.randn(b, hkv, n, E, generator=g))
+
+
+def _dense_reference(q, k, v, mask, score=None):
+    """softmax((q k^T / sqrt(E)) [+ score_mod]) v with a dense boolean mask, and logsumexp."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-2, -1) / E ** 0.5
+    if score is not None:
+        s = score(s)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _big_check(fn, q, k, v, mask, score=None, grad=True):
+    qt, kt, vt = (x.to("tpu").requires_grad_(grad) for x in (q, k, v))
+    out, aux = fn(qt, kt, vt, return_aux=AuxRequest(lse=True))
+    qr, kr, vr = (x.clone().requires_grad_(grad) for x in (q, k, v))
+    ref, ref_lse = _dense_reference(qr, kr, vr, mask, score)
+    torch.testing.assert_close(out.detach().cpu(), ref.detach(), **TOL)
+    torch.testing.assert_close(aux.lse.detach().cpu(), ref_lse.detach(), **TOL)
+    if grad:
+        (out.square().sum() + aux.lse.sum()).backward()
+        (ref.square().sum() + ref_lse.sum()).backward()
+        for got, want in zip((qt, kt, vt), (qr, kr, vr)):
+            torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["strict", pytest.param("fused", marks=pytest.mark.slow),
+                                  "compiled"])
+def test_blockwise_causal_flex_matches_cpu(mode):
+    torch._dynamo.reset()
+    q, k, v = _big()
+    bm = create_block_mask(causal, 1, None, LB, LB, device="tpu")
+    f = torch.compile(flex_attention, backend="tpu") if mode == "compiled" else flex_attention
+    i = torch.arange(LB)
+    hh = torch.arange(2).view(1, -1, 1, 1)
+
+    def score(s):
+        return s + 0.01 * (i.view(-1, 1) - i.view(1, -1)) - 0.1 * hh
+
+    mode_ctx = torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "fused"
+                                        else torch.tpu.eager_mode)
+    with mode_ctx:
+        _big_check(lambda q_, k_, v_, **kw: f(q_, k_, v_, score_mod=rel_bias, block_mask=bm,
+                                              **kw), q, k, v, i.view(-1, 1) >= i.view(1, -1),
+                   score)
+
+
+def test_blockwise_document_mask_with_gqa_and_sliding_window():
+    """Per-batch tables (packed documents differ between the two sequences), grouped-query
+    heads, and a sliding window: the per-(batch, head) block gathers of flash.py."""
+    torch._dynamo.reset()
+    q, k, v = _big(1, b=2, hq=4, hkv=2, n=1536)
+    n = 1536
+    doc = torch.zeros(2, n, dtype=torch.long)
+    doc[0, 500:] = 1
+    doc[1, 100:900] = 1
+    doc[1, 900:] = 2
+    doc_t = doc.to("tpu")
+
+    def doc_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 300) & (doc_t[b, q_idx] == doc_t[b, kv_idx])
+
+    bm = create_block_mask(doc_window, 2, None, n, n, device="tpu")
     f = torch.compile(flex_attention, backend="tpu")
-    with pytest.raises(Exception, match="score_mod"):
-        out = f(q, k, v, score_mod=learned, block_mask=bm)
-        out.sum().backward()
+    i = torch.arange(n)
+    mask = (i.view(-1, 1) >= i.view(1, -1)) & (i.view(-1, 1) - i.view(1, -1) < 300)
+    mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+    _big_check(lambda q_, k_, v_, **kw: f(q_, k_, v_, block_mask=bm, enable_gqa=True, **kw),
+               q, k, v, mask)
+
+
+def test_blockwise_flex_visits_only_the_blocks_its_tables_list():
+    """The fused-kernel semantics: a BlockMask whose tables leave out a block its mask_mod
+    allows skips that block (so a causal mask does about half the work of a dense one)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    torch._dynamo.reset()
+    q, k, v = _big(2)
+    nb = LB // 128
+    # every query block sees key blocks 0..i except block 1 (for query blocks past 1)
+    rows = []
+    for i in range(nb):
+        rows.append([j for j in range(i + 1) if not (j == 1 and i > 1)])
+    num = torch.tensor([len(r) for r in rows], dtype=torch.int32).view(1, 1, nb)
+    idx = torch.zeros(1, 1, nb, nb, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        idx[0, 0, i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    bm = BlockMask.from_kv_blocks(num.to("tpu"), idx.to("tpu"), BLOCK_SIZE=128,
+                                  mask_mod=causal, seq_lengths=(LB, LB))
+    f = torch.compile(flex_attention, backend="tpu")
+    i = torch.arange(LB)
+    mask = i.view(-1, 1) >= i.view(1, -1)
+    skipped = (i.view(1, -1) // 128 == 1) & (i.view(-1, 1) // 128 > 1)
+    _big_check(lambda q_, k_, v_, **kw: f(q_, k_, v_, block_mask=bm, **kw), q, k, v,
+               mask & ~skipped, grad=False)
+
+
+def test_eager_flex_on_tpu_runs_the_lowering_not_the_dense_math(monkeypatch):
+    """Eager flex_attention reaches the HOPs' PrivateUse1 implementations: the
+    tpu::flex_attention ops (forward and backward), not PyTorch's dense math."""
+    from torchtpu.ops import flex_attention as ops
+
+    torch._dynamo.reset()
+    calls = []
+    for name in ("_fwd", "_bwd"):
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, op=op, **k: calls.append(op) or op(*a, **k))
+    q, k, v = (x.to("tpu").requires_grad_() for x in inputs())
+    bm = create_block_mask(causal, B, None, L, L, device="tpu")
+    flex_attention(q, k, v, score_mod=rel_bias, block_mask=bm).sum().backward()
+    assert calls == [torch.ops.tpu.flex_attention.default,
+                     torch.ops.tpu.flex_attention_backward.default]

@@ -103,7 +103,15 @@ def _make(lowering, kind, out_names=(), void=False):
     in-place foreach ops), so the kernel must return None."""
     run = executor.run
     host = lowering.meta.get("host_tensors", False)
-    if void and kind != executor.OUT:
+    layout = lowering.meta.get("eager_layout") if kind == executor.FUNCTIONAL else None
+    if layout is not None:
+        # registry meta ``eager_layout``: (args, kwargs, result) -> result with the strides
+        # PyTorch's kernel (and its meta function) gives the outputs; eager outputs are
+        # contiguous otherwise, and code that trusts the meta strides (DTensor's view rules)
+        # would see a different layout
+        def kernel(*args, **kwargs):
+            return layout(args, kwargs, run(lowering, kind, args, kwargs))
+    elif void and kind != executor.OUT:
         def kernel(*args, **kwargs):
             if host:
                 args = _host_tensors_to_device(args)
@@ -236,11 +244,20 @@ def _equal(a, b):
 # CompositeImplicitAutograd op aten::scaled_dot_product_attention, does what PyTorch's composite
 # does when the choice is OVERRIDEABLE: call _scaled_dot_product_fused_attention_overrideable
 # (lowered in lowering/attention.py; autograd uses its derivative formula, i.e. the lowered
-# backward op). Inputs the fused op does not cover, or the overrideable backend disabled through
+# backward op). Inputs the fused op does not cover, or every fused backend disabled through
 # torch.nn.attention.sdpa_kernel, take PyTorch's own math path (same results and errors).
 
+def _fused_backend_enabled() -> bool:
+    """The fused op stands for every fused SDPA backend: code that allows flash, efficient or
+    cuDNN attention (``sdpa_kernel([FLASH_ATTENTION, MATH])``, as TorchTitan does) means
+    "not the math path" on "tpu" too; only excluding them all takes the math path."""
+    C = torch._C
+    return (C._get_overrideable_sdp_enabled() or C._get_flash_sdp_enabled()
+            or C._get_mem_efficient_sdp_enabled() or C._get_cudnn_sdp_enabled())
+
+
 def _sdpa_fused_ok(q, k, v, attn_mask, is_causal, enable_gqa):
-    if not torch._C._get_overrideable_sdp_enabled():
+    if not _fused_backend_enabled():
         return False
     if q.is_nested or k.is_nested or v.is_nested or q.dim() < 3:
         return False

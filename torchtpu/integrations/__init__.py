@@ -8,7 +8,8 @@ A patch runs once its module has finished executing, whatever the import order (
 and never breaks the library: a target that is missing, moved or has another signature is
 skipped (``patch``, ``skipped``; ``TORCHTPU_DEBUG_INTEGRATIONS=1`` says so, ``STATUS`` lists every
 target). ``TORCHTPU_INTEGRATIONS=0`` turns all of them off. What each patch does: ``accelerate.py``,
-``transformers.py``, ``flex_attention.py``, ``torchtitan.py``, ``litert_torch.py``. ``TORCHTPU_TORCH_TPU_COMPAT=1``
+``transformers.py``, ``flex_attention.py``, ``torchtitan.py``, ``litert_torch.py``; DTensor's op strategies get
+the attention ops "tpu" reaches (``distributed/attention.py``). ``TORCHTPU_TORCH_TPU_COMPAT=1``
 (opt-in) makes ``import torch_tpu`` work for tools that look for Google's module name (Ray
 Train): see ``torch_tpu/__init__.py``.
 """
@@ -241,3 +242,8 @@ def install() -> None:
     transformers.install()
     flex_attention.install()
     torchtitan.install()
+    from ..distributed import attention as dist_attention  # DTensor strategies, CP: SDPA
+
+    when_imported("torch.distributed.tensor._ops._matrix_ops", dist_attention.install)
+    when_imported("torch.distributed.tensor.experimental._context_parallel._attention",
+                  dist_attention.install_cp)

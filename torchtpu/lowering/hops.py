@@ -89,6 +89,12 @@ def _name(op) -> str:
     return getattr(op, "__name__", str(op))
 
 
+# value-preserving ops that a traced mask_mod may hold (context parallelism's load-balanced
+# mask_mod detaches its index tables in place): on arrays they are the identity
+_IDENTITY = {torch.ops.aten.detach.default, torch.ops.aten.detach_.default,
+             torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
+
+
 def _call(gm, target, args, kwargs):
     if target is operator.getitem:
         return args[0][args[1]]
@@ -98,6 +104,8 @@ def _call(gm, target, args, kwargs):
         raise NotImplementedError(
             f"{type(gm).__name__}: {_name(target)} inside a subgraph is not supported by the "
             "tpu compiler")
+    if target in _IDENTITY:
+        return args[0]
     low = registry.get(target)
     dyn = low is not None and low.dynamic_shape
     if dyn and dyn is not True:

@@ -1,0 +1,227 @@
+"""Long-sequence attention: forward + backward time and peak memory, "tpu" vs PyTorch CPU.
+
+    python benchmarks/attention.py [--lengths 1024,4096,16384,32768] [--cases sdpa_causal,...]
+
+Batch 1, 8 heads, head dim 64, float32, forward + backward (``out.backward(grad)``), for
+  sdpa_causal     F.scaled_dot_product_attention(q, k, v, is_causal=True)
+  sdpa_padmask    F.scaled_dot_product_attention with a (1, 1, 1, S) boolean key-padding mask
+                  (the last eighth of the keys masked)
+  flex_causal     compiled flex_attention with a causal BlockMask
+  flex_window     ... a causal sliding window of 1024 tokens
+  flex_document   ... causal within packed documents (8 of random lengths)
+  flex_full       ... no mask (every block visited): the dense reference of the flex rows
+On "tpu" the SDPA rows reach the fused op's lowering (lowering/attention.py: flash.py's
+blockwise kernel above a few million scores) and the flex rows ``torch.compile(flex_attention,
+backend="tpu")`` (lowering/flex_attention.py: blockwise over the BlockMask's tables). PyTorch
+CPU runs its own SDPA kernels (flash attention for CPU); it has no FlexAttention backward on
+CPU, so the flex rows are "tpu" only, compared with each other (causal / window / document
+against full) and, as a yardstick, with PyTorch CPU's causal SDPA at the same length.
+
+Time: medians of repeated calls, each ending with ``torch.tpu.synchronize()``, "tpu" and CPU
+interleaved in one process per (case, length) after a warm-up call (compilation excluded).
+Peak memory: every (case, length, device) in a fresh process running one call: the growth of
+the peak resident set (VmHWM) over the resident set once the inputs exist (so it counts the
+outputs, gradients and every temporary). For "tpu" that process finds its XLA programs in a
+compile cache folder a first process filled (the number excludes compiling, which a warm-up
+call in the same process would not: freed memory stays in the process and hides peaks). The table ends with the targets:
+memory at 16k within 2x of PyTorch CPU's, time within 2x at every length, causal flex at most
+0.6x full flex.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+H, E = 8, 64
+CASES = ["sdpa_causal", "sdpa_padmask", "flex_causal", "flex_window", "flex_document",
+         "flex_full"]
+REPEATS = {1024: 5, 4096: 3, 16384: 2, 32768: 1}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+
+
+def make_step(case: str, L: int, dev: str):
+    """A zero-argument fwd+bwd step on ``dev`` and its sync (None on CPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, H, L, E, generator=g) for _ in range(4))
+    q, k, v, do = (t.to(dev) for t in (q, k, v, do))
+    sync = torch.tpu.synchronize if dev == "tpu" else None
+    if case.startswith("sdpa"):
+        mask = None
+        if case == "sdpa_padmask":
+            mask = torch.ones(1, 1, 1, L, dtype=torch.bool)
+            mask[..., L - L // 8:] = False
+            mask = mask.to(dev)
+
+        def fn(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  is_causal=case == "sdpa_causal")
+    else:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if case == "flex_causal":
+            def mask_mod(b, h, i, j):
+                return i >= j
+        elif case == "flex_window":
+            def mask_mod(b, h, i, j):
+                return (i >= j) & (i - j < 1024)
+        elif case == "flex_document":
+            cuts = torch.sort(torch.randperm(L - 1, generator=g)[:7] + 1).values
+            doc = torch.zeros(L, dtype=torch.int32)
+            for c in cuts.tolist():
+                doc[c:] += 1
+            doc = doc.to(dev)
+
+            def mask_mod(b, h, i, j):
+                return (i >= j) & (doc[i] == doc[j])
+        else:
+            def mask_mod(b, h, i, j):
+                return i >= 0
+
+        bm = create_block_mask(mask_mod, 1, None, L, L, device=dev)
+        compiled = torch.compile(flex_attention, backend="tpu" if dev == "tpu" else "inductor")
+
+        def fn(q, k, v):
+            return compiled(q, k, v, block_mask=bm)
+
+    def step():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        fn(qq, kk, vv).backward(do)
+        if sync is not None:
+            sync()
+
+    return step
+
+
+def worker_time(case, L, repeats, devices):
+    res = {}
+    steps = {d: make_step(case, L, d) for d in devices}
+    for d in devices:
+        steps[d]()  # warm-up: compiles
+    times = {d: [] for d in devices}
+    for _ in range(repeats):
+        for d in devices:
+            t0 = time.perf_counter()
+            steps[d]()
+            times[d].append(time.perf_counter() - t0)
+    for d in devices:
+        ts = sorted(times[d])
+        res[d] = ts[len(ts) // 2]
+    return res
+
+
+def worker_mem(case, L, dev):
+    step = make_step(case, L, dev)
+    before = _rss_mib("VmRSS")
+    _reset_peak()
+    step()
+    return _rss_mib("VmHWM") - before
+
+
+def _spawn(args, timeout, cache=None):
+    env = dict(os.environ)
+    if cache is not None:
+        env["TORCHTPU_CACHE_DIR"] = cache
+    if "cpu" in args and "tpu" not in args:
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # plain PyTorch for the CPU-only process
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        return None, f"timed out after {timeout} s"
+    if p.returncode != 0:
+        return None, err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}"
+    return json.loads(out.strip().splitlines()[-1]), None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="1024,4096,16384,32768")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--only", choices=("time", "mem"), default=None)
+    ap.add_argument("--worker", nargs="+")
+    a = ap.parse_args()
+    if a.worker:
+        kind, case, L = a.worker[0], a.worker[1], int(a.worker[2])
+        if kind == "time":
+            out = worker_time(case, L, int(a.worker[3]), a.worker[4:])
+        else:
+            out = worker_mem(case, L, a.worker[3])
+        print(json.dumps(out))
+        return
+    sys.path.insert(0, HERE)
+    from common import environment
+
+    import tempfile
+
+    cache = tempfile.mkdtemp(prefix="attention-bench-cache-")
+    rows = []
+    for L in (int(x) for x in a.lengths.split(",")):
+        for case in a.cases.split(","):
+            devs = ["tpu", "cpu"] if case.startswith("sdpa") else ["tpu"]
+            t, err = None, None
+            if a.only != "mem":
+                t, err = _spawn(["time", case, str(L), str(REPEATS.get(L, 2)), *devs],
+                                a.timeout)
+            row = {"case": case, "L": L, "time": t or {}, "err": err, "mem": {}}
+            for d in devs if a.only != "time" else ():
+                if d == "tpu":  # a first process fills the compile cache
+                    _spawn(["mem", case, str(L), d], a.timeout, cache)
+                m, merr = _spawn(["mem", case, str(L), d], a.timeout, cache)
+                row["mem"][d] = m if m is not None else merr
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    import shutil
+
+    shutil.rmtree(cache, ignore_errors=True)
+    print()
+    print(f"{'case':15s} {'L':>6s} {'tpu s':>8s} {'CPU s':>8s} {'tpu/CPU':>8s} "
+          f"{'tpu MiB':>9s} {'CPU MiB':>9s} {'tpu/CPU':>8s}")
+    def cell(x, fmt):
+        if isinstance(x, (int, float)):
+            return fmt.format(x)
+        return "-" if x is None else str(x)[:9]
+
+    def ratio(x, y):
+        ok = all(isinstance(z, (int, float)) for z in (x, y)) and y > 0
+        return f"{x / y:.2f}x" if ok else "-"
+
+    for r in rows:
+        tt, tc = r["time"].get("tpu"), r["time"].get("cpu")
+        mt, mc = r["mem"].get("tpu"), r["mem"].get("cpu")
+        print(f"{r['case']:15s} {r['L']:6d} {cell(tt, '{:.3f}'):>8} {cell(tc, '{:.3f}'):>8} "
+              f"{ratio(tt, tc):>8} {cell(mt, '{:.0f}'):>9} {cell(mc, '{:.0f}'):>9} "
+              f"{ratio(mt, mc):>8}" + (f"  ({r['err']})" if r["err"] else ""))
+    by = {(r["case"], r["L"]): r["time"].get("tpu") for r in rows}
+    for L in sorted({r["L"] for r in rows}):
+        c, f = by.get(("flex_causal", L)), by.get(("flex_full", L))
+        if c and f:
+            print(f"flex causal / full at {L}: {c / f:.2f}x (target <= 0.6x)")
+    print(environment())
+
+
+if __name__ == "__main__":
+    main()
