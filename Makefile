@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
-.PHONY: all venv demo demo-cpu test bench clean help
+.PHONY: all venv venv-verl demo demo-cpu test bench clean help
 
 all: help
 
@@ -27,6 +27,7 @@ help:
 	@echo "make test       run the test suite"
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
+	@echo "make venv-verl  create $(VERL_VENV): VeRL 0.9.1 over $(VENV)'s torch/jax, for tests/test_verl.py"
 
 venv: $(STAMP)
 
@@ -34,6 +35,25 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -e ".[test$(if $(EXTRAS),$(comma)$(EXTRAS))]"
+	@touch $@
+
+# VeRL gets its own virtualenv (its core pins transformers<5.11 and tensordict<=0.10, ours are
+# newer). It reuses $(VENV)'s packages through a .pth file (torch, jax; found at build time),
+# its own pins first on sys.path, torchtpu editable from this checkout. Packages of $(VENV) other
+# than those VeRL pins are held at their versions (constraints), so pip never pulls another torch.
+VERL_VENV  ?= .venv-verl
+VERL_PY    := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.torchtpu-verl-installed
+VERL_FLOAT := transformers|tokenizers|huggingface.hub|safetensors|typing.extensions|pydantic|pydantic.core|anyio|starlette|fastapi|uvicorn|protobuf|click|packaging
+
+venv-verl: $(VERL_STAMP)
+
+$(VERL_STAMP): $(STAMP) pyproject.toml
+	@test -x $(VERL_PY) || $(PY) -m venv $(VERL_VENV)
+	$(VERL_PY) -c "import sys, sysconfig, os; open(os.path.join(sysconfig.get_paths()['purelib'], '_torchtpu_base_venv.pth'), 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(PY) -m pip freeze --exclude-editable | grep -v -i -E '^($(VERL_FLOAT))==' > $(VERL_VENV)/constraints.txt
+	$(VERL_PY) -m pip install -c $(VERL_VENV)/constraints.txt -e ".[verl]"
+	$(VERL_PY) -c "import verl, ray, tensordict, transformers, torchtpu.verl; print('verl', verl.__version__, 'transformers', transformers.__version__, 'ready in $(VERL_VENV)')"
 	@touch $@
 
 demo: $(STAMP)
@@ -49,4 +69,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VERL_VENV) build dist *.egg-info .pytest_cache

@@ -14,6 +14,7 @@ from . import (  # noqa: F401
     graph_ops,
     indexing,
     linalg,
+    nested,
     losses,
     nn,
     optim,

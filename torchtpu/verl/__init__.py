@@ -1,0 +1,5 @@
+"""VeRL on device "tpu" (placeholder while the plugin is written)."""
+
+
+def register():
+    pass
