@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 VERL_VENV  ?= .venv-verl
 VERL_PY    := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.torchtpu-verl-installed
-VERL_FLOAT := transformers|tokenizers|huggingface.hub|safetensors|typing.extensions|pydantic|pydantic.core|anyio|starlette|fastapi|uvicorn|protobuf|click|packaging
+VERL_FLOAT := transformers|kernels|tokenizers|huggingface.hub|safetensors|typing.extensions|pydantic|pydantic.core|anyio|starlette|fastapi|uvicorn|protobuf|click|packaging
 
 venv-verl: $(VERL_STAMP)
 
