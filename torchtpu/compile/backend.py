@@ -50,14 +50,18 @@ class _Entry:
 
 
 # refcount of a jax.Array held only by its Buffer, while it sits in our list and is passed to
-# sys.getrefcount (measured once at import, so interpreter differences do not matter)
+# sys.getrefcount (measured once, at the first donation, so interpreter differences do not
+# matter; not at import: making an array creates the JAX backend, and a process of a
+# distributed job must join the job before that, and may import this module first)
 def _baseline_refcount():
-    b = _buffer.Buffer(jax.numpy.zeros(()))
-    lst = [b.array]
-    return sys.getrefcount(lst[0])
+    if not _BASE_REFS:
+        b = _buffer.Buffer(jax.numpy.zeros(()))
+        lst = [b.array]
+        _BASE_REFS.append(sys.getrefcount(lst[0]))
+    return _BASE_REFS[0]
 
 
-_BASE_REFS = _baseline_refcount()
+_BASE_REFS: list = []
 
 
 class CompiledGraph:
@@ -321,7 +325,7 @@ class CompiledGraph:
                 continue
             if _buffer.buffer_of(args[i]).array is not arrays[j] or ids.count(ids[j]) != 1:
                 continue
-            if sys.getrefcount(arrays[j]) > _BASE_REFS:  # someone else holds it too
+            if sys.getrefcount(arrays[j]) > _baseline_refcount():  # someone else holds it
                 continue
             donate.append(j)
         return tuple(donate)

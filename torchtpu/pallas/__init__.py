@@ -17,6 +17,23 @@ and returns a callable taking tensors::
   differentiable whenever ``fn`` is; integer inputs get no gradient. A bare ``pallas_call`` is
   not differentiable in JAX: wrap it in ``jax.custom_vjp`` (the backward then says so clearly
   otherwise).
+- compiled graphs (``torch.compile(backend="tpu")``): the op is an entry of the lowering table,
+  so ``fn`` is traced inline into the graph's XLA program (no CPU fallback, no graph break:
+  the returned callable holds no JAX code Dynamo would have to trace).
+
+Keyword options (TorchTPU's):
+
+- ``donate_argnums``: positions of the arguments ``fn`` overwrites: an in-place kernel. ``fn``
+  returns exactly their new values (in ``donate_argnums`` order); the op writes them into
+  those tensors in place and returns None. Their device buffers are donated to XLA (eagerly,
+  and in compiled graphs where the tensor is a graph input), so updating a large buffer (a KV
+  cache) costs what ``fn`` writes, not a copy. Not differentiable. (A mutable custom op's
+  outputs cannot be a list that PyTorch's functionalization accepts, so such a kernel returns
+  nothing else; compute other results with a second op.)
+- ``mesh``, ``in_specs``, ``out_specs``: run ``fn`` under ``jax.shard_map`` over ``mesh`` with
+  these partition specs (a kernel written per shard).
+- ``fake``: ``fake(*tensors)`` gives the outputs' shapes and dtypes (FakeTensors / meta) instead
+  of ``jax.eval_shape(fn)`` (for ``fn`` whose tracing is expensive or needs concrete values).
 """
 from __future__ import annotations
 
@@ -83,20 +100,56 @@ def _fake(fn_specs, tensors):
     return [torch.empty(o.shape, dtype=to_torch(o.dtype), device=dev) for o in outs]
 
 
-def jax_op(name: str, fn=None):
+def _split(n, donate):
+    """(positions of donated arguments, of the others) among ``n``."""
+    donate = tuple(d % n if n else d for d in donate)
+    return donate, tuple(i for i in range(n) if i not in donate)
+
+
+def _merge(donated, rest, donate):
+    """The arguments in ``fn``'s order from the donated ones and the rest."""
+    out = [None] * (len(donated) + len(rest))
+    for i, t in zip(donate, donated):
+        out[i] = t
+    it = iter(rest)
+    for i in range(len(out)):
+        if out[i] is None:
+            out[i] = next(it)
+    return out
+
+
+def jax_op(name: str, fn=None, *, donate_argnums=(), mesh=None, in_specs=None,
+           out_specs=None, fake=None):
     """Register JAX function ``fn`` as torch op ``tpu_jax::<name>``; returns the callable.
 
-    Usable as ``jax_op("name", fn)`` or as a decorator ``@jax_op("name")``.
+    Usable as ``jax_op("name", fn, ...)`` or as a decorator ``@jax_op("name", ...)``. See the
+    module docstring for the keyword options.
     """
     if fn is None:
-        return lambda f: jax_op(name, f)
+        return lambda f: jax_op(name, f, donate_argnums=donate_argnums, mesh=mesh,
+                                in_specs=in_specs, out_specs=out_specs, fake=fake)
     if name in _ops:
         raise RuntimeError(f"jax_op: an op named {name!r} is already registered")
+    if mesh is not None:
+        from jax import shard_map
+
+        fn = shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    if isinstance(donate_argnums, int):
+        donate_argnums = (donate_argnums,)
+    donate_argnums = tuple(donate_argnums)
+    if donate_argnums:
+        return _jax_op_donating(name, fn, donate_argnums, fake)
     qual = f"{NAMESPACE}::{name}"
     qual_vjp = f"{NAMESPACE}::{name}_vjp"
     _lib.define(f"{name}(Tensor[] args) -> Tensor[]")
     _lib.define(f"{name}_vjp(Tensor[] args, Tensor[] cotangents) -> Tensor[]")
     fwd = jax.jit(fn)
+    single = [None]  # does fn return one array? (set by the kernels, which see the result)
+
+    def note(outs):
+        if single[0] is None:
+            single[0] = not isinstance(outs, (tuple, list))
+        return outs
 
     def vjp_fn(n_args, *vals):
         primals, cts = vals[:n_args], vals[n_args:]
@@ -113,7 +166,7 @@ def jax_op(name: str, fn=None):
 
     @skip
     def impl(args):
-        return _run(fwd, list(args))
+        return _run(lambda *a: note(fwd(*a)), list(args))
 
     @skip
     def impl_vjp(args, cotangents):
@@ -129,12 +182,25 @@ def jax_op(name: str, fn=None):
         _lib.impl(name, impl, key)
         _lib.impl(f"{name}_vjp", impl_vjp, key)
 
-    torch.library.register_fake(qual)(lambda args: _fake(fn, list(args)))
+    def fake_kernel(args):
+        args = list(args)
+        if fake is not None:
+            outs = fake(*args)
+            note(outs)
+            return list(_as_tuple(outs))
+        note(jax.eval_shape(fn, *_specs(args)))
+        return _fake(fn, args)
+
+    torch.library.register_fake(qual)(fake_kernel)
     torch.library.register_fake(qual_vjp)(
         lambda args, cts: [torch.empty_like(a) for a in args])
 
     op = getattr(getattr(torch.ops, NAMESPACE), name).default
     op_vjp = getattr(getattr(torch.ops, NAMESPACE), f"{name}_vjp").default
+    # the lowering table: graphs compiled for "tpu" trace fn inline
+    _register_lowering(op, lambda args: list(_as_tuple(fn(*args))))
+    _register_lowering(op_vjp, lambda args, cts: list(
+        vjp_fn(len(args), *args, *cts)))
 
     def setup_context(ctx, inputs, output):
         (args,) = inputs
@@ -151,13 +217,121 @@ def jax_op(name: str, fn=None):
 
     torch.library.register_autograd(qual, backward, setup_context=setup_context)
 
-    single = [None]
-
     def call(*tensors):
         outs = op(list(tensors))
-        if single[0] is None:
-            single[0] = not isinstance(jax.eval_shape(fn, *_specs(tensors)), (tuple, list))
         return outs[0] if single[0] else tuple(outs)
+
+    call.__name__ = name
+    call.__doc__ = fn.__doc__
+    call.op = op
+    _ops[name] = call
+    return call
+
+
+_BASE_REFS: list = []
+
+
+def _sole_holder(buf) -> bool:
+    """Whether ``buf`` is the only holder of its array (two storages may share one immutable
+    array; donating it would delete the other's data)."""
+    import sys
+
+    from ..runtime import buffer as _buffer
+
+    if not _BASE_REFS:
+        b = _buffer.Buffer(jnp.zeros(()))
+        _BASE_REFS.append(sys.getrefcount(b.array))
+    return sys.getrefcount(buf.array) <= _BASE_REFS[0]
+
+
+def _register_lowering(op, fn, mutates=()):
+    from ..lowering import registry
+
+    registry.register(op, mutates=mutates)(fn)
+
+
+def _jax_op_donating(name, fn, donate, fake):
+    """``jax_op`` with ``donate_argnums``: ``tpu_jax::<name>(Tensor(a!) d0, Tensor(b!) d1, ...,
+    Tensor[] args) -> ()`` writes ``fn``'s outputs into the donated tensors (one schema argument
+    each: PyTorch's functionalization refuses a mutable ``Tensor[]``'s op returning a list).
+    ``fake`` is unused: the op returns nothing."""
+    qual = f"{NAMESPACE}::{name}"
+    nd = len(donate)
+    if nd > 26:
+        raise ValueError("jax_op: at most 26 donated arguments")
+    names = [f"d{i}" for i in range(nd)]
+    decl = ", ".join(f"Tensor({chr(97 + i)}!) {n}" for i, n in enumerate(names))
+    _lib.define(f"{name}({decl}, Tensor[] args) -> ()")
+    cache: dict = {}
+
+    def jitted(n):
+        if n not in cache:
+            pos, _ = _split(n, donate)
+            cache[n] = jax.jit(lambda *a: _checked(fn(*a)), donate_argnums=pos)
+        return cache[n]
+
+    def _checked(out):
+        outs = _as_tuple(out)
+        if len(outs) != nd:
+            raise RuntimeError(
+                f"jax_op {name!r} with donate_argnums={donate}: fn must return exactly the new "
+                f"values of the {nd} donated argument(s), got {len(outs)} outputs")
+        return outs
+
+    @skip
+    def impl(*a):
+        from ..eager import copy as _copy
+        from ..runtime import buffer as _buffer
+
+        donated, args = list(a[:nd]), list(a[nd])
+        every = _merge(donated, args, donate)
+        n = len(every)
+        pos, _ = _split(n, donate)
+        if any(t.device.type != "tpu" for t in every):
+            # CPU tensors: JAX's CPU backend, written back with copy_
+            outs = list(_run(jax.jit(lambda *a: _checked(fn(*a))), every))
+            for t, new in zip(donated, outs):
+                t.copy_(new)
+        else:
+            vals = []
+            for i, t in enumerate(every):
+                if i not in pos:
+                    vals.append(_copy.value_of(t))
+                    continue
+                buf = _buffer.buffer_of(t)
+                if _sole_holder(buf) and isinstance(buf.array, jax.Array) \
+                        and t.is_contiguous() and t.storage_offset() == 0 \
+                        and tuple(buf.array.shape) == tuple(t.shape) \
+                        and buf.array.dtype == to_jax(t.dtype):
+                    vals.append(buf.array)  # nobody else's array: XLA may reuse it in place
+                else:  # a view, or an array another storage shares: donate a copy
+                    vals.append(jnp.array(_copy.value_of(t), copy=True))
+            outs = jitted(n)(*vals)
+            del vals
+            for t, new in zip(donated, outs):
+                _copy.assign(t, new)
+        return None
+
+    for key in ("PrivateUse1", "CPU"):
+        _lib.impl(name, impl, key)
+
+    def fake_kernel(*a):
+        return None
+
+    torch.library.register_fake(qual)(fake_kernel)
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+
+    def lowering(*a):
+        outs = _checked(fn(*_merge(list(a[:nd]), list(a[nd]), donate)))
+        return outs[0] if nd == 1 else tuple(outs)
+
+    # registered on the mutable op: it returns the new values of the arguments it writes
+    # (lowering/hops.py writes them back; a compiled graph donates the inputs' buffers)
+    _register_lowering(op, lowering)
+
+    def call(*tensors):
+        pos, rest = _split(len(tensors), donate)
+        op(*[tensors[i] for i in pos], [tensors[i] for i in rest])
 
     call.__name__ = name
     call.__doc__ = fn.__doc__

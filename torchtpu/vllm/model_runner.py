@@ -1,0 +1,318 @@
+"""vLLM's model runner on "tpu": the GPU runner with its inputs prepared on the host.
+
+``TpuModelRunner`` subclasses vLLM's ``GPUModelRunner`` the way vLLM's CPU runner does: every
+input buffer (token ids, positions, block tables, sampling state) is a CPU tensor, so the
+runner's bookkeeping and the sampler run on the host unchanged, and the model (weights, KV
+cache) lives on "tpu". What differs from the GPU runner:
+
+- a step's tokens are padded to a token bucket (``buckets.py``) and sent to the device with
+  the attention metadata (``attention.py``): a handful of host-to-device transfers of fixed
+  shapes;
+- the model runs compiled with ``torch.compile(backend="tpu")``, one program per token bucket,
+  all built (or loaded from the compile cache) at start-up by ``warm_up``; with
+  ``enforce_eager=True`` it runs eagerly (Strict mode);
+- the rows whose logits are needed are gathered and projected on the device in a program per
+  request bucket, and the logits come back in one transfer (the one host sync of a step);
+- the KV cache is one tensor per layer (``[blocks, block_size, 2 * kv_heads, head_dim]``), not
+  views of one shared byte buffer: each layer's cache is written in place by its own program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import get_model
+from vllm.v1.utils import CpuGpuBuffer
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.utils import bind_kv_cache
+
+from . import attention as _attn
+from . import buckets as _buckets
+
+logger = init_logger(__name__)
+PAD_SLOT_ID = -1
+
+
+class _Logits(torch.nn.Module):
+    """``model.compute_logits`` on a request bucket of rows (compiled per bucket)."""
+
+    def __init__(self, model, compute_logits):
+        super().__init__()
+        self.model = model
+        self.fn = compute_logits
+
+    def forward(self, hidden_states):
+        return self.fn(hidden_states)
+
+
+class TpuModelRunner(GPUModelRunner):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        with _cuda_placeholders():
+            super().__init__(vllm_config, torch.device("cpu"))
+        self.device_tpu = device
+        self.use_cuda_graph = False
+        self.cascade_attn_enabled = False
+        self.compiled = bool((vllm_config.additional_config or {}).get("torchtpu_compile"))
+        self.token_buckets = _buckets.token_buckets(vllm_config)
+        self.request_buckets = _buckets.request_buckets(vllm_config)
+        self._pending_logits = None  # (request bucket, real rows) of the step being run
+        self._host_buffers()
+        _install_host_slot_mapping()
+
+    # ---- host-side inputs (as vLLM's CPU runner) ----
+
+    def _host_buffers(self) -> None:
+        def replace(obj, cpu_name, dev_name):
+            cpu_t = getattr(obj, cpu_name, None)
+            if isinstance(cpu_t, torch.Tensor) and isinstance(getattr(obj, dev_name, None),
+                                                              torch.Tensor):
+                setattr(obj, dev_name, cpu_t)
+
+        for v in vars(self).values():
+            if isinstance(v, CpuGpuBuffer):
+                v.gpu = v.cpu
+        for k in list(vars(self.input_batch)):
+            if k.endswith("_cpu_tensor"):
+                replace(self.input_batch, k, k[:-11])
+        for bt in self.input_batch.block_table.block_tables:
+            for v in vars(bt).values():
+                if isinstance(v, CpuGpuBuffer):
+                    v.gpu = v.cpu
+
+    def may_reinitialize_input_batch(self, *args, **kwargs):
+        out = super().may_reinitialize_input_batch(*args, **kwargs)
+        self._host_buffers()
+        return out
+
+    def _init_device_properties(self) -> None:
+        pass
+
+    def _sync_device(self) -> None:
+        torch.tpu.synchronize()
+
+    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
+        return sampled_token_ids.tolist()
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        # attention never reads a cache row past a sequence's length, so stale rows of a
+        # reused block are harmless: nothing to zero
+        return None
+
+    # ---- model ----
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("loading dummy weights is not supported on 'tpu'")
+        logger.info("Loading model %s onto %s", self.model_config.model, self.device_tpu)
+        self.model = get_model(vllm_config=self.vllm_config)
+        self._logits = _Logits(self.model, self.model.compute_logits)
+        if self.compiled:
+            n = len(self.token_buckets) + len(self.request_buckets) + 8
+            cfg = torch._dynamo.config
+            cfg.recompile_limit = max(cfg.recompile_limit, n)
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
+            self._forward = torch.compile(self.model, backend="tpu", fullgraph=True,
+                                          dynamic=False)
+            self._compute_logits = torch.compile(self._logits, backend="tpu", fullgraph=True,
+                                                 dynamic=False)
+        else:
+            self._forward = self.model
+            self._compute_logits = self._logits
+        self.model.compute_logits = _LogitsHook(self, self.model.compute_logits)
+
+    def get_model(self):
+        return self.model
+
+    # ---- KV cache: one tensor per layer on the device ----
+
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
+                                    kv_cache_allocation_context=None) -> dict:
+        kv_caches: dict[str, torch.Tensor] = {}
+        num_blocks = kv_cache_config.num_blocks
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                if name in self.shared_kv_cache_layers:
+                    continue
+                shape = _attn.TpuPagedAttentionBackend.get_kv_cache_shape(
+                    num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+                kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.device_tpu)
+        for name, target in self.shared_kv_cache_layers.items():
+            kv_caches[name] = kv_caches[target]
+        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
+        return kv_caches
+
+    # ---- a step: bucketed shapes, device transfers ----
+
+    def _determine_batch_execution_and_padding(self, num_tokens, *args, **kwargs):
+        mode, desc, ubatch, across_dp, stats = super()._determine_batch_execution_and_padding(
+            num_tokens, *args, **kwargs)
+        desc = dataclasses.replace(desc, num_tokens=_buckets.pick(self.token_buckets,
+                                                                    desc.num_tokens))
+        return mode, desc, ubatch, across_dp, stats
+
+    def _get_slot_mappings(self, *args, **kwargs):
+        by_group, by_layer = super()._get_slot_mappings(*args, **kwargs)
+        # The attention backend writes the KV cache in its forward, from its own metadata
+        # (forward_includes_kv_cache_update); the per-layer slot mappings of the forward
+        # context are for a separate write, and a compiled forward would guard on them (CPU
+        # tensors whose length is the step's): left empty, as at warm-up.
+        return by_group, {}
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec, max_sampled = super()._prepare_inputs(scheduler_output,
+                                                                    num_scheduled_tokens)
+        n = int(logits_indices.shape[0])
+        R = _buckets.pick(self.request_buckets, n)
+        idx = np.zeros(R, np.int64)
+        idx[:n] = logits_indices.numpy()
+        self._pending_logits = (R, n)
+        return torch.from_numpy(idx).to(self.device_tpu), spec, max_sampled
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs) -> Any:
+        if intermediate_tensors is not None or inputs_embeds is not None or model_kwargs:
+            raise NotImplementedError("pipeline parallelism, input embeddings and multimodal "
+                                      "inputs are not supported on 'tpu' yet")
+        return self._forward(input_ids=input_ids.to(self.device_tpu),
+                             positions=positions.to(self.device_tpu))
+
+
+    # ---- start-up: every bucket compiled (or loaded) once ----
+
+    def profile_run(self) -> None:
+        # the KV cache size is not measured from a profiling run (platform.py, worker.py)
+        return None
+
+    def _dummy_run(self, num_tokens: int, *args, **kwargs):
+        T = _buckets.pick(self.token_buckets, max(1, num_tokens))
+        return self._run_padding_step(T), None
+
+    def _run_padding_step(self, T: int):
+        """One forward of ``T`` padding tokens (nothing written, zeros attended)."""
+        md = self._padding_metadata(T)
+        names = list(self.compilation_config.static_forward_context)
+        # host tensors of the step's dtypes, moved as a step moves them (a transfer allocates
+        # its destination with a program per shape)
+        ids = self.input_ids.cpu[:T]
+        pos = self._get_positions(T)
+        with set_forward_context({n: md for n in names}, self.vllm_config, num_tokens=T,
+                                 slot_mapping={}):
+            return self._model_forward(input_ids=torch.zeros_like(ids),
+                                       positions=torch.zeros_like(pos))
+
+    def _padding_metadata(self, T: int):
+        group = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        max_seqs = int(self.scheduler_config.max_num_seqs)
+        pps = -(-int(self.model_config.max_model_len) // group.block_size)
+        host = _attn.host_metadata(T, max_seqs, pps, np.zeros(1, np.int32),
+                                   np.zeros(0, np.int32), np.zeros((0, pps), np.int32),
+                                   np.zeros(0, np.int32))
+        return _attn.to_device(host, self.device_tpu)
+
+    @torch.inference_mode()  # as the worker runs steps (Dynamo guards on the grad mode)
+    def warm_up(self) -> float:
+        """Compile (or load from the compile cache) every token bucket's forward, the row
+        gather ``hidden_states[logits_indices]`` for every (token, request) bucket pair, and
+        every request bucket's logits program; returns the seconds it took."""
+        t0 = time.perf_counter()
+        done = set()
+        for T in self.token_buckets:
+            h = self._run_padding_step(T)
+            for R in self.request_buckets:
+                rows = h[torch.zeros(R, dtype=torch.int64).to(self.device_tpu)]
+                if R not in done:
+                    self._compute_logits(rows)
+                    done.add(R)
+        torch.tpu.synchronize()
+        dt = time.perf_counter() - t0
+        logger.info("torchtpu: %s %d token buckets %s and %d request buckets %s in %.1f s",
+                    "compiled" if self.compiled else "warmed up", len(self.token_buckets),
+                    self.token_buckets, len(self.request_buckets), self.request_buckets, dt)
+        return dt
+
+
+class _LogitsHook:
+    """Stands in for ``model.compute_logits``. Given the step's gathered rows (a request
+    bucket on the device) it runs the bucket's logits program and returns the real rows on the
+    host: one transfer, the step's one host sync. Any other call (prompt logprobs) runs the
+    model's own and returns its result on the host, where vLLM's sampler runs."""
+
+    def __init__(self, runner, original):
+        self.runner = runner
+        self.original = original
+
+    def __call__(self, hidden_states):
+        p = self.runner._pending_logits
+        if p is not None and hidden_states.device.type == "tpu" \
+                and hidden_states.shape[0] == p[0]:
+            self.runner._pending_logits = None
+            # the whole bucket comes back (a device-side slice would be a program per length)
+            return self.runner._compute_logits(hidden_states).cpu()[:p[1]]
+        out = self.original(hidden_states)
+        return out.cpu() if isinstance(out, torch.Tensor) else out
+
+
+@contextmanager
+def _cuda_placeholders():
+    """vLLM's GPU runner creates CUDA events and streams while it initialises: placeholders
+    (as its CPU runner does)."""
+
+    class _Event:
+        def __init__(self, *a, **k):
+            self.record = lambda *a, **k: None
+            self.synchronize = lambda: None
+
+    class _Stream:
+        def __init__(self, *a, **k):
+            self.wait_stream = lambda *a, **k: None
+            self.device = torch.device("cpu")
+
+    ev, st = torch.Event, torch.cuda.Stream
+    torch.Event, torch.cuda.Stream = _Event, _Stream
+    try:
+        yield
+    finally:
+        torch.Event, torch.cuda.Stream = ev, st
+
+
+class _HostKernel:
+    """``kernel[grid](*args)``: the calling convention of the Triton kernel it replaces."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn
+
+
+def _slot_mapping_host(num_tokens, max_num_tokens, query_start_loc, positions, block_table,
+                       block_table_stride, block_size, slot_mapping, KV_CACHE_BLOCK_SIZE=None,
+                       BLOCKS_PER_KV_BLOCK=1, TOTAL_CP_WORLD_SIZE=1, TOTAL_CP_RANK=0,
+                       CP_KV_CACHE_INTERLEAVE_SIZE=1, PAD_ID=PAD_SLOT_ID, BLOCK_SIZE=1024):
+    """vLLM's slot-mapping kernel on the host (numpy): token t of request r at position p goes
+    to ``block_table[r, p // block_size] * block_size + p % block_size``; the rest is PAD_ID."""
+    if TOTAL_CP_WORLD_SIZE != 1:
+        raise NotImplementedError("context parallelism is not supported on 'tpu'")
+    qsl = query_start_loc.numpy().astype(np.int64)
+    n_reqs = len(qsl) - 1
+    pos = positions.numpy()[:num_tokens].astype(np.int64)
+    req = np.repeat(np.arange(n_reqs), np.diff(qsl))[:num_tokens]
+    bt = block_table.numpy()
+    blocks = bt[req, pos // block_size].astype(np.int64)
+    out = slot_mapping.numpy()
+    out[:num_tokens] = blocks * block_size + pos % block_size
+    out[num_tokens:max_num_tokens] = PAD_ID
+
+
+def _install_host_slot_mapping() -> None:
+    import vllm.v1.worker.block_table as _bt
+
+    _bt._COMPUTE_SLOT_MAPPING_KERNEL.kernel = _HostKernel(_slot_mapping_host)
