@@ -1,5 +1,5 @@
 """VeRL on "tpu": the platform plugin and the SFT trainer (``torchrun -m verl.trainer.sft_trainer``)
-with FSDP2, run unchanged by the documented recipe on a tiny Qwen2 model built from a config and
+with FSDP2, run unchanged by the documented recipe on a tiny Llama model built from a config and
 synthetic parquet data (tests/verl_scripts/tiny_setup.py); losses read from VeRL's own console
 log.
 
@@ -14,7 +14,6 @@ without a lowering an error (the no-padding path's jagged ops included).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -24,9 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "verl_scripts")
 VERL_PY = os.environ.get("TORCHTPU_VERL_PYTHON") or os.path.join(ROOT, ".venv-verl", "bin",
                                                                 "python")
-FP32 = ["+engine.mixed_precision.param_dtype=fp32", "+engine.mixed_precision.reduce_dtype=fp32",
-        "+engine.mixed_precision.buffer_dtype=fp32"]
-STEP = re.compile(r"step:(\d+) - .*?train/loss:([0-9.eE+-]+) - train/grad_norm:([0-9.eE+-]+)")
+sys.path.insert(0, SCRIPTS)
+import recipes  # noqa: E402
+
+FP32 = recipes.FP32
 
 
 def _need_env():
@@ -66,22 +66,11 @@ def sft(setup, name, nproc=1, steps=3, extra=(), env=None, timeout=600):
     """VeRL's SFT trainer under torchrun; [(loss, grad_norm)] per step from its console log."""
     d = setup / name
     d.mkdir()
-    args = [VERL_PY, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc_per_node={nproc}", "-m", "verl.trainer.sft_trainer",
-            f"data.train_files={setup}/sft_train.parquet", f"data.val_files={setup}/sft_val.parquet",
-            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "data.max_length=64",
-            "data.pad_mode=no_padding", "data.use_dynamic_bsz=False", "data.num_workers=0",
-            f"model.path={setup}/model", "model.enable_gradient_checkpointing=False",
-            "engine.strategy=fsdp2", "optim.lr=1e-3", f"trainer.total_training_steps={steps}",
-            "trainer.logger=[console]", f"trainer.default_local_dir={d}/ckpt",
-            "trainer.project_name=tiny", f"trainer.experiment_name={name}",
-            "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable",
-            *extra]
-    text = _run(args, env or _env(), timeout, str(d / "run.log"))
-    steps_seen = {int(m.group(1)): (float(m.group(2)), float(m.group(3)))
-                  for m in STEP.finditer(text)}
-    assert sorted(steps_seen) == list(range(1, steps + 1)), text[-4000:]
-    return [steps_seen[i] for i in range(1, steps + 1)], text
+    text = _run(recipes.sft(VERL_PY, setup, d, nproc, steps, extra), env or _env(), timeout,
+                str(d / "run.log"))
+    got = recipes.metrics(text)
+    assert sorted(got) == list(range(1, steps + 1)), text[-4000:]
+    return [(got[i]["train/loss"], got[i]["train/grad_norm"]) for i in range(1, steps + 1)], text
 
 
 def cpu_reference(setup, name, steps, extra=()):
@@ -107,6 +96,8 @@ def test_plugin_registers_tpu_without_environment_variables():
             "from verl.utils.device import get_device_name, get_nccl_backend, get_resource_name\n"
             "import verl.workers.engine\n"
             "from verl.workers.engine.base import EngineRegistry as R\n"
+            "assert p.ray_resource_options(1 / 3) == {'resources': {'TPU': 1}}\n"
+            "assert p.ray_resource_options(2) == {'resources': {'TPU': 2}}\n"
             "print(get_device_name(), get_nccl_backend(), get_resource_name(),"
             " R.get_engine_cls('language_model', 'fsdp2').__name__,"
             " R.get_engine_cls('value_model', 'fsdp').__name__)\n")
@@ -145,6 +136,31 @@ def test_sft_two_ranks_fp32_equal_cpu_and_warm_cache(setup, tmp_path):
     assert cold == warm
     cpu = cpu_reference(setup, "cpu_fp32_3", steps=3, extra=FP32)
     _close(cold, cpu, 1e-5)
+
+
+@pytest.mark.slow
+def test_grpo_rollout_on_vllm_tpu_reward_rises(setup):
+    """GRPO by VeRL's PPO entry point: FSDP2 actor and reference on "tpu", rollouts served by
+    vLLM on "tpu" (torchtpu.vllm), weights synchronised from the actor to vLLM every step, Ray
+    placing the workers on "TPU" resources. With no environment variable and VeRL's defaults
+    for sleep mode and attention (the plugin turns off what needs CUDA)."""
+    d = setup / "grpo"
+    d.mkdir()
+    steps = 6
+    text = _run(recipes.grpo(VERL_PY, setup, d, steps=steps), _env(), 1500, str(d / "run.log"))
+    m = recipes.metrics(text)
+    assert sorted(m) == list(range(1, steps + 1)), text[-4000:]
+    score = [m[i]["critic/score/mean"] for i in range(1, steps + 1)]
+    # the mean reward rises: the last two steps above the first two
+    assert sum(score[-2:]) / 2 > sum(score[:2]) / 2 + 0.05, score
+    for i in range(1, steps + 1):
+        # the rollout engine samples with the actor's current weights: its token probabilities
+        # match the actor's recomputed ones to float32 rounding, every step (without the sync,
+        # one lr=3e-3 update moves them by ~1e-2 and more)
+        assert m[i]["training/rollout_probs_diff_max"] < 2e-3, (i, m[i])
+        for k in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref",
+                  "timing_s/update_actor", "timing_s/update_weights"):
+            assert k in m[i], (k, sorted(m[i]))
 
 
 if __name__ == "__main__":

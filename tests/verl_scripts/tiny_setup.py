@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2 model with an offline word-level tokenizer, and synthetic parquet
+"""A tiny random-weight Llama model with an offline word-level tokenizer, and synthetic parquet
 data for VeRL's SFT trainer and GRPO: built from configs, nothing downloaded.
 
     python tests/verl_scripts/tiny_setup.py OUT_DIR   # OUT_DIR/model, OUT_DIR/sft_*.parquet,
@@ -42,13 +42,15 @@ def save_model(path, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
     import transformers
 
     tok = tokenizer()
-    cfg = transformers.Qwen2Config(
+    # Llama: VeRL's agent loop picks a chat-boundary builder per model type, and its Qwen one
+    # needs a newline token, which this word-level vocabulary has not
+    cfg = transformers.LlamaConfig(
         num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=len(tok),
         max_position_embeddings=512, bos_token_id=None, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, tie_word_embeddings=False, torch_dtype=torch.float32)
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(cfg).to(torch.float32)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32)
     model.generation_config.do_sample = True
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path)
