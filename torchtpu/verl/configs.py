@@ -1,0 +1,61 @@
+"""VeRL's config defaults that name CUDA features, on "tpu".
+
+Model (``HFModelConfig``): the attention implementation it defaults to.
+
+``HFModelConfig`` builds the Hugging Face config with
+``override_config.get("attn_implementation", "flash_attention_2")``: the CUDA flash-attn
+package, which transformers refuses to use where it is not installed. On "tpu" the default
+becomes "sdpa" (transformers' SDPA path, lowered by torchtpu; packed no-padding batches get
+their block-diagonal causal mask from the position ids). A value the user sets
+(``+model.override_config.attn_implementation=...``) is kept.
+
+Rollout (``RolloutConfig``): ``enable_sleep_mode`` defaults to True, which asks vLLM to place
+weights and KV cache in CUDA's virtual-memory pool so they can be released between rollouts;
+vLLM refuses it on a platform without one ("Sleep mode is not supported on current platform"),
+as on "tpu". There it is off, and with it ``free_cache_engine`` (sleeping between steps): the
+rollout engine keeps its KV cache, and weights are still synchronised every step.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..integrations import patch, when_imported
+
+MODEL = "verl.workers.config.model"
+ROLLOUT = "verl.workers.config.rollout"
+DEFAULT = "sdpa"
+
+
+def _on_tpu() -> bool:
+    from verl.plugin.platform import get_platform
+
+    return get_platform().device_name == "tpu"
+
+
+def _wrap(orig):
+    @functools.wraps(orig)
+    def __post_init__(self, *args, **kwargs):
+        oc = getattr(self, "override_config", None)
+        if oc is not None and "attn_implementation" not in oc and _on_tpu():
+            oc = dict(oc)
+            oc["attn_implementation"] = DEFAULT
+            object.__setattr__(self, "override_config", oc)  # a frozen field of its dataclass
+        return orig(self, *args, **kwargs)
+
+    return __post_init__
+
+
+def _wrap_rollout(orig):
+    @functools.wraps(orig)
+    def __post_init__(self, *args, **kwargs):
+        if getattr(self, "enable_sleep_mode", False) and _on_tpu():
+            object.__setattr__(self, "enable_sleep_mode", False)
+            object.__setattr__(self, "free_cache_engine", False)
+        return orig(self, *args, **kwargs)
+
+    return __post_init__
+
+
+def install() -> None:
+    when_imported(MODEL, lambda m: patch(m, "HFModelConfig.__post_init__", _wrap))
+    when_imported(ROLLOUT, lambda m: patch(m, "RolloutConfig.__post_init__", _wrap_rollout))
