@@ -203,7 +203,9 @@ def test_train_gpt_example_matches_cpu():
     torch.testing.assert_close(torch.tensor(tpu["losses"]), torch.tensor(cpu["losses"]))
     torch.testing.assert_close(torch.tensor(tpu["val_loss"]), torch.tensor(cpu["val_loss"]))
     assert tpu["losses"][-1] < tpu["losses"][0]
-    assert tpu["metrics"]["eager_compiles"] > 0
+    # the programs ran on tpu: built here, or read back from a warm compile cache folder
+    m = tpu["metrics"]
+    assert m.get("eager_compiles", 0) + m.get("eager_disk_cache_hits", 0) > 0, m
 
 
 def test_optimizer_built_before_move_to_tpu():
