@@ -35,12 +35,15 @@ Counted per kind (``eager``, ``fused``): ``<kind>_xla_compiles``, ``<kind>_xla_c
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import pickle
 import re
 import struct
+import threading
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -90,6 +93,57 @@ def signature(flat) -> tuple:
 
 _MULTI = [False]  # several local devices (set at the first miss, when JAX is up)
 _MAX_FAILS = 3  # signature mismatches of the last executable before a Program stops trying it
+
+
+def _default_max_live() -> int:
+    """How many executables a process keeps loaded. Each XLA:CPU executable holds ~3 memory
+    mappings of JIT-compiled code for as long as it lives, and Linux allows a process
+    ``vm.max_map_count`` mappings (65530 by default) for everything (malloc arenas, numpy
+    buffers, shared libraries): past that, LLVM's JIT gets no memory for the next program and
+    the process dies with SIGSEGV. A long session (a test suite, a server seeing many shapes)
+    made ~20000 programs and crashed there. A sixteenth of the limit in executables (~4000,
+    ~15000 mappings)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        limit = 65530
+    return max(256, limit // 16)
+
+
+# Executables loaded in this process, oldest first: (weak Program, signature). Past MAX_LIVE the
+# oldest is dropped from its Program (a later call reloads it from the compile cache folder, or
+# recompiles without one), so loaded code stays bounded however many programs a session makes.
+MAX_LIVE = int(os.environ.get("TORCHTPU_MAX_LIVE_PROGRAMS", "0")) or _default_max_live()
+_live: collections.OrderedDict = collections.OrderedDict()
+_live_lock = threading.Lock()
+
+
+def live_programs() -> int:
+    return len(_live)
+
+
+def _track(program, sig) -> None:
+    key = (id(program), sig)
+    with _live_lock:
+        _live[key] = weakref.ref(program)
+        _live.move_to_end(key)
+        while len(_live) > MAX_LIVE:
+            (_, old_sig), ref = _live.popitem(last=False)
+            prog = ref()
+            if prog is None:
+                continue
+            c = prog.by_sig.pop(old_sig, None)
+            if c is not None:
+                if prog._last is c:
+                    prog._last = None
+                count(f"{prog.kind}_programs_evicted")
+
+
+def _forget(program_id: int, sigs) -> None:
+    with _live_lock:
+        for sig in sigs:
+            _live.pop((program_id, sig), None)
 
 
 def stable(x) -> str:
@@ -289,7 +343,7 @@ class Program:
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
     __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails", "_prev",
-                 "_pending", "_wasted", "_hits", "_quiet", "_then")
+                 "_pending", "_wasted", "_hits", "_quiet", "_then", "__weakref__")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
         self.kind = kind
@@ -305,6 +359,13 @@ class Program:
         self._wasted = self._hits = 0  # predictions that went unused / were used
         self._quiet = 0  # misses since it stopped guessing
         self._then = None  # run at the first call (a Program made for a guessed key)
+
+    def __del__(self):
+        try:
+            if self.by_sig:
+                _forget(id(self), list(self.by_sig))
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __call__(self, *flat):
         # The common case: the executable that ran last. Its C++ call checks the arguments'
@@ -409,7 +470,7 @@ class Program:
             compiled = _load(self.kind, key, device_id)
             if compiled is not None:
                 return compiled, ("disk", key, fast)
-        jitted = jax.jit(self.fn, **self.jit_kwargs)
+        jitted = jax.jit(_uncached(self.fn), **self.jit_kwargs)
         if precision is None:
             lowered = jitted.lower(*args)
         else:
@@ -513,6 +574,7 @@ class Program:
 
     def _remember(self, sig, compiled) -> None:
         c = self.by_sig[sig] = _fast(compiled)
+        _track(self, sig)
         self._last = None if _MULTI[0] or self._fails >= _MAX_FAILS else c
 
 
@@ -520,6 +582,19 @@ def _prefetch_debug(e) -> None:
     from .metrics import _log
 
     _log.debug("torchtpu: a program built ahead failed: %r", e)
+
+
+def _uncached(fn):
+    """``fn`` under a new function object, for one lowering. JAX's tracing, lowering and
+    compilation caches hold the executable as long as the function they trace lives (weakly
+    keyed on it, up to 2048 entries per thread): for a Program's ``fn`` that is the Program's
+    life, so an executable dropped from ``by_sig`` (``MAX_LIVE``) stayed loaded. Each build
+    traces its signature once anyway; nothing is lost."""
+    def once(*args):
+        return fn(*args)
+
+    once.__name__ = once.__qualname__ = getattr(fn, "__name__", "program")  # the XLA module's name
+    return once
 
 
 def _fast(compiled):

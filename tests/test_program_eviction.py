@@ -1,0 +1,59 @@
+"""A long session keeps its loaded XLA code bounded (runtime/program_cache.py ``MAX_LIVE``).
+
+Every XLA:CPU executable maps its JIT-compiled code into the process for as long as it lives,
+and Linux allows ``vm.max_map_count`` (65530) mappings per process: the test suite in one
+process made ~20000 programs, ran out of mappings and died with SIGSEGV inside XLA. Programs
+past the budget are dropped oldest first (and freed: JAX's own caches no longer keep them),
+and a later call reloads them from the compile cache folder with the same numbers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, gc, torch, torchtpu
+    from torchtpu.runtime import program_cache as pc
+
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    def work(n):
+        x = torch.arange(n, dtype=torch.float32, device="tpu")
+        return ((x * 3 + 1).sin().sum()).item()
+
+    work(1)
+    gc.collect()
+    base = maps()
+    first = [work(n) for n in range(2, 152)]  # ~5 programs per length: 750 programs
+    gc.collect()
+    grown = maps() - base
+    again = [work(n) for n in range(2, 152)]  # evicted ones come back from the cache folder
+    want = [torch.arange(n, dtype=torch.float32).mul(3).add(1).sin().sum().item()
+            for n in range(2, 152)]
+    c = torch.tpu.metrics()["counters"]
+    print(json.dumps({"grown": grown, "live": pc.live_programs(), "first": first,
+                      "again": again, "want": want,
+                      "evicted": c.get("eager_programs_evicted", 0),
+                      "disk_hits": c.get("eager_disk_cache_hits", 0)}))
+""")
+
+
+def test_loaded_programs_stay_within_the_budget_and_come_back_from_the_cache(tmp_path):
+    env = dict(os.environ, TORCHTPU_MAX_LIVE_PROGRAMS="100",
+               TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["live"] <= 100
+    assert r["evicted"] > 500
+    assert r["disk_hits"] > 0
+    # 750 programs kept loaded would map ~5000 more regions (3+ each); 100 live ones ~400
+    assert r["grown"] < 1000, r["grown"]
+    assert r["first"] == r["again"]
+    for got, want in zip(r["first"], r["want"]):
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (got, want)
