@@ -57,3 +57,44 @@ def test_loaded_programs_stay_within_the_budget_and_come_back_from_the_cache(tmp
     assert r["first"] == r["again"]
     for got, want in zip(r["first"], r["want"]):
         assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (got, want)
+
+
+PRESSURE = textwrap.dedent("""
+    import json, gc, torch, torchtpu
+    from torchtpu.runtime import program_cache as pc
+
+    def work(n):
+        x = torch.arange(n, dtype=torch.float32, device="tpu")
+        return ((x * 3 + 1).sin().sum()).item()
+
+    work(1)
+    pc.MAP_LIMIT = 2 * (pc.mappings() + 400)  # "half the limit": 400 mappings from here
+    peak = 0
+    got = []
+    for n in range(2, 202):
+        got.append(work(n))
+        peak = max(peak, pc.mappings())
+    c = torch.tpu.metrics()["counters"]
+    print(json.dumps({"peak": peak, "limit": pc.MAP_LIMIT, "got": got,
+                      "checks": c.get("programs_evicted_for_mappings", 0)}))
+""")
+
+
+def test_programs_are_dropped_when_the_process_nears_its_mapping_limit(tmp_path):
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", PRESSURE], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["checks"] > 0
+    # checked every 64 loads: between checks at most 64 programs' mappings are added
+    assert r["peak"] < r["limit"] // 2 + 64 * 8, r
+    for n, got in zip(range(2, 202), r["got"]):
+        want = torch_ref(n)
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (n, got, want)
+
+
+def torch_ref(n):
+    import torch
+
+    return torch.arange(n, dtype=torch.float32).mul(3).add(1).sin().sum().item()

@@ -95,32 +95,58 @@ _MULTI = [False]  # several local devices (set at the first miss, when JAX is up
 _MAX_FAILS = 3  # signature mismatches of the last executable before a Program stops trying it
 
 
-def _default_max_live() -> int:
-    """How many executables a process keeps loaded. Each XLA:CPU executable holds ~3 memory
-    mappings of JIT-compiled code for as long as it lives, and Linux allows a process
-    ``vm.max_map_count`` mappings (65530 by default) for everything (malloc arenas, numpy
-    buffers, shared libraries): past that, LLVM's JIT gets no memory for the next program and
-    the process dies with SIGSEGV. A long session (a test suite, a server seeing many shapes)
-    made ~20000 programs and crashed there. A sixteenth of the limit in executables (~4000,
-    ~15000 mappings)."""
+def _map_limit() -> int:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
+            return int(f.read())
     except (OSError, ValueError):
-        limit = 65530
-    return max(256, limit // 16)
+        return 0  # not Linux: no such limit to watch
 
 
-# Executables loaded in this process, oldest first: (weak Program, signature). Past MAX_LIVE the
-# oldest is dropped from its Program (a later call reloads it from the compile cache folder, or
-# recompiles without one), so loaded code stays bounded however many programs a session makes.
-MAX_LIVE = int(os.environ.get("TORCHTPU_MAX_LIVE_PROGRAMS", "0")) or _default_max_live()
+# Each XLA:CPU executable maps its JIT-compiled code into the process for as long as it lives
+# (3 mappings for a one-kernel program, dozens for a program of many fusions), and Linux allows a
+# process ``vm.max_map_count`` mappings (65530 by default) for everything (malloc arenas, numpy
+# buffers, shared libraries): past that, LLVM's JIT gets no memory for the next program and the
+# process dies with SIGSEGV inside XLA. A long session (the test suite in one process; a server
+# seeing many shapes) got there. So the executables loaded in this process are bounded: at most
+# MAX_LIVE of them (``TORCHTPU_MAX_LIVE_PROGRAMS``), and every _CHECK_EVERY loads the process's
+# mapping count is read (~1 us per mapping); above half the limit the oldest half of the loaded
+# programs is dropped. A dropped program's next call loads it again from the compile cache folder
+# (or recompiles without one): the same numbers, a load's time.
+MAP_LIMIT = _map_limit()
+MAX_LIVE = int(os.environ.get("TORCHTPU_MAX_LIVE_PROGRAMS", "0")) or max(256, (MAP_LIMIT or 65530) // 16)
+_CHECK_EVERY = 64
+# Executables loaded in this process, oldest first: (id of Program, signature) -> weak Program
 _live: collections.OrderedDict = collections.OrderedDict()
 _live_lock = threading.Lock()
+_loads_since_check = [0]
 
 
 def live_programs() -> int:
     return len(_live)
+
+
+def mappings() -> int:
+    """The number of memory mappings this process holds (0 where /proc has none)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _evict_oldest(n: int) -> None:
+    """Drop the ``n`` oldest loaded executables from their Programs (caller holds the lock)."""
+    for _ in range(min(n, len(_live))):
+        (_, old_sig), ref = _live.popitem(last=False)
+        prog = ref()
+        if prog is None:
+            continue
+        c = prog.by_sig.pop(old_sig, None)
+        if c is not None:
+            if prog._last is c:
+                prog._last = None
+            count(f"{prog.kind}_programs_evicted")
 
 
 def _track(program, sig) -> None:
@@ -128,16 +154,28 @@ def _track(program, sig) -> None:
     with _live_lock:
         _live[key] = weakref.ref(program)
         _live.move_to_end(key)
-        while len(_live) > MAX_LIVE:
-            (_, old_sig), ref = _live.popitem(last=False)
-            prog = ref()
-            if prog is None:
-                continue
-            c = prog.by_sig.pop(old_sig, None)
-            if c is not None:
-                if prog._last is c:
-                    prog._last = None
-                count(f"{prog.kind}_programs_evicted")
+        if len(_live) > MAX_LIVE:
+            _evict_oldest(len(_live) - MAX_LIVE)
+        _loads_since_check[0] += 1
+        if _loads_since_check[0] < _CHECK_EVERY or not MAP_LIMIT:
+            return
+        _loads_since_check[0] = 0
+        if mappings() > MAP_LIMIT // 2:
+            _evict_oldest(len(_live) // 2)
+            count("programs_evicted_for_mappings")
+            n = mappings()
+            if n > MAP_LIMIT * 3 // 4:
+                _warn_mappings(n)
+
+
+def _warn_mappings(n: int) -> None:
+    import warnings
+
+    warnings.warn(f"torchtpu: this process holds {n} memory mappings of the {MAP_LIMIT} Linux "
+                  "allows (vm.max_map_count) although its least recently loaded eager programs "
+                  "were dropped; compiled graphs (torch.compile) hold the rest of their XLA "
+                  "code until they are freed (torch._dynamo.reset()). Past the limit XLA "
+                  "cannot map new code and the process crashes.", RuntimeWarning, stacklevel=3)
 
 
 def _forget(program_id: int, sigs) -> None:
