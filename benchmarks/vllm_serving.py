@@ -297,6 +297,8 @@ def main():
         print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms | chunks received |")
         print("|---|---|---|---|")
         for name in ("tpu-compiled", "vllm-cpu", "tf-serve-tpu"):
+            if name not in a.servers.split(","):
+                continue
             r = results.get(f"server-{name}", {})
             print(f"| {name} | {r['ttft_s'] * 1e3:.0f} | {r['itl_s'] * 1e3:.1f} | "
                   f"{sum(r['chunks'])} |" if "ttft_s" in r else f"| {name} | error | | |")
