@@ -194,9 +194,12 @@ def child_server(path, contender, streams, out_tokens):
         itl = [b - a for m in res for a, b in zip(m, m[1:])]
         # chunks a stream received (a random model may stop at its end-of-text token where
         # the server has no ignore_eos)
+        # ITL: the median gap between chunks, and per stream (last - first) / (chunks - 1)
+        # (the median gap is ~0 where the server delivers tokens in bursts)
+        span = [(m[-1] - m[0]) / (len(m) - 1) for m in res if len(m) > 1]
         return dict(contender=contender, ttft_s=statistics.median(ttft),
-                    itl_s=statistics.median(itl), start_s=time.perf_counter() - t0,
-                    chunks=[len(m) for m in res])
+                    itl_s=statistics.median(itl), itl_span_s=statistics.median(span),
+                    start_s=time.perf_counter() - t0, chunks=[len(m) for m in res])
     finally:
         os.killpg(srv.pid, signal.SIGTERM)
         try:
@@ -294,14 +297,16 @@ def main():
             print(f"| KV cache {k[7:]} ({r.get('num_blocks')} blocks) | "
                   f"{r['step_s'] * 1e3:.1f} |" if "step_s" in r else f"| {k} | error |")
     if "server" not in skip:
-        print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms | chunks received |")
-        print("|---|---|---|---|")
+        print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms (median gap) | "
+              "ITL ms (stream span / tokens) | chunks received |")
+        print("|---|---|---|---|---|")
         for name in ("tpu-compiled", "vllm-cpu", "tf-serve-tpu"):
             if name not in a.servers.split(","):
                 continue
             r = results.get(f"server-{name}", {})
             print(f"| {name} | {r['ttft_s'] * 1e3:.0f} | {r['itl_s'] * 1e3:.1f} | "
-                  f"{sum(r['chunks'])} |" if "ttft_s" in r else f"| {name} | error | | |")
+                  f"{r['itl_span_s'] * 1e3:.1f} | {sum(r['chunks'])} |" if "ttft_s" in r
+                  else f"| {name} | error | | | |")
     for k, r in results.items():
         if "error" in r:
             print(f"\n{k} failed:\n{r['error']}")
