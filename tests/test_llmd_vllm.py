@@ -55,11 +55,13 @@ def test_server_metrics_exact_under_load_and_kv_events():
 
 @needs_venv
 @pytest.mark.slow
-def test_prefill_decode_disaggregation_shared_storage():
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_prefill_decode_disaggregation_shared_storage(mode):
     """A prefill and a decode server on "tpu" with vLLM's shared-storage connector
     (ExampleConnector, no RDMA): the decode server loads each prompt's whole blocks from the
     prefill server's files and its greedy tokens equal one instance's (and transformers' on
     CPU); zeroed files change them (the transfer is used)."""
-    res = _result(run_script("llmd.py", "pd", timeout=1500))
+    res = _result(run_script("llmd.py", "pd", *(["eager"] if mode == "eager" else []),
+                             timeout=1500))
     assert res["decode_loaded_tokens"] == [32, 48, 16], res
     assert res["control_differs"] is True, res

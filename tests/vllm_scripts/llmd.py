@@ -3,6 +3,7 @@ tests/test_llmd_vllm.py in the vLLM virtualenv).
 
     python llmd.py server     # /metrics gauges under load + KV-cache events over ZMQ
     python llmd.py kvpub      # vLLM's ZMQ publisher: which endpoint binds (no model)
+    python llmd.py pd [eager] # prefill/decode disaggregation, shared-storage connector
 
 ``server`` starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 with a tiny
 random-weight Llama (VLLM_TARGET_DEVICE=tpu, compiled), a block size of 256 and a KV cache of
@@ -419,6 +420,8 @@ def pd_mode() -> dict:
     store = tempfile.mkdtemp(prefix="kv-store-")
     common = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
               "--kv-cache-memory-bytes", str(8 << 20), "--enable-prefix-caching"]
+    if "eager" in sys.argv[2:]:
+        common.append("--enforce-eager")
 
     def kv_cfg(role):
         return json.dumps({"kv_connector": "ExampleConnector", "kv_role": role,
