@@ -142,12 +142,11 @@ def child_server(path, contender, streams, out_tokens):
         cli = os.path.join(os.path.dirname(sys.executable), "transformers")
         # 128 blocks of 16 tokens (8 MiB: the streams need ~800 positions; its eager attention
         # masks span every cache position, so a vLLM-sized cache would cost it per step) and
-        # batches of 64 tokens: with more (256), its step graph sees several query sizes and
-        # torchtpu's compiled program for one size is called with another (docs/notes/llmd.md)
+        # batches of up to 512 tokens, as vLLM's max_num_batched_tokens
         cmd = [cli if os.path.exists(cli) else "transformers", "serve", path, "--device", "tpu",
                "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--cb-block-size", "16", "--cb-num-blocks", "128",
-               "--cb-max-batch-tokens", "64", "--log-level", "warning"]
+               "--cb-max-batch-tokens", "512", "--log-level", "warning"]
         env = dict(os.environ, NO_COLOR="1")
         model = path
     else:
