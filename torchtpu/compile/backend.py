@@ -422,7 +422,11 @@ class CompiledGraph:
             try:
                 text = lowered.as_text()
                 targets = _custom_calls.targets(text)
-                key = _cache.key_of(text, copts, (dev.id,))
+                # the arguments' avals too: jit drops unused arguments from the module, so a
+                # graph that computes nothing from an input (returns it) has one text for every
+                # size of it, and JAX's executable refuses arguments of other shapes
+                avals = repr([(tuple(a.shape), str(a.dtype)) for a in shapes])
+                key = _cache.key_of(text + avals, copts, (dev.id,))
                 compiled = _cache.load(key, lowered, dev, targets)
             except Exception:  # noqa: BLE001
                 compiled = None

@@ -176,6 +176,41 @@ class TpuModelRunner(GPUModelRunner):
         self._pending_logits = (R, n)
         return torch.from_numpy(idx).to(self.device_tpu), spec, max_sampled
 
+    @contextmanager
+    def maybe_get_kv_connector_output(self, scheduler_output, *args, **kwargs):
+        """vLLM's KV connector lifecycle around a step's forward, with the per-layer saves
+        moved out of the compiled program: while the forward runs the connector holds no
+        metadata (vLLM's per-layer hooks in the traced attention then do nothing, as at
+        warm-up, so the bucket's program is the same), and afterwards ``save_kv_layer`` runs
+        for every layer here, before vLLM's ``wait_for_save``."""
+        with super().maybe_get_kv_connector_output(scheduler_output, *args,
+                                                   **kwargs) as output:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+            if not has_kv_transfer_group():
+                yield output
+                return
+            connector = get_kv_transfer_group()
+            metadata = connector._connector_metadata
+            connector._connector_metadata = None
+            try:
+                yield output
+            finally:
+                connector._connector_metadata = metadata
+            if metadata is not None:
+                self._save_kv_layers(connector)
+
+    def _save_kv_layers(self, connector) -> None:
+        from vllm.forward_context import get_forward_context
+
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return
+        for name, layer in self.compilation_config.static_forward_context.items():
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, torch.Tensor) and attn_metadata.get(name) is not None:
+                connector.save_kv_layer(name, kv, attn_metadata[name])
+
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs) -> Any:
         if intermediate_tensors is not None or inputs_embeds is not None or model_kwargs:

@@ -149,6 +149,9 @@ class TpuPlatform(Platform):
             raise NotImplementedError("LoRA is not supported on 'tpu' yet")
         if model_config is not None:
             model_config.disable_cascade_attn = True
+        from .kv_connector import replace_connector
+
+        replace_connector(vllm_config.kv_transfer_config)
         if not cache_config.user_specified_block_size:
             cache_config.block_size = 16
         if jax_platform() == "cpu" and cache_config.kv_cache_memory_bytes is None:
