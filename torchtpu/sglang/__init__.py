@@ -69,13 +69,17 @@ def plugin() -> None:
 
 
 _forwards = {"decode": 0, "extend": 0, "other": 0}
+_per_kind: dict = {}
+_last: dict = {}
 
 
 def _write_metrics(result, runner, forward_batch, *args, **kwargs):
     """After each model forward of a worker: its ``torch.tpu.metrics()`` counters and forward
     counts, to ``$TORCHTPU_SGLANG_METRICS_FILE.<rank>`` (benchmarks read compiles and host
-    syncs per step from it; the workers are SGLang's subprocesses). Opt-in: a file write per
-    step."""
+    syncs per step from it; the workers are SGLang's subprocesses). ``per_kind`` charges the
+    counters' growth since the previous forward ended (the previous step's sampling and
+    bookkeeping, then this forward) to this forward's kind; ``graph`` counts the forwards the
+    decode graph runner served. Opt-in: a file write per step."""
     import json
 
     import torch
@@ -83,9 +87,24 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
     mode = forward_batch.forward_mode
     kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
     _forwards[kind] += 1
+    counters = torch.tpu.metrics()["counters"]
+    acc = _per_kind.setdefault(kind, {})
+    for k, v in counters.items():
+        d = v - _last.get(k, 0)
+        if d:
+            acc[k] = acc.get(k, 0) + d
+    _last.clear()
+    _last.update(counters)
+    if getattr(result, "can_run_graph", False):
+        _forwards["graph"] = _forwards.get("graph", 0) + 1
     path = f"{os.environ['TORCHTPU_SGLANG_METRICS_FILE']}.{os.environ.get('RANK', '0')}"
     with open(path + ".tmp", "w") as f:
-        json.dump({"forwards": _forwards, "counters": torch.tpu.metrics()["counters"]}, f)
+        json.dump({"forwards": _forwards, "counters": counters, "per_kind": _per_kind,
+                   "attention": type(runner.attn_backend).__name__,
+                   "kv_pool": type(runner.token_to_kv_pool).__name__,
+                   "graph_runner": type(runner.decode_cuda_graph_runner).__name__,
+                   "graph_bs": list(getattr(runner.decode_cuda_graph_runner, "capture_bs",
+                                            None) or [])}, f)
     os.replace(path + ".tmp", path)
     return None
 

@@ -34,6 +34,18 @@ def _register_attention_choice() -> None:
 _register_attention_choice()
 
 
+DEFAULT_MAX_DECODE_BUCKET = 16
+
+
+def decode_buckets(top: int) -> list[int]:
+    """Powers of two below ``top``, and ``top``."""
+    out, b = [], 1
+    while b < top:
+        out.append(b)
+        b *= 2
+    return out + [top]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,7 +59,8 @@ class TpuSRTPlatform(SRTPlatform):
     device_name = "tpu"
     device_type = "tpu"
     # No Triton on "tpu": SGLang's allocators and req-to-token writers take their torch paths.
-    capabilities = PlatformCapabilities(supports_triton=False, supports_pynccl=False)
+    capabilities = PlatformCapabilities(supports_triton=False, supports_pynccl=False,
+                                        graph_capture=True)
 
     # ---- device and memory -------------------------------------------------------------
     def get_device_total_memory(self, device_id: int = 0) -> int:
@@ -98,12 +111,23 @@ class TpuSRTPlatform(SRTPlatform):
         return ATTENTION_BACKEND
 
     def get_kv_pool_cls(self, *, kind: str):
-        """The in-tree pools: plain torch tensors on ``device`` (SGLang resolves every kind
-        while it configures, whatever the model's)."""
+        """MHA: ``TpuPagedKVPool`` (kv_pool.py: one paged tensor per layer, the layout of
+        torchtpu's paged attention op); the other kinds: SGLang's own pools (SGLang resolves
+        every kind while it configures, whatever the model's)."""
+        if kind == "mha":
+            from .kv_pool import TpuPagedKVPool
+
+            return TpuPagedKVPool
         return None
 
     def get_paged_allocator_cls(self):
         return None  # in-tree; its torch paths since capabilities.supports_triton is False
+
+    def get_graph_runner_cls(self):
+        """Decode through bucketed compiled programs (graph_runner.py)."""
+        from .graph_runner import TpuGraphRunner
+
+        return TpuGraphRunner
 
     def get_compile_backend(self, mode: str | None = None) -> str:
         return "tpu"
@@ -122,6 +146,15 @@ class TpuSRTPlatform(SRTPlatform):
             server_args.attention_backend = ATTENTION_BACKEND
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
+        if getattr(server_args, "cuda_graph_bs_decode", None) is None:
+            # decode buckets (graph_runner.py): powers of two up to the decode graph's largest
+            # batch size (--cuda-graph-max-bs-decode), else --torch-compile-max-bs with
+            # --enable-torch-compile, else 16: each bucket is a program compiled at start-up
+            top = (getattr(server_args, "cuda_graph_max_bs_decode", None)
+                   or (server_args.torch_compile_max_bs
+                       if getattr(server_args, "enable_torch_compile", False) else None)
+                   or DEFAULT_MAX_DECODE_BUCKET)
+            server_args.cuda_graph_bs_decode = decode_buckets(int(top))
         ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
         if ranks > 1 and not os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"):
             # one JAX coordinator for the ranks this process spawns (they inherit it)
