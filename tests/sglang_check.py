@@ -48,6 +48,8 @@ def engine(args) -> dict:
     n = args.max_tokens
     greedy = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
     res = {"arch": args.arch}
+    # the scheduler's torch.tpu.metrics() after every forward (torchtpu.sglang)
+    os.environ.setdefault("TORCHTPU_SGLANG_METRICS_FILE", os.path.join(args.out, "metrics"))
     t = time.time()
     llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=4096,
                      random_seed=0, log_level="warning", tp_size=args.tp,
@@ -61,10 +63,24 @@ def engine(args) -> dict:
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["batch_s"] = time.time() - t
         res["greedy"] = [o["output_ids"] for o in out]
+        m0 = _worker_metrics()
         # the radix cache: the same prompts again share their whole prefix with the first call
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["greedy_again"] = [o["output_ids"] for o in out]
         res["cached_tokens"] = [o["meta_info"].get("cached_tokens", 0) for o in out]
+        # the second round's decode steps: counters after warm-up (the decode batch sizes
+        # repeat the first round's)
+        m1 = _worker_metrics()
+        res["worker"] = {k: m1[k] for k in ("attention", "kv_pool", "graph_runner", "graph_bs")}
+        res["second_round"] = {
+            "forwards": {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0)
+                         for k in m1["forwards"]},
+            "decode": {k: v - m0["per_kind"].get("decode", {}).get(k, 0)
+                       for k, v in m1["per_kind"].get("decode", {}).items()},
+            "decode_eager_compiles": {
+                op: n - m0["per_kind_eager_compiles"].get("decode", {}).get(op, 0)
+                for op, n in m1["per_kind_eager_compiles"].get("decode", {}).items()
+                if n != m0["per_kind_eager_compiles"].get("decode", {}).get(op, 0)}}
         # sampling draws from the device generator, seeded by the engine's random_seed: the
         # same seed in another process gives the same tokens (tests/test_sglang.py compares)
         sample = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": n,
@@ -75,6 +91,11 @@ def engine(args) -> dict:
         llm.shutdown()
     res["hf"] = hf_greedy(path, ids, n)
     return res
+
+
+def _worker_metrics() -> dict:
+    with open(os.environ["TORCHTPU_SGLANG_METRICS_FILE"] + ".0") as f:
+        return json.load(f)
 
 
 def _free_port() -> int:

@@ -71,6 +71,8 @@ def plugin() -> None:
 _forwards = {"decode": 0, "extend": 0, "other": 0}
 _per_kind: dict = {}
 _last: dict = {}
+_per_kind_ops: dict = {}
+_last_ops: dict = {}
 
 
 def _write_metrics(result, runner, forward_batch, *args, **kwargs):
@@ -87,7 +89,8 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
     mode = forward_batch.forward_mode
     kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
     _forwards[kind] += 1
-    counters = torch.tpu.metrics()["counters"]
+    snap = torch.tpu.metrics()
+    counters = snap["counters"]
     acc = _per_kind.setdefault(kind, {})
     for k, v in counters.items():
         d = v - _last.get(k, 0)
@@ -95,11 +98,20 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
             acc[k] = acc.get(k, 0) + d
     _last.clear()
     _last.update(counters)
+    ops = snap["per_op"].get("eager_compiles", {})
+    acc = _per_kind_ops.setdefault(kind, {})
+    for op, v in ops.items():
+        d = v - _last_ops.get(op, 0)
+        if d:
+            acc[op] = acc.get(op, 0) + d
+    _last_ops.clear()
+    _last_ops.update(ops)
     if getattr(result, "can_run_graph", False):
         _forwards["graph"] = _forwards.get("graph", 0) + 1
     path = f"{os.environ['TORCHTPU_SGLANG_METRICS_FILE']}.{os.environ.get('RANK', '0')}"
     with open(path + ".tmp", "w") as f:
         json.dump({"forwards": _forwards, "counters": counters, "per_kind": _per_kind,
+                   "per_op": snap["per_op"], "per_kind_eager_compiles": _per_kind_ops,
                    "attention": type(runner.attn_backend).__name__,
                    "kv_pool": type(runner.token_to_kv_pool).__name__,
                    "graph_runner": type(runner.decode_cuda_graph_runner).__name__,

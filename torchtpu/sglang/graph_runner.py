@@ -32,6 +32,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.runtime_context import get_exec
+from sglang.srt.utils.common import DynamicGradMode
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,14 @@ class TpuGraphRunner:
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
         self.batches = {bs: self._batch(bs) for bs in self.capture_bs}
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for bs in reversed(self.capture_bs):
-                self._run(self.batches[bs])
+        # in the grad mode SGLang's scheduler runs steps in (no_grad, or inference mode with
+        # SGLANG_ENABLE_TORCH_INFERENCE_MODE): Dynamo guards on it
+        with DynamicGradMode():
+            # twice: SGLang's layers cache state on their first call (a norm's chosen
+            # method), which the second call's guards see
+            for _ in range(2):
+                for bs in reversed(self.capture_bs):
+                    self._run(self.batches[bs])
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
         logger.info("torchtpu: compiled decode buckets %s in %.1f s", self.capture_bs,
