@@ -113,11 +113,11 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
     xla = sum(delta(k) for k in set(c0) | set(c1) if k.endswith("xla_compiles"))
     steps = {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0) for k in m1["forwards"]}
     n = max(1, sum(v for k, v in steps.items() if k != "graph"))
-    # decode steps alone: the counters' growth charged to decode forwards (each forward is
-    # charged what ran since the previous one ended: the previous step's sampling included)
+    # decode steps alone: the counters' growth from one decode forward's end to the next's
+    # (the step's sampling and bookkeeping, then its forward; torchtpu/sglang/__init__.py)
     d0, d1 = m0["per_kind"].get("decode", {}), m1["per_kind"].get("decode", {})
     dd = lambda k: d1.get(k, 0) - d0.get(k, 0)
-    nd = max(1, steps.get("decode", 0))
+    nd = max(1, m1["intervals"].get("decode", 0) - m0["intervals"].get("decode", 0))
     dxla = sum(dd(k) for k in set(d0) | set(d1) if k.endswith("xla_compiles"))
     return dict(contender=f"sglang-tpu-{contender}", start_s=start_s, tokens=n_out,
                 median_s=statistics.median(times), times=times, compiles=compiled,

@@ -63,20 +63,24 @@ def engine(args) -> dict:
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["batch_s"] = time.time() - t
         res["greedy"] = [o["output_ids"] for o in out]
-        m0 = _worker_metrics()
         # the radix cache: the same prompts again share their whole prefix with the first call
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["greedy_again"] = [o["output_ids"] for o in out]
         res["cached_tokens"] = [o["meta_info"].get("cached_tokens", 0) for o in out]
-        # the second round's decode steps: counters after warm-up (the decode batch sizes
-        # repeat the first round's)
+        # a third round, the second's batch shapes again: what a step costs after warm-up
+        m0 = _worker_metrics()
+        out = llm.generate(input_ids=ids, sampling_params=greedy)
+        res["greedy_third"] = [o["output_ids"] for o in out]
         m1 = _worker_metrics()
         res["worker"] = {k: m1[k] for k in ("attention", "kv_pool", "graph_runner", "graph_bs")}
-        res["second_round"] = {
+        d0 = m0["per_kind"].get("decode", {})
+        res["third_round"] = {
             "forwards": {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0)
                          for k in m1["forwards"]},
-            "decode": {k: v - m0["per_kind"].get("decode", {}).get(k, 0)
-                       for k, v in m1["per_kind"].get("decode", {}).items()},
+            "intervals": {k: m1["intervals"].get(k, 0) - m0["intervals"].get(k, 0)
+                          for k in m1["intervals"]},
+            "decode": {k: v - d0.get(k, 0)
+                       for k, v in m1["per_kind"].get("decode", {}).items() if v != d0.get(k, 0)},
             "decode_eager_compiles": {
                 op: n - m0["per_kind_eager_compiles"].get("decode", {}).get(op, 0)
                 for op, n in m1["per_kind_eager_compiles"].get("decode", {}).items()

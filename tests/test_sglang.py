@@ -35,20 +35,63 @@ def sglang_check(*args, timeout=900, env=None):
     return json.loads(lines[-1][len("SGLANG_CHECK "):])
 
 
-def _check_engine(r, n=8):
+# decode buckets 1, 2, 4 (the default, 1..16, compiles 5 programs at start-up). Without the
+# overlap scheduler, which processes a step's results during the next step's forward: each
+# step is then charged its own work (with it, the prefill's radix-cache bookkeeping lands in
+# the first decode steps; docs/notes/sglang.md)
+BUCKETS = json.dumps({"cuda_graph_max_bs_decode": 4, "disable_overlap_schedule": True})
+
+
+def _check_engine(r, n=8, compiled=True, layers=2):
     assert r["platform"] == "TpuSRTPlatform"
     assert r["greedy"] == r["hf"]
     # the same prompts again: served from the radix cache (all but the last prompt token)
     assert r["greedy_again"] == r["hf"]
+    assert r["greedy_third"] == r["hf"]
     assert all(c > 0 for c in r["cached_tokens"]), r["cached_tokens"]
     assert all(len(s) == n for s in r["sampled"]) and r["sampled"] != r["hf"]
+    # attention over torch.tpu.ops' paged attention, on the pool in its page layout
+    assert r["worker"]["attention"] == "TpuPagedAttnBackend", r["worker"]
+    assert r["worker"]["kv_pool"] == "TpuPagedKVPool", r["worker"]
+    if compiled:
+        _check_compiled_decode(r, layers)
+    else:
+        assert r["worker"]["graph_runner"] == "NoneType", r["worker"]
+
+
+def _check_compiled_decode(r, layers):
+    """Decode through the warmed buckets (graph_runner.py): in the third round every decode
+    forward is a bucket's compiled program, and a decode step (from one decode forward to the
+    next: sampling, bookkeeping, the forward) compiles nothing (XLA or Dynamo), syncs with
+    the host once (the sampled ids) and donates each layer's KV pages to the program."""
+    assert r["worker"]["graph_runner"] == "TpuGraphRunner", r["worker"]
+    third = r["third_round"]
+    assert third["forwards"]["decode"] > 0
+    assert third["forwards"].get("graph", 0) == third["forwards"]["decode"], third
+    n = third["intervals"].get("decode", 0)
+    assert n > 0, third
+    d = third["decode"]
+    xla = sum(v for k, v in d.items() if k.endswith("xla_compiles"))
+    assert xla == 0 and d.get("compile_graphs", 0) == 0, third
+    assert d.get("host_syncs", 0) <= n, third
+    assert d.get("compile_donated_buffers", 0) == layers * n, third
 
 
 @needs_sglang
 def test_engine_greedy_batch_radix_cache(tmp_path):
     """A tiny Llama: a batch of greedy prompts equals HF on CPU, then again from the radix
     prefix cache, and sampling runs (in the default suite)."""
-    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path)))
+    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path),
+                               "--engine-args", BUCKETS))
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_engine_eager_paged_attention(tmp_path):
+    """``--disable-cuda-graph``: decode runs eagerly, through the same paged attention."""
+    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path),
+                               "--engine-args", json.dumps({"disable_cuda_graph": True})),
+                  compiled=False)
 
 
 @pytest.mark.slow
@@ -58,9 +101,11 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     both equal HF greedy, and the seeded sampling (engine random_seed) is the same tokens."""
     cache = tmp_path / "cache"
     env = {"TORCHTPU_CACHE_DIR": str(cache)}
-    first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path), env=env)
+    first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
+                         "--engine-args", BUCKETS, env=env)
     assert any(cache.iterdir()), "the first process wrote no compile cache entry"
-    second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path), env=env)
+    second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
+                         "--engine-args", BUCKETS, env=env)
     _check_engine(first)
     _check_engine(second)
     assert first["sampled"] == second["sampled"]
@@ -122,7 +167,7 @@ def test_engine_tp2(tmp_path):
     """``tp_size=2``: two scheduler processes over "tpu_dist" (each joins the JAX job before
     its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU."""
     _check_engine(sglang_check("engine", "--arch", "llama", "--tp", "2", "--out",
-                               str(tmp_path), timeout=1500))
+                               str(tmp_path), "--engine-args", BUCKETS, timeout=1500))
 
 
 def test_is_available_creates_no_backend():
