@@ -291,9 +291,95 @@ def kvpub(args) -> dict:
     return res
 
 
+def pd(args) -> dict:
+    """Prefill/decode disaggregation on one host: a prefill and a decode ``launch_server``
+    exchanging the KV cache through the ``torchtpu`` transfer backend (host copies and a
+    shared folder, no RDMA). Each request goes to both with the same bootstrap room (what
+    SGLang's router does); the decode instance's tokens against HF greedy."""
+    import concurrent.futures as cf
+    import signal
+    import subprocess
+
+    import requests
+    from tiny_models import hf_greedy
+
+    path = _model(args.arch, args.out)
+    ids = _ids(path)
+    n = args.max_tokens
+    kv_dir = os.path.join(args.out, "kv")
+    os.makedirs(kv_dir, exist_ok=True)
+    env = dict(os.environ, TORCHTPU_SGLANG_KV_DIR=kv_dir)
+    bport = _free_port()
+    procs, logs, bases = [], [], {}
+    try:
+        for mode in ("prefill", "decode"):
+            port = _free_port()
+            bases[mode] = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path,
+                   "--device", "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype",
+                   "float32", "--max-total-tokens", "4096", "--random-seed", "0",
+                   "--log-level", "warning", "--disaggregation-mode", mode,
+                   "--disaggregation-transfer-backend", "torchtpu",
+                   "--disaggregation-bootstrap-port", str(bport), *json.loads(args.server_args)]
+            log = open(os.path.join(args.out, f"{mode}.log"), "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+        t = time.time()
+        for mode, proc in zip(("prefill", "decode"), procs):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{mode} server exited {proc.returncode}")
+                try:
+                    if requests.get(bases[mode] + "/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.time() - t > args.timeout:
+                    raise TimeoutError(f"{mode} server did not come up")
+                time.sleep(1)
+        res = {"arch": args.arch, "startup_s": time.time() - t}
+
+        def generate(i_ids):
+            i, prompt = i_ids
+            body = dict(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n,
+                                                           "ignore_eos": True},
+                        bootstrap_host="127.0.0.1", bootstrap_port=bport,
+                        bootstrap_room=1000 + i)
+            with cf.ThreadPoolExecutor(2) as ex:
+                fp = ex.submit(requests.post, bases["prefill"] + "/generate", json=body,
+                               timeout=600)
+                fd = ex.submit(requests.post, bases["decode"] + "/generate", json=body,
+                               timeout=600)
+                rp, rd = fp.result(), fd.result()
+            if rd.status_code != 200:
+                raise RuntimeError(f"decode answered {rd.status_code}: {rd.text[:500]}")
+            return rd.json()["output_ids"], rp.json().get("output_ids")
+
+        t = time.time()
+        out = [generate(x) for x in enumerate(ids)]
+        res["pd_s"] = time.time() - t
+        res["pd"] = [o[0] for o in out]
+        res["prefill_out"] = [o[1] for o in out]
+        res["left_in_kv_dir"] = sorted(os.listdir(kv_dir))
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    res["hf"] = hf_greedy(path, ids, n)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["engine", "server", "kvpub"])
+    ap.add_argument("what", choices=["engine", "server", "kvpub", "pd"])
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -303,7 +389,7 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
-    res = {"engine": engine, "server": server, "kvpub": kvpub}[args.what](args)
+    res = {"engine": engine, "server": server, "kvpub": kvpub, "pd": pd}[args.what](args)
     print("SGLANG_CHECK " + json.dumps(res), flush=True)
 
 

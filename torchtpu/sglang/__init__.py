@@ -63,6 +63,9 @@ def plugin() -> None:
 
     HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
                           _rank_env, HookType.BEFORE)
+    from .disagg import install
+
+    install()  # the "torchtpu" KV transfer backend (prefill/decode disaggregation)
     if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                               _write_metrics, HookType.AFTER)

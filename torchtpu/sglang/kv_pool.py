@@ -16,6 +16,8 @@ donated, so a write costs the tokens written).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -24,8 +26,14 @@ import torchtpu.ops  # noqa: F401  (torch.ops.tpu.kv_cache_update_)
 
 class TpuPagedKVPool(MHATokenToKVPool):
     kv_pages: list[torch.Tensor]
+    _current = None  # a weak reference to the process's latest pool (disagg.py)
+
+    @classmethod
+    def current(cls):
+        return None if cls._current is None else cls._current()
 
     def _create_buffers_normal(self):
+        TpuPagedKVPool._current = weakref.ref(self)
         if self.head_dim != self.v_head_dim or self.use_hnd:
             raise NotImplementedError(
                 "TpuPagedKVPool: keys and values of one head size in SGLang's NHD layout only "

@@ -20,6 +20,7 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 import torchtpu  # noqa: F401  (the "tpu" device)
 
 ATTENTION_BACKEND = "torchtpu"  # torchtpu/sglang/attention.py
+TRANSFER_BACKEND = "torchtpu"  # torchtpu/sglang/disagg.py
 
 
 def _register_attention_choice() -> None:
@@ -29,6 +30,8 @@ def _register_attention_choice() -> None:
 
     if ATTENTION_BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
         choices.add_attention_backend_choices([ATTENTION_BACKEND])
+    if TRANSFER_BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        choices.add_disagg_transfer_backend_choices([TRANSFER_BACKEND])
 
 
 _register_attention_choice()
@@ -155,6 +158,11 @@ class TpuSRTPlatform(SRTPlatform):
                        if getattr(server_args, "enable_torch_compile", False) else None)
                    or DEFAULT_MAX_DECODE_BUCKET)
             server_args.cuda_graph_bs_decode = decode_buckets(int(top))
+        if (getattr(server_args, "disaggregation_mode", "null") == "decode"
+                and getattr(server_args, "disaggregation_decode_retraction_backup", None) is None):
+            # SGLang's default, a HiCache host pool, registers host memory with CUDA; a
+            # retracted request is answered 503 (the client retries) instead
+            server_args.disaggregation_decode_retraction_backup = "none"
         ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
         if ranks > 1 and not os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"):
             # one JAX coordinator for the ranks this process spawns (they inherit it)
