@@ -323,7 +323,8 @@ def pd(args) -> dict:
                    "--disaggregation-bootstrap-port", str(bport), *json.loads(args.server_args)]
             log = open(os.path.join(args.out, f"{mode}.log"), "w")
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+            menv = dict(env, TORCHTPU_SGLANG_METRICS_FILE=os.path.join(args.out, f"{mode}.m"))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=menv,
                                           start_new_session=True))
         t = time.time()
         for mode, proc in zip(("prefill", "decode"), procs):
@@ -362,6 +363,12 @@ def pd(args) -> dict:
         res["pd"] = [o[0] for o in out]
         res["prefill_out"] = [o[1] for o in out]
         res["left_in_kv_dir"] = sorted(os.listdir(kv_dir))
+        # what each instance ran: the decode instance never runs a prompt through the model
+        for mode in ("prefill", "decode"):
+            with open(os.path.join(args.out, f"{mode}.m.0")) as f:
+                m = json.load(f)
+            res[f"{mode}_forwards"] = m["forwards"]
+            res[f"{mode}_worker"] = {k: m[k] for k in ("attention", "kv_pool", "graph_runner")}
     finally:
         for proc in procs:
             os.killpg(proc.pid, signal.SIGTERM)

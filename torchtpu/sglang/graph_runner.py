@@ -51,6 +51,27 @@ def capture_batch_sizes(model_runner) -> list[int]:
     return out
 
 
+def inactive_reason(model_runner) -> str | None:
+    """Why decode cannot run through compiled buckets here, or None."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from .attention import TpuPagedAttnBackend
+
+    p = get_parallel()
+    if p.tp_size * p.pp_size > 1:
+        # SGLang's all-reduce inside a compiled program is its own custom op
+        # (sglang::inplace_all_reduce), which has no lowering here yet
+        return f"{p.tp_size * p.pp_size} ranks: compiled decode buckets need one"
+    backend = model_runner.attn_backend
+    if not (isinstance(backend, TpuPagedAttnBackend) and backend.paged):
+        # the programs build the paged attention op's metadata on the device; other backends
+        # (torch_native: a loop over the requests) run eagerly
+        return f"attention backend {type(backend).__name__}"
+    if not model_runner.spec_algorithm.is_none():
+        return "speculative decoding"
+    return None
+
+
 class TpuGraphRunner:
     """SGLang's decode graph runner interface (``can_run_graph``, ``execute``,
     ``capture_bs``) over bucketed ``torch.compile(backend="tpu")`` programs."""
@@ -58,10 +79,17 @@ class TpuGraphRunner:
     def __init__(self, model_runner):
         self.model_runner = model_runner
         self.device = model_runner.device
-        self.capture_bs = capture_batch_sizes(model_runner)
-        self.max_bs = max(self.capture_bs)
         self.bs = None
         self.raw_bs = None
+        reason = inactive_reason(model_runner)
+        if reason is not None:
+            # SGLang builds its graph runner whenever the platform captures graphs: this one
+            # then serves no step (can_run_graph is False) and decode runs eagerly
+            logger.warning("torchtpu: decode runs eagerly (%s)", reason)
+            self.capture_bs, self.max_bs = [], 0
+            return
+        self.capture_bs = capture_batch_sizes(model_runner)
+        self.max_bs = max(self.capture_bs)
         cfg = torch._dynamo.config
         n = len(self.capture_bs) + 4
         cfg.recompile_limit = max(cfg.recompile_limit, n)
@@ -115,7 +143,7 @@ class TpuGraphRunner:
     # ---- SGLang's interface ----
 
     def can_run_graph(self, forward_batch) -> bool:
-        return (forward_batch.forward_mode.is_decode()
+        return (self.max_bs > 0 and forward_batch.forward_mode.is_decode()
                 and forward_batch.batch_size <= self.max_bs
                 and forward_batch.capture_hidden_mode in (None, CaptureHiddenMode.NULL)
                 and getattr(forward_batch, "spec_info", None) is None

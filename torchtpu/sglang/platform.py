@@ -9,6 +9,7 @@ otherwise pick for CUDA.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Optional
@@ -18,6 +19,8 @@ from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 import torchtpu  # noqa: F401  (the "tpu" device)
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKEND = "torchtpu"  # torchtpu/sglang/attention.py
 TRANSFER_BACKEND = "torchtpu"  # torchtpu/sglang/disagg.py
@@ -149,6 +152,8 @@ class TpuSRTPlatform(SRTPlatform):
             server_args.attention_backend = ATTENTION_BACKEND
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
+        ranks = ((getattr(server_args, "tp_size", 1) or 1)
+                 * (getattr(server_args, "pp_size", 1) or 1))
         if getattr(server_args, "cuda_graph_bs_decode", None) is None:
             # decode buckets (graph_runner.py): powers of two up to the decode graph's largest
             # batch size (--cuda-graph-max-bs-decode), else --torch-compile-max-bs with
@@ -163,7 +168,6 @@ class TpuSRTPlatform(SRTPlatform):
             # SGLang's default, a HiCache host pool, registers host memory with CUDA; a
             # retracted request is answered 503 (the client retries) instead
             server_args.disaggregation_decode_retraction_backup = "none"
-        ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
         if ranks > 1 and not os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"):
             # one JAX coordinator for the ranks this process spawns (they inherit it)
             os.environ["TORCHTPU_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
