@@ -124,6 +124,7 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
                 forwards=steps, xla_compiles=xla, host_syncs=delta("host_syncs"),
                 compiles_per_step=xla / n, syncs_per_step=delta("host_syncs") / n,
                 decode_compiles_per_step=dxla / nd, decode_syncs_per_step=dd("host_syncs") / nd,
+                decode_step_ms=dd("wall_us") / nd / 1000,
                 decode_compile_graphs=dd("compile_graphs"), graph_runner=m1.get("graph_runner"),
                 cpu_fallbacks=delta("cpu_fallbacks"))
 
@@ -263,13 +264,13 @@ def main():
         print("(vLLM rows: .venv-vllm or benchmarks/vllm_serving.py absent, not run)")
     print("\n| offline | start-up s | output tok/s | forwards (decode/extend) | XLA compiles "
           "| per forward | host syncs per forward | per decode step: XLA compiles | host syncs "
-          "| new cache entries |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| ms | new cache entries |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if name.startswith("server"):
             continue
         if "error" in r:
-            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | | | |")
+            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | | | | |")
             continue
         tps = r["tokens"] / r["median_s"]
         f = r.get("forwards") or {}
@@ -278,7 +279,8 @@ def main():
               f"{r.get('compiles_per_step', float('nan')):.3f} | "
               f"{r.get('syncs_per_step', float('nan')):.2f} | "
               f"{r.get('decode_compiles_per_step', float('nan')):.3f} | "
-              f"{r.get('decode_syncs_per_step', float('nan')):.2f} | {r.get('compiles', '-')} |")
+              f"{r.get('decode_syncs_per_step', float('nan')):.2f} | "
+              f"{r.get('decode_step_ms', float('nan')):.0f} | {r.get('compiles', '-')} |")
     print("\n| server, 8 streams | TTFT s | ITL ms |")
     print("|---|---|---|")
     for name, r in results.items():

@@ -77,6 +77,7 @@ _last: dict = {}
 _per_kind_ops: dict = {}
 _intervals: dict = {}
 _prev_kind = "start"
+_prev_t = None
 _last_ops: dict = {}
 
 
@@ -91,10 +92,12 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
     them; ``forwards["graph"]`` counts the forwards the decode graph runner served. Opt-in: a
     file write per step."""
     import json
+    import time
 
     import torch
 
-    global _prev_kind
+    global _prev_kind, _prev_t
+    now = time.perf_counter()
     mode = forward_batch.forward_mode
     kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
     _forwards[kind] += 1
@@ -108,6 +111,9 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
         d = v - _last.get(k, 0)
         if d:
             acc[k] = acc.get(k, 0) + d
+    if _prev_t is not None:  # wall time of the interval, in microseconds
+        acc["wall_us"] = acc.get("wall_us", 0) + int((now - _prev_t) * 1e6)
+    _prev_t = now
     _last.clear()
     _last.update(counters)
     ops = snap["per_op"].get("eager_compiles", {})
