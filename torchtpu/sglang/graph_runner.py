@@ -90,8 +90,12 @@ class TpuGraphRunner:
             return
         self.capture_bs = capture_batch_sizes(model_runner)
         self.max_bs = max(self.capture_bs)
+        # Dynamo compiles a frame once per bucket, and the frames SGLang's layer-boundary code
+        # splits a decoder layer into once per layer too (they guard on the layer's id): past
+        # the recompile limit a frame would run eagerly for good
         cfg = torch._dynamo.config
-        n = len(self.capture_bs) + 4
+        layers = int(getattr(model_runner.model_config, "num_hidden_layers", 0) or 0)
+        n = len(self.capture_bs) * (layers + 2) + 4
         cfg.recompile_limit = max(cfg.recompile_limit, n)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
