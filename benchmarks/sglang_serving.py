@@ -65,15 +65,33 @@ def _worker_metrics() -> dict:
         return json.load(f)
 
 
-def child_offline(path, backend, n_requests, repeats, out_tokens):
+# contender -> (attention backend, decode through compiled buckets)
+CONTENDERS = {
+    "compiled": ("torchtpu", True),      # paged attention op + TpuGraphRunner
+    "torchtpu-eager": ("torchtpu", False),  # paged attention op, decode eager
+    "torch_native": ("torch_native", False),  # SGLang's per-request SDPA, eager
+}
+
+
+def _engine_args(contender, n_requests):
+    backend, compiled = CONTENDERS[contender]
+    args = dict(attention_backend=backend)
+    if compiled:
+        args["cuda_graph_max_bs_decode"] = n_requests  # buckets 1, 2, 4, .., n_requests
+    else:
+        args["disable_cuda_graph"] = True
+    return args
+
+
+def child_offline(path, contender, n_requests, repeats, out_tokens):
     import sglang as sgl
 
     os.environ["TORCHTPU_SGLANG_METRICS_FILE"] = os.path.join(
         tempfile.mkdtemp(prefix="bench-metrics-"), "m")
     t0 = time.perf_counter()
-    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", attention_backend=backend,
-                     max_total_tokens=32768, disable_radix_cache=True, random_seed=0,
-                     log_level="error")
+    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=32768,
+                     disable_radix_cache=True, random_seed=0, log_level="error",
+                     **_engine_args(contender, n_requests))
     start_s = time.perf_counter() - t0
     sp = {"temperature": 0, "max_new_tokens": out_tokens, "ignore_eos": True}
     reqs = _requests(n_requests)
@@ -93,16 +111,25 @@ def child_offline(path, backend, n_requests, repeats, out_tokens):
     c0, c1 = m0["counters"], m1["counters"]
     delta = lambda k: c1.get(k, 0) - c0.get(k, 0)
     xla = sum(delta(k) for k in set(c0) | set(c1) if k.endswith("xla_compiles"))
-    steps = {k: m1["forwards"][k] - m0["forwards"][k] for k in m1["forwards"]}
-    n = max(1, sum(steps.values()))
-    return dict(contender=f"sglang-tpu-{backend}", start_s=start_s, tokens=n_out,
+    steps = {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0) for k in m1["forwards"]}
+    n = max(1, sum(v for k, v in steps.items() if k != "graph"))
+    # decode steps alone: the counters' growth from one decode forward's end to the next's
+    # (the step's sampling and bookkeeping, then its forward; torchtpu/sglang/__init__.py)
+    d0, d1 = m0["per_kind"].get("decode", {}), m1["per_kind"].get("decode", {})
+    dd = lambda k: d1.get(k, 0) - d0.get(k, 0)
+    nd = max(1, m1["intervals"].get("decode", 0) - m0["intervals"].get("decode", 0))
+    dxla = sum(dd(k) for k in set(d0) | set(d1) if k.endswith("xla_compiles"))
+    return dict(contender=f"sglang-tpu-{contender}", start_s=start_s, tokens=n_out,
                 median_s=statistics.median(times), times=times, compiles=compiled,
                 forwards=steps, xla_compiles=xla, host_syncs=delta("host_syncs"),
                 compiles_per_step=xla / n, syncs_per_step=delta("host_syncs") / n,
+                decode_compiles_per_step=dxla / nd, decode_syncs_per_step=dd("host_syncs") / nd,
+                decode_step_ms=dd("wall_us") / nd / 1000,
+                decode_compile_graphs=dd("compile_graphs"), graph_runner=m1.get("graph_runner"),
                 cpu_fallbacks=delta("cpu_fallbacks"))
 
 
-def child_server(path, backend, streams, out_tokens):
+def child_server(path, contender, streams, out_tokens):
     import concurrent.futures as cf
     import urllib.request
 
@@ -113,8 +140,10 @@ def child_server(path, backend, streams, out_tokens):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device",
            "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--attention-backend", backend, "--max-total-tokens", "32768",
-           "--disable-radix-cache", "--served-model-name", "m", "--log-level", "error"]
+           "--max-total-tokens", "32768", "--disable-radix-cache", "--served-model-name", "m",
+           "--log-level", "error"]
+    for k, v in _engine_args(contender, streams).items():
+        cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     log = tempfile.TemporaryFile("w+")
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -150,7 +179,7 @@ def child_server(path, backend, streams, out_tokens):
                 res = list(ex.map(stream, prompts))
         ttft = [m[0] for m in res if m]
         itl = [b - a for m in res for a, b in zip(m, m[1:])]
-        return dict(contender=f"sglang-tpu-{backend}", ttft_s=statistics.median(ttft),
+        return dict(contender=f"sglang-tpu-{contender}", ttft_s=statistics.median(ttft),
                     itl_s=statistics.median(itl), start_s=time.perf_counter() - t0)
     finally:
         os.killpg(srv.pid, signal.SIGTERM)
@@ -181,8 +210,10 @@ def main():
     ap.add_argument("--child", nargs="*")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="comma list: offline,server,vllm")
-    ap.add_argument("--backends", default="torchtpu,torch_native",
-                    help="SGLang attention backends to run offline (comma list)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"SGLang contenders to run offline (comma list of {list(CONTENDERS)})")
+    ap.add_argument("--server", default="compiled,torchtpu-eager",
+                    help="SGLang contenders to serve (comma list)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
@@ -203,11 +234,11 @@ def main():
     print(f"model: tiny {MODEL}; load: {os.getloadavg()}", flush=True)
     vllm = os.path.exists(VLLM_PY) and os.path.exists(VLLM_BENCH) and "vllm" not in skip
     if "offline" not in skip:
-        for backend in a.backends.split(","):
+        for c in a.contenders.split(","):
             env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")}
-            r = _run(me + ["offline", path, backend, str(n_req), str(reps), str(out_tok)], env)
-            results[f"sglang-tpu-{backend}"] = r
-            print(backend, json.dumps(r), flush=True)
+            r = _run(me + ["offline", path, c, str(n_req), str(reps), str(out_tok)], env)
+            results[f"sglang-tpu-{c}"] = r
+            print(c, json.dumps(r), flush=True)
         if vllm:
             for name, dev in (("tpu-compiled", "tpu"), ("vllm-cpu", "cpu")):
                 r = _run([VLLM_PY, VLLM_BENCH, "--child", "offline", path, name, str(n_req),
@@ -216,9 +247,10 @@ def main():
                 results[f"vllm-{name}"] = r
                 print(name, json.dumps(r), flush=True)
     if "server" not in skip:
-        r = _run(me + ["server", path, "torchtpu", "8", str(out_tok // 2)], {})
-        results["server-sglang-tpu-torchtpu"] = r
-        print("server", json.dumps(r), flush=True)
+        for c in a.server.split(","):
+            r = _run(me + ["server", path, c, "8", str(out_tok // 2)], {})
+            results[f"server-sglang-tpu-{c}"] = r
+            print("server", c, json.dumps(r), flush=True)
         if vllm:
             for name, dev in (("tpu-compiled", "tpu"), ("vllm-cpu", "cpu")):
                 r = _run([VLLM_PY, VLLM_BENCH, "--child", "server", path, name, "8",
@@ -231,20 +263,24 @@ def main():
     if not vllm:
         print("(vLLM rows: .venv-vllm or benchmarks/vllm_serving.py absent, not run)")
     print("\n| offline | start-up s | output tok/s | forwards (decode/extend) | XLA compiles "
-          "| per forward | host syncs per forward | new cache entries |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| per forward | host syncs per forward | per decode step: XLA compiles | host syncs "
+          "| ms | new cache entries |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if name.startswith("server"):
             continue
         if "error" in r:
-            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | |")
+            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | | | | |")
             continue
         tps = r["tokens"] / r["median_s"]
         f = r.get("forwards") or {}
         print(f"| {name} | {r['start_s']:.0f} | {tps:.1f} | {f.get('decode', '-')}/"
               f"{f.get('extend', '-')} | {r.get('xla_compiles', '-')} | "
               f"{r.get('compiles_per_step', float('nan')):.3f} | "
-              f"{r.get('syncs_per_step', float('nan')):.2f} | {r.get('compiles', '-')} |")
+              f"{r.get('syncs_per_step', float('nan')):.2f} | "
+              f"{r.get('decode_compiles_per_step', float('nan')):.3f} | "
+              f"{r.get('decode_syncs_per_step', float('nan')):.2f} | "
+              f"{r.get('decode_step_ms', float('nan')):.0f} | {r.get('compiles', '-')} |")
     print("\n| server, 8 streams | TTFT s | ITL ms |")
     print("|---|---|---|")
     for name, r in results.items():

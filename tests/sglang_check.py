@@ -48,6 +48,8 @@ def engine(args) -> dict:
     n = args.max_tokens
     greedy = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
     res = {"arch": args.arch}
+    # the scheduler's torch.tpu.metrics() after every forward (torchtpu.sglang)
+    os.environ.setdefault("TORCHTPU_SGLANG_METRICS_FILE", os.path.join(args.out, "metrics"))
     t = time.time()
     llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=4096,
                      random_seed=0, log_level="warning", tp_size=args.tp,
@@ -65,6 +67,24 @@ def engine(args) -> dict:
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["greedy_again"] = [o["output_ids"] for o in out]
         res["cached_tokens"] = [o["meta_info"].get("cached_tokens", 0) for o in out]
+        # a third round, the second's batch shapes again: what a step costs after warm-up
+        m0 = _worker_metrics()
+        out = llm.generate(input_ids=ids, sampling_params=greedy)
+        res["greedy_third"] = [o["output_ids"] for o in out]
+        m1 = _worker_metrics()
+        res["worker"] = {k: m1[k] for k in ("attention", "kv_pool", "graph_runner", "graph_bs")}
+        d0 = m0["per_kind"].get("decode", {})
+        res["third_round"] = {
+            "forwards": {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0)
+                         for k in m1["forwards"]},
+            "intervals": {k: m1["intervals"].get(k, 0) - m0["intervals"].get(k, 0)
+                          for k in m1["intervals"]},
+            "decode": {k: v - d0.get(k, 0)
+                       for k, v in m1["per_kind"].get("decode", {}).items() if v != d0.get(k, 0)},
+            "decode_eager_compiles": {
+                op: n - m0["per_kind_eager_compiles"].get("decode", {}).get(op, 0)
+                for op, n in m1["per_kind_eager_compiles"].get("decode", {}).items()
+                if n != m0["per_kind_eager_compiles"].get("decode", {}).get(op, 0)}}
         # sampling draws from the device generator, seeded by the engine's random_seed: the
         # same seed in another process gives the same tokens (tests/test_sglang.py compares)
         sample = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": n,
@@ -75,6 +95,11 @@ def engine(args) -> dict:
         llm.shutdown()
     res["hf"] = hf_greedy(path, ids, n)
     return res
+
+
+def _worker_metrics() -> dict:
+    with open(os.environ["TORCHTPU_SGLANG_METRICS_FILE"] + ".0") as f:
+        return json.load(f)
 
 
 def _free_port() -> int:
@@ -266,9 +291,102 @@ def kvpub(args) -> dict:
     return res
 
 
+def pd(args) -> dict:
+    """Prefill/decode disaggregation on one host: a prefill and a decode ``launch_server``
+    exchanging the KV cache through the ``torchtpu`` transfer backend (host copies and a
+    shared folder, no RDMA). Each request goes to both with the same bootstrap room (what
+    SGLang's router does); the decode instance's tokens against HF greedy."""
+    import concurrent.futures as cf
+    import signal
+    import subprocess
+
+    import requests
+    from tiny_models import hf_greedy
+
+    path = _model(args.arch, args.out)
+    ids = _ids(path)
+    n = args.max_tokens
+    kv_dir = os.path.join(args.out, "kv")
+    os.makedirs(kv_dir, exist_ok=True)
+    env = dict(os.environ, TORCHTPU_SGLANG_KV_DIR=kv_dir)
+    bport = _free_port()
+    procs, logs, bases = [], [], {}
+    try:
+        for mode in ("prefill", "decode"):
+            port = _free_port()
+            bases[mode] = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path,
+                   "--device", "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype",
+                   "float32", "--max-total-tokens", "4096", "--random-seed", "0",
+                   "--log-level", "warning", "--disaggregation-mode", mode,
+                   "--disaggregation-transfer-backend", "torchtpu",
+                   "--disaggregation-bootstrap-port", str(bport), *json.loads(args.server_args)]
+            log = open(os.path.join(args.out, f"{mode}.log"), "w")
+            logs.append(log)
+            menv = dict(env, TORCHTPU_SGLANG_METRICS_FILE=os.path.join(args.out, f"{mode}.m"))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=menv,
+                                          start_new_session=True))
+        t = time.time()
+        for mode, proc in zip(("prefill", "decode"), procs):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{mode} server exited {proc.returncode}")
+                try:
+                    if requests.get(bases[mode] + "/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.time() - t > args.timeout:
+                    raise TimeoutError(f"{mode} server did not come up")
+                time.sleep(1)
+        res = {"arch": args.arch, "startup_s": time.time() - t}
+
+        def generate(i_ids):
+            i, prompt = i_ids
+            body = dict(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": n,
+                                                           "ignore_eos": True},
+                        bootstrap_host="127.0.0.1", bootstrap_port=bport,
+                        bootstrap_room=1000 + i)
+            with cf.ThreadPoolExecutor(2) as ex:
+                fp = ex.submit(requests.post, bases["prefill"] + "/generate", json=body,
+                               timeout=600)
+                fd = ex.submit(requests.post, bases["decode"] + "/generate", json=body,
+                               timeout=600)
+                rp, rd = fp.result(), fd.result()
+            if rd.status_code != 200:
+                raise RuntimeError(f"decode answered {rd.status_code}: {rd.text[:500]}")
+            return rd.json()["output_ids"], rp.json().get("output_ids")
+
+        t = time.time()
+        out = [generate(x) for x in enumerate(ids)]
+        res["pd_s"] = time.time() - t
+        res["pd"] = [o[0] for o in out]
+        res["prefill_out"] = [o[1] for o in out]
+        res["left_in_kv_dir"] = sorted(os.listdir(kv_dir))
+        # what each instance ran: the decode instance never runs a prompt through the model
+        for mode in ("prefill", "decode"):
+            with open(os.path.join(args.out, f"{mode}.m.0")) as f:
+                m = json.load(f)
+            res[f"{mode}_forwards"] = m["forwards"]
+            res[f"{mode}_worker"] = {k: m[k] for k in ("attention", "kv_pool", "graph_runner")}
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    res["hf"] = hf_greedy(path, ids, n)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["engine", "server", "kvpub"])
+    ap.add_argument("what", choices=["engine", "server", "kvpub", "pd"])
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -278,7 +396,7 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
-    res = {"engine": engine, "server": server, "kvpub": kvpub}[args.what](args)
+    res = {"engine": engine, "server": server, "kvpub": kvpub, "pd": pd}[args.what](args)
     print("SGLANG_CHECK " + json.dumps(res), flush=True)
 
 

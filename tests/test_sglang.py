@@ -35,20 +35,65 @@ def sglang_check(*args, timeout=900, env=None):
     return json.loads(lines[-1][len("SGLANG_CHECK "):])
 
 
-def _check_engine(r, n=8):
+# decode buckets 1, 2, 4 (the default, 1..16, compiles 5 programs at start-up). Without the
+# overlap scheduler, which processes a step's results during the next step's forward: each
+# step is then charged its own work (with it, the prefill's radix-cache bookkeeping lands in
+# the first decode steps; docs/notes/sglang.md)
+BUCKETS = json.dumps({"cuda_graph_max_bs_decode": 4, "disable_overlap_schedule": True})
+
+
+def _check_engine(r, n=8, compiled=True, layers=2):
     assert r["platform"] == "TpuSRTPlatform"
     assert r["greedy"] == r["hf"]
     # the same prompts again: served from the radix cache (all but the last prompt token)
     assert r["greedy_again"] == r["hf"]
+    assert r["greedy_third"] == r["hf"]
     assert all(c > 0 for c in r["cached_tokens"]), r["cached_tokens"]
     assert all(len(s) == n for s in r["sampled"]) and r["sampled"] != r["hf"]
+    # attention over torch.tpu.ops' paged attention, on the pool in its page layout
+    assert r["worker"]["attention"] == "TpuPagedAttnBackend", r["worker"]
+    assert r["worker"]["kv_pool"] == "TpuPagedKVPool", r["worker"]
+    if compiled:
+        _check_compiled_decode(r, layers)
+    else:
+        assert r["worker"]["graph_runner"] in ("NoneType", "TpuGraphRunner"), r["worker"]
+        assert r["worker"]["graph_bs"] == [], r["worker"]  # no bucket: decode runs eagerly
+        assert r["third_round"]["forwards"].get("graph", 0) == 0, r["third_round"]
+
+
+def _check_compiled_decode(r, layers):
+    """Decode through the warmed buckets (graph_runner.py): in the third round every decode
+    forward is a bucket's compiled program, and a decode step (from one decode forward to the
+    next: sampling, bookkeeping, the forward) compiles nothing (XLA or Dynamo), syncs with
+    the host once (the sampled ids) and donates each layer's KV pages to the program."""
+    assert r["worker"]["graph_runner"] == "TpuGraphRunner", r["worker"]
+    third = r["third_round"]
+    assert third["forwards"]["decode"] > 0
+    assert third["forwards"].get("graph", 0) == third["forwards"]["decode"], third
+    n = third["intervals"].get("decode", 0)
+    assert n > 0, third
+    d = third["decode"]
+    xla = sum(v for k, v in d.items() if k.endswith("xla_compiles"))
+    assert xla == 0 and d.get("compile_graphs", 0) == 0, third
+    assert d.get("host_syncs", 0) <= n, third
+    assert d.get("compile_donated_buffers", 0) == layers * n, third
 
 
 @needs_sglang
 def test_engine_greedy_batch_radix_cache(tmp_path):
     """A tiny Llama: a batch of greedy prompts equals HF on CPU, then again from the radix
     prefix cache, and sampling runs (in the default suite)."""
-    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path)))
+    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path),
+                               "--engine-args", BUCKETS))
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_engine_eager_paged_attention(tmp_path):
+    """``--disable-cuda-graph``: decode runs eagerly, through the same paged attention."""
+    _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path),
+                               "--engine-args", json.dumps({"disable_cuda_graph": True})),
+                  compiled=False)
 
 
 @pytest.mark.slow
@@ -58,9 +103,11 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     both equal HF greedy, and the seeded sampling (engine random_seed) is the same tokens."""
     cache = tmp_path / "cache"
     env = {"TORCHTPU_CACHE_DIR": str(cache)}
-    first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path), env=env)
+    first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
+                         "--engine-args", BUCKETS, env=env)
     assert any(cache.iterdir()), "the first process wrote no compile cache entry"
-    second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path), env=env)
+    second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
+                         "--engine-args", BUCKETS, env=env)
     _check_engine(first)
     _check_engine(second)
     assert first["sampled"] == second["sampled"]
@@ -120,9 +167,33 @@ def test_kv_events_publisher_endpoint():
 @needs_sglang
 def test_engine_tp2(tmp_path):
     """``tp_size=2``: two scheduler processes over "tpu_dist" (each joins the JAX job before
-    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU."""
+    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU. Decode runs
+    eagerly with more than one rank (SGLang's all-reduce op has no lowering in a compiled
+    program yet: docs/notes/sglang.md)."""
     _check_engine(sglang_check("engine", "--arch", "llama", "--tp", "2", "--out",
-                               str(tmp_path), timeout=1500))
+                               str(tmp_path), "--engine-args", BUCKETS, timeout=1500),
+                  compiled=False)
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_prefill_decode_disaggregation(tmp_path):
+    """A prefill and a decode ``launch_server`` on one host exchanging the KV cache through the
+    ``torchtpu`` transfer backend (host copies through a shared folder, no RDMA): each request
+    sent to both with one bootstrap room; the decode instance, which never runs the prompt
+    through the model (no extend forward), answers HF's greedy tokens, and no transfer file
+    is left behind."""
+    r = sglang_check("pd", "--arch", "llama", "--out", str(tmp_path), "--server-args",
+                     json.dumps(["--cuda-graph-max-bs-decode", "4"]), timeout=1500)
+    assert r["pd"] == r["hf"]
+    assert [p[:1] for p in r["prefill_out"]] == [h[:1] for h in r["hf"]]
+    assert r["left_in_kv_dir"] == []
+    assert r["decode_forwards"].get("extend", 0) == 0, r["decode_forwards"]
+    assert r["decode_forwards"]["decode"] > 0
+    assert r["prefill_forwards"]["extend"] > 0
+    for side in ("prefill", "decode"):
+        assert r[f"{side}_worker"]["kv_pool"] == "TpuPagedKVPool", r
+    assert r["decode_worker"]["graph_runner"] == "TpuGraphRunner", r
 
 
 def test_is_available_creates_no_backend():

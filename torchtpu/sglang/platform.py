@@ -9,6 +9,7 @@ otherwise pick for CUDA.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Optional
@@ -19,7 +20,10 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 import torchtpu  # noqa: F401  (the "tpu" device)
 
+logger = logging.getLogger(__name__)
+
 ATTENTION_BACKEND = "torchtpu"  # torchtpu/sglang/attention.py
+TRANSFER_BACKEND = "torchtpu"  # torchtpu/sglang/disagg.py
 
 
 def _register_attention_choice() -> None:
@@ -29,9 +33,23 @@ def _register_attention_choice() -> None:
 
     if ATTENTION_BACKEND not in choices.ATTENTION_BACKEND_CHOICES:
         choices.add_attention_backend_choices([ATTENTION_BACKEND])
+    if TRANSFER_BACKEND not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        choices.add_disagg_transfer_backend_choices([TRANSFER_BACKEND])
 
 
 _register_attention_choice()
+
+
+DEFAULT_MAX_DECODE_BUCKET = 16
+
+
+def decode_buckets(top: int) -> list[int]:
+    """Powers of two below ``top``, and ``top``."""
+    out, b = [], 1
+    while b < top:
+        out.append(b)
+        b *= 2
+    return out + [top]
 
 
 def _free_port() -> int:
@@ -47,7 +65,8 @@ class TpuSRTPlatform(SRTPlatform):
     device_name = "tpu"
     device_type = "tpu"
     # No Triton on "tpu": SGLang's allocators and req-to-token writers take their torch paths.
-    capabilities = PlatformCapabilities(supports_triton=False, supports_pynccl=False)
+    capabilities = PlatformCapabilities(supports_triton=False, supports_pynccl=False,
+                                        graph_capture=True)
 
     # ---- device and memory -------------------------------------------------------------
     def get_device_total_memory(self, device_id: int = 0) -> int:
@@ -98,12 +117,23 @@ class TpuSRTPlatform(SRTPlatform):
         return ATTENTION_BACKEND
 
     def get_kv_pool_cls(self, *, kind: str):
-        """The in-tree pools: plain torch tensors on ``device`` (SGLang resolves every kind
-        while it configures, whatever the model's)."""
+        """MHA: ``TpuPagedKVPool`` (kv_pool.py: one paged tensor per layer, the layout of
+        torchtpu's paged attention op); the other kinds: SGLang's own pools (SGLang resolves
+        every kind while it configures, whatever the model's)."""
+        if kind == "mha":
+            from .kv_pool import TpuPagedKVPool
+
+            return TpuPagedKVPool
         return None
 
     def get_paged_allocator_cls(self):
         return None  # in-tree; its torch paths since capabilities.supports_triton is False
+
+    def get_graph_runner_cls(self):
+        """Decode through bucketed compiled programs (graph_runner.py)."""
+        from .graph_runner import TpuGraphRunner
+
+        return TpuGraphRunner
 
     def get_compile_backend(self, mode: str | None = None) -> str:
         return "tpu"
@@ -122,7 +152,22 @@ class TpuSRTPlatform(SRTPlatform):
             server_args.attention_backend = ATTENTION_BACKEND
         if getattr(server_args, "sampling_backend", None) is None:
             server_args.sampling_backend = "pytorch"
-        ranks = (getattr(server_args, "tp_size", 1) or 1) * (getattr(server_args, "pp_size", 1) or 1)
+        ranks = ((getattr(server_args, "tp_size", 1) or 1)
+                 * (getattr(server_args, "pp_size", 1) or 1))
+        if getattr(server_args, "cuda_graph_bs_decode", None) is None:
+            # decode buckets (graph_runner.py): powers of two up to the decode graph's largest
+            # batch size (--cuda-graph-max-bs-decode), else --torch-compile-max-bs with
+            # --enable-torch-compile, else 16: each bucket is a program compiled at start-up
+            top = (getattr(server_args, "cuda_graph_max_bs_decode", None)
+                   or (server_args.torch_compile_max_bs
+                       if getattr(server_args, "enable_torch_compile", False) else None)
+                   or DEFAULT_MAX_DECODE_BUCKET)
+            server_args.cuda_graph_bs_decode = decode_buckets(int(top))
+        if (getattr(server_args, "disaggregation_mode", "null") == "decode"
+                and getattr(server_args, "disaggregation_decode_retraction_backup", None) is None):
+            # SGLang's default, a HiCache host pool, registers host memory with CUDA; a
+            # retracted request is answered 503 (the client retries) instead
+            server_args.disaggregation_decode_retraction_backup = "none"
         if ranks > 1 and not os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"):
             # one JAX coordinator for the ranks this process spawns (they inherit it)
             os.environ["TORCHTPU_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
