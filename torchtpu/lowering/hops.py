@@ -30,9 +30,13 @@ def register_hop(*hops):
     return deco
 
 
+_filled = [False]
+
+
 def get(hop):
     """The lowering of a higher-order op, or None."""
-    if not HOPS:
+    if not _filled[0]:  # not "if not HOPS": a module may have registered one of its own already
+        _filled[0] = True
         from . import flex_attention  # noqa: F401  (fills HOPS)
         _register_functionalized()
     return HOPS.get(hop)
