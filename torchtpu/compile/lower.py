@@ -83,18 +83,25 @@ def _output_views(outs):
     index = {o: j for j, o in enumerate(outs) if isinstance(o, torch.fx.Node)}
     res = {}
     for j, o in enumerate(outs):
-        chain = []
-        n = o
-        while isinstance(n, torch.fx.Node) and n.op == "call_function" and _is_view_op(n.target) \
-                and n.args and isinstance(n.args[0], torch.fx.Node) \
-                and not any(isinstance(a, torch.fx.Node) for a in n.args[1:]) \
-                and not any(isinstance(a, torch.fx.Node) for a in n.kwargs.values()):
-            chain.append((n.target, tuple(n.args[1:]), dict(n.kwargs)))
-            n = n.args[0]
+        for n, chain in _view_steps(o):
             if n in index and index[n] != j:
-                res[j] = (index[n], chain[::-1])
+                res[j] = (index[n], chain)
                 break
     return res
+
+
+def _view_steps(o):
+    """Walk from node ``o`` down through view ops with static arguments: yields each base
+    reached with the views ``[(view op, other args, kwargs)...]`` that lead from it to ``o``."""
+    chain = []
+    n = o
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and _is_view_op(n.target) \
+            and n.args and isinstance(n.args[0], torch.fx.Node) \
+            and not any(isinstance(a, torch.fx.Node) for a in n.args[1:]) \
+            and not any(isinstance(a, torch.fx.Node) for a in n.kwargs.values()):
+        chain.append((n.target, tuple(n.args[1:]), dict(n.kwargs)))
+        n = n.args[0]
+        yield n, chain[::-1]
 
 
 def _mutation_views(gm, outs, ph_index):
@@ -118,16 +125,9 @@ def _mutation_views(gm, outs, ph_index):
             written[src] = ph_index[ph]
     res = {}
     for j, o in enumerate(outs):
-        chain = []
-        n = o
-        while isinstance(n, torch.fx.Node) and n.op == "call_function" and _is_view_op(n.target) \
-                and n.args and isinstance(n.args[0], torch.fx.Node) \
-                and not any(isinstance(a, torch.fx.Node) for a in n.args[1:]) \
-                and not any(isinstance(a, torch.fx.Node) for a in n.kwargs.values()):
-            chain.append((n.target, tuple(n.args[1:]), dict(n.kwargs)))
-            n = n.args[0]
+        for n, chain in _view_steps(o):
             if n in written:
-                res[j] = (written[n], chain[::-1])
+                res[j] = (written[n], chain)
                 break
     return res
 
