@@ -72,6 +72,27 @@ def token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens):
     return seq, pos, valid
 
 
+def _key_mask(b, L, pos, valid, sliding_window):
+    """[T, L]: which keys of key block ``b`` (L tokens) each query token at ``pos`` attends."""
+    j = b * L + jnp.arange(L, dtype=jnp.int32)
+    ok = (j[None, :] <= pos[:, None]) & valid[:, None]
+    if sliding_window is not None:
+        ok = ok & (j[None, :] > pos[:, None] - sliding_window)
+    return ok
+
+
+def _run_blocks(body, start_blk, nblk, valid, shape, Hq):
+    """The online-softmax loop over key blocks [start_blk, nblk) and its normalisation:
+    ``body(b, (m, l, acc))`` adds block ``b``; rows of invalid tokens are zeros."""
+    T, Hkv, G, D = shape
+    m0 = jnp.full((T, Hkv, G), _NEG, jnp.float32)
+    l0 = jnp.zeros((T, Hkv, G), jnp.float32)
+    a0 = jnp.zeros((T, Hkv, G, D), jnp.float32)
+    _, l, acc = lax.fori_loop(start_blk, nblk, body, (m0, l0, a0))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, Hq, D)
+
+
 def _per_token_attention(q, kv_pages, rows, pos, valid, sm_scale, sliding_window, soft_cap,
                          bp, nblk_max):
     """Attention of tokens that may belong to different sequences: each token gathers its own
@@ -98,19 +119,11 @@ def _per_token_attention(q, kv_pages, rows, pos, valid, sm_scale, sliding_window
         k, v = kv[:, :, :, 0], kv[:, :, :, 1]
         sc = jnp.einsum("tkgd,tlkd->tkgl", qf, k, preferred_element_type=jnp.float32,
                         precision=prec) * sm_scale
-        j = b * L + jnp.arange(L, dtype=jnp.int32)
-        ok = (j[None, :] <= pos[:, None]) & valid[:, None]
-        if sliding_window is not None:
-            ok = ok & (j[None, :] > pos[:, None] - sliding_window)
+        ok = _key_mask(b, L, pos, valid, sliding_window)
         return _online_step(m, l, acc, sc, ok[:, None, None, :], v, soft_cap, prec,
                             "tkgl,tlkd->tkgd")
 
-    m0 = jnp.full((T, Hkv, G), _NEG, jnp.float32)
-    l0 = jnp.zeros((T, Hkv, G), jnp.float32)
-    a0 = jnp.zeros((T, Hkv, G, D), jnp.float32)
-    _, l, acc = lax.fori_loop(start_blk, nblk, body, (m0, l0, a0))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, Hq, D)
+    return _run_blocks(body, start_blk, nblk, valid, (T, Hkv, G, D), Hq)
 
 
 def _one_sequence_attention(q, kv_pages, row, pos, valid, sm_scale, sliding_window, soft_cap,
@@ -138,19 +151,11 @@ def _one_sequence_attention(q, kv_pages, row, pos, valid, sm_scale, sliding_wind
         k, v = kv[:, :, 0], kv[:, :, 1]
         sc = jnp.einsum("tkgd,lkd->tkgl", qf, k, preferred_element_type=jnp.float32,
                         precision=prec) * sm_scale
-        j = b * L + jnp.arange(L, dtype=jnp.int32)
-        ok = (j[None, :] <= pos[:, None]) & valid[:, None]
-        if sliding_window is not None:
-            ok = ok & (j[None, :] > pos[:, None] - sliding_window)
+        ok = _key_mask(b, L, pos, valid, sliding_window)
         return _online_step(m, l, acc, sc, ok[:, None, None, :], v, soft_cap, prec,
                             "tkgl,lkd->tkgd")
 
-    m0 = jnp.full((T, Hkv, G), _NEG, jnp.float32)
-    l0 = jnp.zeros((T, Hkv, G), jnp.float32)
-    a0 = jnp.zeros((T, Hkv, G, D), jnp.float32)
-    _, l, acc = lax.fori_loop(start_blk, nblk, body, (m0, l0, a0))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, Hq, D)
+    return _run_blocks(body, start_blk, nblk, valid, (T, Hkv, G, D), Hq)
 
 
 def _online_step(m, l, acc, sc, ok, v, soft_cap, prec, pv_spec):
