@@ -83,21 +83,34 @@ def test_ragged_paged_attention_pallas_gpu_interpret():
         np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="jax 0.10.2's TPU interpret mode cannot run JAX's ragged paged "
-                          "attention kernel: its DMA reads through a reshaped ref "
-                          "(AttributeError: 'ReshapeTransform' object has no attribute "
-                          "'indices' in pallas/mosaic/interpret/utils.to_range); the "
-                          "discharge interpreter lacks DMA semaphores. Passing means JAX "
-                          "fixed it: drop this mark")
-def test_ragged_paged_attention_pallas_tpu_interpret():
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 3}, {"soft_cap": 2.0}],
+                         ids=["causal", "window", "softcap"])
+def test_ragged_paged_attention_pallas_tpu_interpret(kw):
+    """JAX's Pallas TPU kernel itself, run by JAX's TPU interpreter (through
+    lowering/pallas_interpret.py's rewrite of what that interpreter cannot run)."""
     import jax.numpy as jnp
 
     case = _case(seed=2, D=128)
-    ref = pa.dense_reference(*case, sm_scale=0.25)
+    ref = pa.dense_reference(*case, sm_scale=0.25, **kw)
+    if kw:  # the option changes the answer, so the comparison checks it is applied
+        assert np.abs(ref - pa.dense_reference(*case, sm_scale=0.25)).max() > 1e-2
     out = pa.ragged_paged_attention(*[jnp.asarray(a) for a in case], sm_scale=0.25,
-                                    impl="pallas_tpu", interpret=True)
+                                    impl="pallas_tpu", interpret=True, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_paged_attention_pallas_tpu_interpret_bfloat16():
+    """The kernel's packed-bf16 path (KV read through a bitcast ref) in the interpreter."""
+    import jax.numpy as jnp
+
+    case = _case(seed=5, D=128)
+    q, kv = (jnp.asarray(a).astype(jnp.bfloat16) for a in case[:2])
+    ref = pa.dense_reference(np.asarray(q, np.float64), np.asarray(kv, np.float64), *case[2:],
+                             sm_scale=0.25)
+    out = pa.ragged_paged_attention(q, kv, *[jnp.asarray(a) for a in case[2:]], sm_scale=0.25,
+                                    impl="pallas_tpu", interpret=True)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=3e-2, rtol=3e-2)
 
 
 def test_pallas_tpu_path_is_chosen_only_where_it_applies():

@@ -294,8 +294,10 @@ def ragged_paged_attention_pallas_tpu(q, kv_pages, kv_lens, page_indices, cu_q_l
 
             # small blocks: interpret mode simulates every DMA; tiny test shapes need them
             kw.update(num_kv_pages_per_block=1, num_queries_per_block=min(8, T))
+            from torchtpu.lowering import pallas_interpret
+
             with _interpret_mode(pltpu.InterpretParams()):
-                out = _k.ragged_paged_attention(*args, **kw)
+                out = pallas_interpret.call(_k.ragged_paged_attention, *args, **kw)
         else:
             out = _k.ragged_paged_attention(*args, **kw)
     _, _, valid = token_layout(cu_q_lens, kv_lens, num_seqs, T)
