@@ -41,7 +41,7 @@ import time
 H, E = 8, 64
 CASES = ["sdpa_causal", "sdpa_padmask", "flex_causal", "flex_window", "flex_document",
          "flex_full"]
-REPEATS = {1024: 5, 4096: 3, 16384: 2, 32768: 1}
+REPEATS = {1024: 9, 4096: 5, 16384: 3, 32768: 1}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -274,3 +274,43 @@ def test_eager_flex_on_tpu_runs_the_lowering_not_the_dense_math(monkeypatch):
     flex_attention(q, k, v, score_mod=rel_bias, block_mask=bm).sum().backward()
     assert calls == [torch.ops.tpu.flex_attention.default,
                      torch.ops.tpu.flex_attention_backward.default]
+
+
+def test_blockwise_coarse_tiles_over_a_shared_block_mask():
+    """A BlockMask shared by every (batch, head) runs in tiles of several of its blocks
+    (lowering/flex_attention.py ``_coarsen``): full, partial and empty blocks mixed inside one
+    tile (a sliding window within packed documents), a length that is no multiple of the
+    block size, and a hand-made table leaving out blocks mask_mod allows."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    torch._dynamo.reset()
+    n = 1600  # 12.5 blocks of 128: padded fine and coarse tiles
+    q, k, v = _big(3, n=n)
+    doc = torch.zeros(n, dtype=torch.long)
+    doc[700:] = 1
+    doc[1300:] = 2
+    doc_t = doc.to("tpu")
+
+    def doc_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 400) & (doc_t[q_idx] == doc_t[kv_idx])
+
+    bm = create_block_mask(doc_window, 1, None, n, n, device="tpu")
+    f = torch.compile(flex_attention, backend="tpu")
+    i = torch.arange(n)
+    mask = (i.view(-1, 1) >= i.view(1, -1)) & (i.view(-1, 1) - i.view(1, -1) < 400)
+    mask = mask & (doc.view(-1, 1) == doc.view(1, -1))
+    _big_check(lambda q_, k_, v_, **kw: f(q_, k_, v_, block_mask=bm, **kw), q, k, v, mask)
+    # the same mask with full blocks listed as partial, and block 2 left out for rows past 3
+    nb = -(-n // 128)
+    keep = [[j for j in range(nb) if mask[r * 128:(r + 1) * 128, j * 128:(j + 1) * 128].any()
+             and not (j == 2 and r > 3)] for r in range(nb)]
+    num = torch.tensor([len(r) for r in keep], dtype=torch.int32).view(1, 1, nb)
+    idx = torch.zeros(1, 1, nb, nb, dtype=torch.int32)
+    for r, cols in enumerate(keep):
+        idx[0, 0, r, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
+    hand = BlockMask.from_kv_blocks(num.to("tpu"), idx.to("tpu"), BLOCK_SIZE=128,
+                                    mask_mod=doc_window, seq_lengths=(n, n))
+    skipped = (i.view(1, -1) // 128 == 2) & (i.view(-1, 1) // 128 > 3)
+    torch._dynamo.reset()
+    _big_check(lambda q_, k_, v_, **kw: f(q_, k_, v_, block_mask=hand, **kw), q, k, v,
+               mask & ~skipped)
