@@ -233,11 +233,22 @@ def test_blockwise_document_mask_with_gqa_and_sliding_window():
                q, k, v, mask)
 
 
+def _hand_block_mask(rows, mask_mod, n):
+    """A BlockMask of 128-blocks whose query block r lists the (partial) key blocks rows[r]."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nb = len(rows)
+    num = torch.tensor([len(r) for r in rows], dtype=torch.int32).view(1, 1, nb)
+    idx = torch.zeros(1, 1, nb, nb, dtype=torch.int32)
+    for r, cols in enumerate(rows):
+        idx[0, 0, r, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
+    return BlockMask.from_kv_blocks(num.to("tpu"), idx.to("tpu"), BLOCK_SIZE=128,
+                                    mask_mod=mask_mod, seq_lengths=(n, n))
+
+
 def test_blockwise_flex_visits_only_the_blocks_its_tables_list():
     """The fused-kernel semantics: a BlockMask whose tables leave out a block its mask_mod
     allows skips that block (so a causal mask does about half the work of a dense one)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     torch._dynamo.reset()
     q, k, v = _big(2)
     nb = LB // 128
@@ -245,12 +256,7 @@ def test_blockwise_flex_visits_only_the_blocks_its_tables_list():
     rows = []
     for i in range(nb):
         rows.append([j for j in range(i + 1) if not (j == 1 and i > 1)])
-    num = torch.tensor([len(r) for r in rows], dtype=torch.int32).view(1, 1, nb)
-    idx = torch.zeros(1, 1, nb, nb, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        idx[0, 0, i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    bm = BlockMask.from_kv_blocks(num.to("tpu"), idx.to("tpu"), BLOCK_SIZE=128,
-                                  mask_mod=causal, seq_lengths=(LB, LB))
+    bm = _hand_block_mask(rows, causal, LB)
     f = torch.compile(flex_attention, backend="tpu")
     i = torch.arange(LB)
     mask = i.view(-1, 1) >= i.view(1, -1)
@@ -281,8 +287,6 @@ def test_blockwise_coarse_tiles_over_a_shared_block_mask():
     (lowering/flex_attention.py ``_coarsen``): full, partial and empty blocks mixed inside one
     tile (a sliding window within packed documents), a length that is no multiple of the
     block size, and a hand-made table leaving out blocks mask_mod allows."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     torch._dynamo.reset()
     n = 1600  # 12.5 blocks of 128: padded fine and coarse tiles
     q, k, v = _big(3, n=n)
@@ -304,12 +308,7 @@ def test_blockwise_coarse_tiles_over_a_shared_block_mask():
     nb = -(-n // 128)
     keep = [[j for j in range(nb) if mask[r * 128:(r + 1) * 128, j * 128:(j + 1) * 128].any()
              and not (j == 2 and r > 3)] for r in range(nb)]
-    num = torch.tensor([len(r) for r in keep], dtype=torch.int32).view(1, 1, nb)
-    idx = torch.zeros(1, 1, nb, nb, dtype=torch.int32)
-    for r, cols in enumerate(keep):
-        idx[0, 0, r, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
-    hand = BlockMask.from_kv_blocks(num.to("tpu"), idx.to("tpu"), BLOCK_SIZE=128,
-                                    mask_mod=doc_window, seq_lengths=(n, n))
+    hand = _hand_block_mask(keep, doc_window, n)
     skipped = (i.view(1, -1) // 128 == 2) & (i.view(-1, 1) // 128 > 3)
     torch._dynamo.reset()
     _big_check(lambda q_, k_, v_, **kw: f(q_, k_, v_, block_mask=hand, **kw), q, k, v,

@@ -232,6 +232,10 @@ class _FlexPlan(flash.Plan):
             self._coarsen(block_mask)
         self.score_dt = placeholder_dtypes(score_gm)[1:5]
         self.mask_dt = placeholder_dtypes(self.mask_gm)[0:4]
+        # whether mask_mod reads its batch / head index (if not, a tile's mask is computed once
+        # for every (batch, head) and broadcast)
+        ph = [n for n in self.mask_gm.graph.nodes if n.op == "placeholder"]
+        self.mask_reads_bh = any(len(n.users) > 0 for n in ph[:2])
         bufs_axes = [_NONE] * len(self.score_bufs)
         self.extra_init = tuple(jnp.zeros(self.score_bufs[k].shape, jnp.promote_types(
             self.score_bufs[k].dtype, jnp.float32)) for k in self.need)
@@ -322,6 +326,8 @@ class _FlexPlan(flash.Plan):
 
     def _visible(self, i, j, masked):
         (b, h, m, n), n_axes = self._idx(i, j, self.mask_dt)
+        if jnp.ndim(j) == 0 and not self.mask_reads_bh:
+            b, h = b[:1], h[:1]  # (1, 1, bq, bk), broadcast over (batch, head)
         vis = None
         if self.S % self.bk:
             vis = n < self.S if jnp.ndim(j) == 0 else (n < self.S)[:, :, None, :]
