@@ -16,9 +16,10 @@ subgraphs on 0-d tensors; eager FlexAttention on "tpu" reaches the same lowering
   visited (``kv_indices``: ``mask_mod`` applied; ``full_kv_indices``: no mask needed), so a
   causal mask costs about half a dense one and a document mask less; memory O(L*d + block^2)
   per head. Tables shared by every (batch, head) run in coarse tiles of several blocks
-  (``_FlexPlan._coarsen``), exact per fine block. For a BlockMask made by ``create_block_mask`` (tables consistent with its
-  ``mask_mod``) the two agree; a hand-made BlockMask whose tables leave out blocks its
-  ``mask_mod`` allows gets the fused kernels' answer (those blocks are skipped).
+  (``_FlexPlan._coarsen``), exact per fine block. For a BlockMask made by
+  ``create_block_mask`` (tables consistent with its ``mask_mod``) the two agree; a hand-made
+  BlockMask whose tables leave out blocks its ``mask_mod`` allows gets the fused kernels'
+  answer (those blocks are skipped).
 
 Both return the logsumexp and max in base 2 as the HOP's contract says. Gradients of tensors
 captured by ``score_mod`` (learned biases: PyTorch's joint graph scatters them with
