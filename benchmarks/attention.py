@@ -25,9 +25,9 @@ Peak memory: every (case, length, device) in a fresh process running one call: t
 the peak resident set (VmHWM) over the resident set once the inputs exist (so it counts the
 outputs, gradients and every temporary). For "tpu" that process finds its XLA programs in a
 compile cache folder a first process filled (the number excludes compiling, which a warm-up
-call in the same process would not: freed memory stays in the process and hides peaks). The table ends with the targets:
-memory at 16k within 2x of PyTorch CPU's, time within 2x at every length, causal flex at most
-0.6x full flex.
+call in the same process would not: freed memory stays in the process and hides peaks). The
+table ends with the targets: memory at 16k within 2x of PyTorch CPU's, time within 2x at every
+length, causal flex at most 0.6x full flex.
 """
 from __future__ import annotations
 
