@@ -43,19 +43,12 @@ CASES = ["sdpa_causal", "sdpa_padmask", "flex_causal", "flex_window", "flex_docu
          "flex_full"]
 REPEATS = {1024: 9, 4096: 5, 16384: 3, 32768: 1}
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import environment, proc_status, reset_peak  # noqa: E402
 
 
 def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
+    return proc_status(field) / (1 << 20)
 
 
 def make_step(case: str, L: int, dev: str):
@@ -146,7 +139,7 @@ def worker_time(case, L, repeats, devices):
 def worker_mem(case, L, dev):
     step = make_step(case, L, dev)
     before = _rss_mib("VmRSS")
-    _reset_peak()
+    reset_peak()
     step()
     return _rss_mib("VmHWM") - before
 
@@ -186,9 +179,6 @@ def main():
             out = worker_mem(case, L, a.worker[3])
         print(json.dumps(out))
         return
-    sys.path.insert(0, HERE)
-    from common import environment
-
     import tempfile
 
     cache = tempfile.mkdtemp(prefix="attention-bench-cache-")

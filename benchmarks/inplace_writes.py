@@ -38,43 +38,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Table, Timer, environment  # noqa: E402
+from common import Table, Timer, environment, proc_status, reset_peak, settle_rss  # noqa: E402
 
 MiB = 1 << 20
 ROW = 1 << 20  # float32 elements in a row: 4 MiB
 SIZES = (16, 64, 256, 512, 1024)  # MiB
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _settle() -> int:
-    """The resident size once it stops changing: XLA:CPU frees a dead buffer on a runtime
-    thread after its last use, up to ~1 s after a synchronize (measured: 1 GiB of foreach
-    temporaries still resident right after the AdamW step, gone 1 s later)."""
-    last = None
-    for _ in range(40):
-        now = _status("VmRSS")
-        if last is not None and abs(now - last) < 4 * MiB:
-            return now
-        last = now
-        time.sleep(0.1)
-    return last
-
-
-def _reset_peak() -> bool:
-    """Reset the process's peak resident size (Linux >= 4.0); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ---- writes ----
@@ -136,14 +104,14 @@ def _measure_write(executor, size_mib, name, timer):
             call()
         if sync:
             sync()
-        base = _settle()
+        base = settle_rss()
         peak = None
-        if _reset_peak():
+        if reset_peak():
             for _ in range(3):
                 call()
                 if sync:
                     sync()
-            peak = max(_status("VmHWM") - base, 0)
+            peak = max(proc_status("VmHWM") - base, 0)
         m = timer.measure(call, sync=sync, number=5 if size_mib >= 512 and executor != "cpu"
                           else None)
     del x, state
@@ -275,7 +243,7 @@ N_PARAMS, PARAM_MIB = 8, 128
 def child_adamw(device, impl):
     n = PARAM_MIB * MiB // 4
     torch.empty(1, device=device).normal_()  # the runtime and its first program: not tensors
-    rss0 = _settle()
+    rss0 = settle_rss()
     params = [torch.nn.Parameter(torch.empty(n, device=device).normal_()) for _ in range(N_PARAMS)]
     for p in params:
         p.grad = torch.empty(n, device=device).normal_()
@@ -283,19 +251,19 @@ def child_adamw(device, impl):
                             fused=impl == "fused" or None)
     sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
     sync()
-    _reset_peak()
+    reset_peak()
     t0 = time.perf_counter()
     opt.step()  # creates the states (and compiles on tpu)
     sync()
     first_s = time.perf_counter() - t0
-    first_peak = _status("VmHWM") - rss0
-    before = _settle()
-    _reset_peak()
+    first_peak = proc_status("VmHWM") - rss0
+    before = settle_rss()
+    reset_peak()
     t0 = time.perf_counter()
     opt.step()
     sync()
     step_s = time.perf_counter() - t0
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     return {"base_mib": (before - rss0) / MiB, "step_extra_mib": (peak - before) / MiB,
             "step_peak_mib": (peak - rss0) / MiB, "first_step_peak_mib": first_peak / MiB,
             "first_s": first_s, "step_s": step_s}
