@@ -165,6 +165,7 @@ class Event(_BaseEvent):
             with self._lock:
                 if self._arrays is arrays:
                     self._time = t
+                    self._arrays = []  # done: hold no arrays (some may be ones PyTorch freed)
 
         self._thread = threading.Thread(target=waiter, daemon=True, name="torchtpu-event")
         self._thread.start()
@@ -183,6 +184,8 @@ class Event(_BaseEvent):
             _block(self._arrays)
         if self._thread is not None:
             self._thread.join()
+        elif self._arrays:
+            self._arrays = []
 
     def wait(self, stream=None) -> None:
         """Make ``stream``'s later work wait for this event: already true (data order)."""
