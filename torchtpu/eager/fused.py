@@ -26,7 +26,6 @@ import torch
 
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
-from ..runtime.inflight import drop as _drop
 from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
@@ -78,20 +77,8 @@ class PendingBuffer(_buffer.Buffer):
 
     @array.setter
     def array(self, value):
-        old = self._value
         self._value = value
         self.ref = None
-        if old is not None and old is not value:
-            _drop(old)
-
-    __setattr__ = object.__setattr__  # Buffer's hook is for its ``array`` slot
-
-    def __del__(self):
-        if self._value is not None:
-            try:
-                _drop(self._value)
-            except Exception:  # interpreter shutdown
-                pass
 
     @property
     def pending(self) -> bool:

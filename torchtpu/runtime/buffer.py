@@ -14,7 +14,6 @@ import jax
 import torch
 
 from . import dtypes
-from .inflight import drop as _drop
 
 _ATTR = "_tpu_buffer"
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -28,32 +27,16 @@ _ALIGN = 512
 
 
 class Buffer:
-    """The mutable holder of one storage's immutable jax.Array. An array it lets go of while
-    still being computed (the storage freed, the array replaced) goes to ``inflight.drop``,
-    so that ``synchronize`` still waits for it."""
+    """The mutable holder of one storage's immutable jax.Array."""
 
     __slots__ = ("array", "__weakref__")
 
     def __init__(self, array):
-        _set_array(self, array)
-
-    def __setattr__(self, name, value):
-        old = getattr(self, "array", None)
-        _set_array(self, value)
-        if old is not None and old is not value:
-            _drop(old)
-
-    def __del__(self):
-        try:
-            _drop(self.array)
-        except Exception:  # interpreter shutdown
-            pass
+        self.array = array
 
     def __repr__(self):
         return f"Buffer({self.array.shape}, {self.array.dtype})"
 
-
-_set_array = Buffer.array.__set__
 
 _next_free = [1 << 44]
 

@@ -39,7 +39,6 @@ import jax
 import torch
 
 from . import devices as _devices
-from . import inflight
 from .metrics import count
 
 _peak: dict[int, int] = {}
@@ -61,7 +60,7 @@ def live_bytes(index: int) -> tuple[int, int]:
     n = 0
     for a in jax.live_arrays():
         try:
-            if a.is_deleted() or inflight.holds(a):  # freed by PyTorch, still being computed
+            if a.is_deleted():
                 continue
             for shard in a.addressable_shards:
                 if shard.device == dev:

@@ -23,7 +23,6 @@ import time
 import jax
 import torch
 
-from . import inflight
 from .metrics import count
 
 # PyTorch's own classes (torchtpu.device.extras later puts device-dispatching ones in their place)
@@ -67,9 +66,7 @@ def _device_filter(index):
     return devices.jax_device(index)
 
 
-def _arrays(index=None, pending_only=True, dropped=True) -> list:
-    """Arrays on tpu:index (every device when None); ``pending_only``: those still being
-    computed; ``dropped``: including those PyTorch freed unfinished (inflight.py)."""
+def _arrays(index=None, pending_only=True) -> list:
     dev = _device_filter(index)
     out = []
     for arr in jax.live_arrays():
@@ -79,8 +76,6 @@ def _arrays(index=None, pending_only=True, dropped=True) -> list:
             if dev is not None and dev not in arr.devices():
                 continue
             if pending_only and arr.is_ready():
-                continue
-            if not dropped and inflight.holds(arr):
                 continue
         except Exception:
             continue
@@ -117,8 +112,7 @@ def synchronize(device=None) -> None:
     _flush()
     count("synchronize_calls")
     idx = _index_of(device)
-    _block(_arrays(idx, dropped=False), raise_oom=True)
-    inflight.wait()  # what PyTorch freed before it finished; its failures are not reported
+    _block(_arrays(idx), raise_oom=True)
     from . import memory
 
     memory.sample_peak(idx)
