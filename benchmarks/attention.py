@@ -17,7 +17,7 @@ CPU runs its own SDPA kernels (flash attention for CPU). PyTorch has no FlexAtte
 on CPU, so the CPU column of a flex row is what a CPU user runs instead: SDPA with the same
 mask made dense (a boolean (L, L) ``attn_mask`` built from the ``mask_mod``, outside the timed
 and measured step; none for flex_full). The flex rows are also compared with each other
-(causal against full).
+(causal against full), timed interleaved in one more process per length.
 
 Time: medians of repeated calls, each ending with ``torch.tpu.synchronize()``, "tpu" and CPU
 interleaved in one process per (case, length) after a warm-up call (compilation excluded).
@@ -136,6 +136,21 @@ def worker_time(case, L, repeats, devices):
     return res
 
 
+def worker_pair(L, repeats, cases):
+    """Median seconds of each "tpu" case, the cases' calls interleaved in one process: a ratio
+    between them does not depend on which state the shared host was in for each process."""
+    steps = {c: make_step(c, L, "tpu") for c in cases}
+    for s in steps.values():
+        s()
+    times = {c: [] for c in cases}
+    for _ in range(repeats):
+        for c in cases:
+            t0 = time.perf_counter()
+            steps[c]()
+            times[c].append(time.perf_counter() - t0)
+    return {c: sorted(v)[len(v) // 2] for c, v in times.items()}
+
+
 def worker_mem(case, L, dev):
     step = make_step(case, L, dev)
     before = _rss_mib("VmRSS")
@@ -175,6 +190,8 @@ def main():
         kind, case, L = a.worker[0], a.worker[1], int(a.worker[2])
         if kind == "time":
             out = worker_time(case, L, int(a.worker[3]), a.worker[4:])
+        elif kind == "pair":
+            out = worker_pair(L, int(a.worker[3]), a.worker[4:])
         else:
             out = worker_mem(case, L, a.worker[3])
         print(json.dumps(out))
@@ -219,11 +236,16 @@ def main():
         print(f"{r['case']:15s} {r['L']:6d} {cell(tt, '{:.3f}'):>8} {cell(tc, '{:.3f}'):>8} "
               f"{ratio(tt, tc):>8} {cell(mt, '{:.0f}'):>9} {cell(mc, '{:.0f}'):>9} "
               f"{ratio(mt, mc):>8}" + (f"  ({r['err']})" if r["err"] else ""))
-    by = {(r["case"], r["L"]): r["time"].get("tpu") for r in rows}
-    for L in sorted({r["L"] for r in rows}):
-        c, f = by.get(("flex_causal", L)), by.get(("flex_full", L))
-        if c and f:
-            print(f"flex causal / full at {L}: {c / f:.2f}x (target <= 0.6x)")
+    pair = ("flex_causal", "flex_full")
+    if a.only != "mem" and all(c in a.cases.split(",") for c in pair):
+        for L in sorted({r["L"] for r in rows}):
+            t, err = _spawn(["pair", "-", str(L), str(REPEATS.get(L, 2)), *pair], a.timeout)
+            if t:
+                print(f"flex causal / full at {L}: {t[pair[0]] / t[pair[1]]:.2f}x "
+                      f"({t[pair[0]]:.3f} / {t[pair[1]]:.3f} s, interleaved in one process; "
+                      "target <= 0.6x)")
+            else:
+                print(f"flex causal / full at {L}: {err}")
     print(environment())
 
 
