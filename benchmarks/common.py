@@ -93,11 +93,18 @@ class Timer:
         self.history: list[Measurement] = []  # every measurement taken, for a noise summary
 
     def _run(self, fn, number, sync):
+        # every result is held until the sync: torch.tpu.synchronize() waits only for work
+        # whose results are still alive (tests/test_synchronize_dropped.py), and a jax array is
+        # waited for by blocking on it
+        keep = []
         t0 = time.perf_counter()
         for _ in range(number):
-            fn()
+            keep.append(fn())
         if sync is not None:
             sync()
+        for r in keep:
+            if hasattr(r, "block_until_ready"):
+                r.block_until_ready()
         return time.perf_counter() - t0
 
     def measure(self, fn: Callable[[], object], sync: Callable[[], object] | None = None,

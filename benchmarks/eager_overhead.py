@@ -54,6 +54,7 @@ def bench_binary(timer: Timer, name: str, shape, op_torch, op_jax) -> dict:
 
     def run_jax():
         last["j"] = jitted(a_j, b_j)
+        return last["j"]
 
     res = {
         "tpu": timer.per_call_us(lambda: op_torch(a_tpu, b_tpu), sync=tpu_sync),

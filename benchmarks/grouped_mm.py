@@ -111,6 +111,7 @@ def jax_rows(timer, table, mem_table, cases):
 
             def run(f=f, args=args):
                 last[0] = f(*args)
+                return last[0]
 
             row[col] = timer.measure(run, sync=lambda: last[0].block_until_ready()).median_s * 1e3
             mem = f.lower(*args).compile().memory_analysis()
