@@ -119,36 +119,28 @@ def _step(fn, q, k, v, do, sync):
     return step
 
 
-def worker_time(case, L, repeats, devices):
-    res = {}
-    steps = {d: make_step(case, L, d) for d in devices}
-    for d in devices:
-        steps[d]()  # warm-up: compiles
-    times = {d: [] for d in devices}
+def _interleaved_medians(steps: dict, repeats: int) -> dict:
+    """Median seconds of each step after a warm-up call (compiles), the steps' calls
+    interleaved: every step sees the shared host in the same states."""
+    for s in steps.values():
+        s()
+    times = {k: [] for k in steps}
     for _ in range(repeats):
-        for d in devices:
+        for k, s in steps.items():
             t0 = time.perf_counter()
-            steps[d]()
-            times[d].append(time.perf_counter() - t0)
-    for d in devices:
-        ts = sorted(times[d])
-        res[d] = ts[len(ts) // 2]
-    return res
+            s()
+            times[k].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def worker_time(case, L, repeats, devices):
+    return _interleaved_medians({d: make_step(case, L, d) for d in devices}, repeats)
 
 
 def worker_pair(L, repeats, cases):
-    """Median seconds of each "tpu" case, the cases' calls interleaved in one process: a ratio
-    between them does not depend on which state the shared host was in for each process."""
-    steps = {c: make_step(c, L, "tpu") for c in cases}
-    for s in steps.values():
-        s()
-    times = {c: [] for c in cases}
-    for _ in range(repeats):
-        for c in cases:
-            t0 = time.perf_counter()
-            steps[c]()
-            times[c].append(time.perf_counter() - t0)
-    return {c: sorted(v)[len(v) // 2] for c, v in times.items()}
+    """Each "tpu" case's median in one process: a ratio between them does not depend on which
+    state the shared host was in for each process."""
+    return _interleaved_medians({c: make_step(c, L, "tpu") for c in cases}, repeats)
 
 
 def worker_mem(case, L, dev):
