@@ -163,3 +163,29 @@ def test_stream_of_another_device_selects_that_device():
     out = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True,
                          text=True, env=env, timeout=300)
     assert out.returncode == 0 and "STREAMS-OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("timing", [False, True])
+def test_a_completed_event_keeps_no_result_alive(timing):
+    """An event snapshots the arrays being computed at record(); once it has completed it
+    must not keep them alive after their tensors are freed (memory like CUDA's)."""
+    import gc
+    import weakref
+
+    from torchtpu.runtime import buffer
+
+    x = torch.randn(2048, 2048, device="tpu")
+    y = x @ x  # ~0.1 s of work: still running when the event is recorded
+    ref = weakref.ref(buffer.buffer_of(y).array)
+    ev = torch.tpu.Event(enable_timing=timing)
+    ev.record()
+    assert ref() is not None and not ref().is_ready()  # the snapshot holds it
+    ev.synchronize()
+    del y
+    gc.collect()
+    assert ref() is None
+    assert ev.query()
+    if timing:
+        end = torch.tpu.Event(enable_timing=True)
+        end.record()
+        assert ev.elapsed_time(end) >= 0

@@ -159,7 +159,7 @@ class Event(_BaseEvent):
             with self._lock:
                 if self._arrays is arrays:
                     self._time = t
-                    self._arrays = []  # done: hold no arrays (some may be ones PyTorch freed)
+                    self._arrays = []  # done: keep no result alive past its tensors
 
         self._thread = threading.Thread(target=waiter, daemon=True, name="torchtpu-event")
         self._thread.start()
