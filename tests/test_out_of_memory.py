@@ -159,6 +159,9 @@ def test_eager_op_transfer_fused_and_compiled_raise_out_of_memory():
         for k, msg in cases.items():
             print(k, msg)
             assert msg.startswith("TPU out of memory. Tried to allocate "), (k, msg)
+            # what is held is `a` (16 MiB), never the 512 MiB output that failed to allocate
+            held = msg.split("Of the allocated memory ")[1].split(" is allocated by PyTorch")[0]
+            assert held == "16.00 MiB", (k, msg)
         assert set(cases) == {"eager", "transfer", "compiled", "fused"}, cases
         unlimit()
         assert torch.equal(a.cpu(), snapshot)

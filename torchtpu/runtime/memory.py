@@ -53,14 +53,27 @@ def _pjrt_stats(index: int):
     return s or None
 
 
-def live_bytes(index: int) -> tuple[int, int]:
-    """(bytes, number of arrays) alive on tpu:index, counted from jax's live arrays."""
+def _failed(a) -> bool:
+    """Whether ``a`` is the output of a program that failed (it holds no memory)."""
+    try:
+        if not a.is_ready():
+            return False
+        a.block_until_ready()
+    except Exception:  # noqa: BLE001 - the program's error, raised again on every read
+        return True
+    return False
+
+
+def live_bytes(index: int, skip_failed: bool = False) -> tuple[int, int]:
+    """(bytes, number of arrays) alive on tpu:index, counted from jax's live arrays;
+    ``skip_failed``: leave out the outputs of programs that failed (an out-of-memory message
+    must not count the allocation that failed as held)."""
     dev = _devices.jax_device(index)
     total = 0
     n = 0
     for a in jax.live_arrays():
         try:
-            if a.is_deleted():
+            if a.is_deleted() or (skip_failed and _failed(a)):
                 continue
             for shard in a.addressable_shards:
                 if shard.device == dev:
@@ -341,7 +354,9 @@ def oom_error(exc: BaseException, index: int | None = None, nbytes: int | None =
     i = _devices.current_index() if index is None else index
     try:
         free, total = mem_get_info(i)
-        held = memory_allocated(i)
+        s = _pjrt_stats(i)  # an allocator's count never includes the allocation that failed
+        held = (int(s["bytes_in_use"]) if s is not None and "bytes_in_use" in s
+                else live_bytes(i, skip_failed=True)[0])
     except Exception:  # noqa: BLE001 - the message is best effort, the error type is not
         free = total = held = None
     parts = ["TPU out of memory."]
