@@ -71,12 +71,10 @@ def test_the_gated_program_really_runs_after_its_tensor_is_freed():
     arr.block_until_ready()
 
 
-@pytest.mark.xfail(strict=True, reason=_GAP)
 def test_synchronize_waits_for_work_whose_results_were_freed():
     assert not _returns_before_release(torch.tpu.synchronize)
 
 
-@pytest.mark.xfail(strict=True, reason=_GAP)
 def test_event_waits_for_work_whose_results_were_freed():
     def record_and_wait():
         ev = torch.tpu.Event()

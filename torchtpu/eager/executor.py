@@ -29,7 +29,7 @@ from . import rng as _rng
 
 Tensor = torch.Tensor
 _NP = {k: np.dtype(v) for k, v in _T2J.items()}
-_wrap = _buffer.wrap
+_wrap = _buffer.wrap_noted  # every output here is a Program's, which inflight.note has seen
 _default_dtype = torch.get_default_dtype
 
 # kinds of kernel, derived from the schema at registration

@@ -14,6 +14,7 @@ import jax
 import torch
 
 from . import dtypes
+from .inflight import note as _inflight_note
 
 _ATTR = "_tpu_buffer"
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -88,6 +89,12 @@ wrap_multi = None
 
 def wrap(array, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new tpu tensor (contiguous, offset 0) whose storage holds ``array``."""
+    _inflight_note(array)  # synchronize waits for it even once the tensor is freed
+    return wrap_noted(array, dtype)
+
+
+def wrap_noted(array, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``wrap`` for an array ``inflight.note`` has seen (a Program's output)."""
     shape, dt, strides, nbytes = _meta(array.shape, array.dtype)
     if dtype is not None and dtype != dt:
         nbytes = nbytes // dt.itemsize * dtype.itemsize

@@ -39,6 +39,7 @@ import jax
 import torch
 
 from . import devices as _devices
+from . import inflight as _inflight
 from .metrics import count
 
 _peak: dict[int, int] = {}
@@ -68,12 +69,13 @@ def live_bytes(index: int, skip_failed: bool = False) -> tuple[int, int]:
     """(bytes, number of arrays) alive on tpu:index, counted from jax's live arrays;
     ``skip_failed``: leave out the outputs of programs that failed (an out-of-memory message
     must not count the allocation that failed as held)."""
+    _inflight.clear()  # freed arrays it held until done are no longer counted once done
     dev = _devices.jax_device(index)
     total = 0
     n = 0
     for a in jax.live_arrays():
         try:
-            if a.is_deleted() or (skip_failed and _failed(a)):
+            if a.is_deleted() or _inflight.holds(a) or (skip_failed and _failed(a)):
                 continue
             for shard in a.addressable_shards:
                 if shard.device == dev:

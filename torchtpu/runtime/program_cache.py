@@ -52,6 +52,7 @@ from jax.core import ShapedArray
 
 from . import custom_calls as _custom_calls
 from . import disk_cache as _disk
+from .inflight import note as _inflight_note
 from . import prefetch as _prefetch
 from .ir_context import install as _install_ir_context
 from .metrics import count
@@ -415,14 +416,19 @@ class Program:
         c = self._last
         if c is not None:
             try:
-                return c(*flat)
+                out = c(*flat)
             except TypeError:
                 if any(isinstance(a, jax.core.Tracer) for a in flat):  # inside a trace
                     return jax.jit(self.fn, **self.jit_kwargs)(*flat)
                 self._fails += 1
                 if self._fails >= _MAX_FAILS:
                     self._last = None
-        return self._lookup(flat)
+            else:
+                _inflight_note(out)  # synchronize waits for it even once it is freed
+                return out
+        out = self._lookup(flat)
+        _inflight_note(out)
+        return out
 
     def _lookup(self, flat):
         c = self.by_sig.get(signature(flat))

@@ -9,6 +9,8 @@ model, then:
   select the current one, device/tpu_module.py), but all of a device's work runs on that one
   in-order queue whichever is selected. ``wait_event``/``wait_stream`` need no work: later ops
   already see the results they depend on.
+- ``synchronize()`` waits for every device array still being computed: the live ones, and
+  those whose tensors were freed first, which runtime/inflight.py holds until they are done.
 - ``Event.record()`` snapshots the device arrays still being computed at that moment. The
   event is complete when all of them are ready. With ``enable_timing=True`` a helper thread
   waits for them and stamps the time they became ready, so ``elapsed_time`` measures real
@@ -23,6 +25,7 @@ import time
 import jax
 import torch
 
+from . import inflight
 from .metrics import count
 
 # PyTorch's own classes (torchtpu.device.extras later puts device-dispatching ones in their place)
@@ -113,6 +116,10 @@ def synchronize(device=None) -> None:
     count("synchronize_calls")
     idx = _index_of(device)
     _block(_arrays(idx), raise_oom=True)
+    # and work whose results were all freed: nothing can read what a failed one made, and the
+    # same failure reaches whoever reads a result that depends on it, so it is not raised here
+    _block(inflight.pending(_device_filter(idx)))
+    inflight.clear()
     from . import memory
 
     memory.sample_peak(idx)
@@ -143,7 +150,7 @@ class Event(_BaseEvent):
     def record(self, stream=None) -> None:
         _flush()
         idx = stream.device_index if stream is not None else _index_of(self._device_arg)
-        arrays = _arrays(idx)
+        arrays = _arrays(idx) + inflight.pending(_device_filter(idx))
         self._arrays = arrays
         self._time = None
         self._thread = None
@@ -171,6 +178,8 @@ class Event(_BaseEvent):
         done = all(a.is_deleted() or a.is_ready() for a in self._arrays)
         if done and not self.enable_timing:
             self._arrays = []
+        if done:
+            inflight.clear()  # what finished is let go of (memory like CUDA's)
         return done
 
     def synchronize(self) -> None:
@@ -180,6 +189,7 @@ class Event(_BaseEvent):
             self._thread.join()
         elif self._arrays:
             self._arrays = []
+        inflight.clear()
 
     def wait(self, stream=None) -> None:
         """Make ``stream``'s later work wait for this event: already true (data order)."""
