@@ -1,9 +1,9 @@
-"""Known gap: ``torch.tpu.synchronize()`` and ``Event`` wait only for work whose results are
-still held. A program whose every output was freed before it finished keeps running in PJRT,
-but ``jax.live_arrays()`` (what runtime/sync.py blocks on) no longer lists it, so a loop like
-``for _ in range(n): y = x @ x`` timed with a synchronize at the end measures dispatch, not
-work (CUDA's synchronize waits for every queued kernel). Strict xfails: they pass, and fail the
-suite, once synchronize waits for such work.
+"""``torch.tpu.synchronize()`` and ``Event`` wait for work whose results were freed before it
+finished, as CUDA's do. Such a program keeps running in PJRT, but ``jax.live_arrays()`` no
+longer lists its outputs; runtime/inflight.py keeps a handle on them until they are done, so a
+loop like ``for _ in range(n): y = x @ x`` timed with a synchronize at the end measures the
+work, not its dispatch. The handle must not cost a donation (a reference to the array would
+make the executors copy instead of writing in place) nor count as allocated memory.
 
 Deterministic: the work is a program whose host callback blocks until the test releases it
 (its input is a matmul still being computed when it is dispatched, so XLA:CPU queues it rather
@@ -21,11 +21,6 @@ import pytest
 import torch
 
 from torchtpu.runtime import buffer
-
-_GAP = ("synchronize/Event wait only for live arrays: work whose results were all freed is "
-        "not waited for (a fix that held such arrays crashed tests/test_out_of_memory.py's "
-        "recovery after out-of-memory; see docs/ARCHITECTURE.md, runtime)")
-
 
 def _gated(n: int):
     """(a tpu tensor of n float32 ones whose program blocks until the gate is set, gate)."""
@@ -82,3 +77,43 @@ def test_event_waits_for_work_whose_results_were_freed():
         ev.synchronize()
 
     assert not _returns_before_release(record_and_wait)
+
+
+def _running_matmul():
+    """(x, y = x @ x still being computed, the handle runtime/inflight.py keeps on y, the
+    memory allocated before y)."""
+    from torchtpu.runtime import inflight
+
+    x = torch.randn(2048, 2048, device="tpu")
+    (x @ x).cpu()  # compiled: the next call only dispatches
+    torch.tpu.synchronize()
+    assert not inflight._held
+    base = torch.tpu.memory_allocated()
+    y = x @ x  # ~0.1 s of work
+    if buffer.buffer_of(y).array.is_ready():
+        pytest.skip("the matmul finished before it could be observed running")
+    (h,) = inflight._held
+    assert h is not buffer.buffer_of(y).array and not h.is_ready()
+    return x, y, h, base
+
+
+def test_the_kept_handle_does_not_stop_a_donation():
+    """An in-place op on a result still being computed writes into its buffer (the reference
+    counts that decide donation do not see the handle); the handle goes with the donation."""
+    x, y, h, _ = _running_matmul()
+    want = (x.cpu() @ x.cpu()) + 1.0
+    y.add_(1.0)
+    assert h.is_deleted()
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-3)
+
+
+def test_a_freed_result_is_not_counted_as_allocated_while_it_is_computed():
+    from torchtpu.runtime import inflight
+
+    x, y, h, base = _running_matmul()
+    assert torch.tpu.memory_allocated() - base >= 2048 * 2048 * 4  # y, counted once
+    assert torch.tpu.memory_allocated() - base < 2 * 2048 * 2048 * 4
+    del y
+    assert torch.tpu.memory_allocated() - base < 2048 * 2048 * 4  # freed, as on CUDA
+    torch.tpu.synchronize()
+    assert h.is_ready() and not inflight._held  # let go of once done
