@@ -93,9 +93,9 @@ class Timer:
         self.history: list[Measurement] = []  # every measurement taken, for a noise summary
 
     def _run(self, fn, number, sync):
-        # every result is held until the sync: torch.tpu.synchronize() waits only for work
-        # whose results are still alive (tests/test_synchronize_dropped.py), and a jax array is
-        # waited for by blocking on it
+        # every result is held until the sync and each jax array blocked on: the raw JAX
+        # columns have no synchronize that sees work whose results were freed (torch.tpu's
+        # does, runtime/inflight.py), and holding them all keeps the columns alike
         keep = []
         t0 = time.perf_counter()
         for _ in range(number):
