@@ -70,11 +70,13 @@ def _device_filter(index):
 
 
 def _arrays(index=None, pending_only=True) -> list:
+    """Live arrays on tpu:index (every device when None), not inflight.py's handles on results
+    that were freed; ``pending_only``: those still being computed."""
     dev = _device_filter(index)
     out = []
     for arr in jax.live_arrays():
         try:
-            if arr.is_deleted():
+            if arr.is_deleted() or inflight.holds(arr):
                 continue
             if dev is not None and dev not in arr.devices():
                 continue
