@@ -28,14 +28,15 @@ define dedupe_venvs
 -@if command -v hardlink >/dev/null; then hardlink -t -f -s 16K -x '\.pyc?$$' $$(for d in $(VENV_DIRS); do test -d $$d && echo $$d; done) | grep -E '^(Linked|Saved):' | tr -s ' ' | paste -sd' ' | sed 's/^/venv dedupe: /'; fi
 endef
 
-.PHONY: all venv venv-litert venv-vllm venv-sglang venv-verl demo demo-cpu test bench clean help
+.PHONY: all venv venv-litert venv-vllm venv-sglang venv-verl demo demo-cpu test lint-imports docs bench clean help
 
 all: help
 
 help:
 	@echo "make demo       train a small GPT on device tpu (creates $(VENV) if needed)"
 	@echo "make demo-cpu   the same run on PyTorch CPU eager, for comparison"
-	@echo "make test       run the test suite"
+	@echo "make test       check the layers contract (lint-imports), then run the test suite"
+	@echo "make docs       build the docs site (docs/, mkdocs) into site/"
 	@echo "make bench      per-op eager overhead: tpu vs PyTorch CPU vs raw JAX"
 	@echo "make venv       only create $(VENV) and install torchtpu (editable) into it"
 	@echo "make venv-litert  create $(LITERT_VENV): LiteRT (torchtpu[litert]) over $(VENV), for tests/test_litert.py"
@@ -161,11 +162,19 @@ demo-cpu: $(STAMP)
 
 # the LiteRT, vLLM, SGLang and VeRL tests (tests/test_litert.py, test_vllm.py, test_sglang.py,
 # test_verl.py) run in their own venvs: make them first
-test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(VERL_STAMP)
+test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(VERL_STAMP) lint-imports
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
+
+# the layers as a contract (.importlinter): no upward import, no cycle (tests/test_layers.py)
+lint-imports: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
+
+# the docs site (mkdocs.yml: README.md and docs/) into site/; offline, nothing published
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LITERT_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(VERL_VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LITERT_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(VERL_VENV) build dist *.egg-info .pytest_cache site .grimp_cache

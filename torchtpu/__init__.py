@@ -3,9 +3,9 @@
 ``import torch`` loads this through the ``torch.backends`` entry point; set
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` to turn that off and ``import torchtpu`` explicitly.
 """
-from __future__ import annotations
+from ._version import __version__
 
-__version__ = "0.1.0"
+__all__ = ["__version__"]
 
 
 def _autoload() -> None:
@@ -25,6 +25,13 @@ from .distributed import register as _register_distributed  # noqa: E402
 
 _register_distributed()  # c10d backend "tpu_dist"; joins a cluster lazily
 
+
+# torch.tpu.ops: the ops layer sits above the device layer (its ops register kernels for
+# "tpu"), so it is attached to torch.tpu here rather than imported by device/tpu_module.py
+from . import ops as _ops  # noqa: E402
+from .device import tpu_module as _tpu_module  # noqa: E402
+
+_tpu_module.ops = _ops
 
 from .integrations import install as _install_integrations  # noqa: E402
 

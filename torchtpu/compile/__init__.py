@@ -18,6 +18,8 @@ import torch
 
 from . import compiler  # noqa: F401
 
+__all__ = ["compiler", "register_backend"]
+
 _registered = [False]
 
 

@@ -28,6 +28,15 @@ from ..runtime.metrics import count
 from . import cache as _cache
 
 
+# backend.py's CompiledGraph, which a GraphCode builds; backend.py registers it (it imports this
+# module, so this one cannot import it)
+_graph_type: list = [None]
+
+
+def register_graph_type(cls) -> None:
+    _graph_type[0] = cls
+
+
 def _source_fingerprint() -> str:
     from ..runtime.program_cache import source_fingerprint
 
@@ -49,9 +58,7 @@ class GraphCode(OutputCode):
 
     def __init__(self, gm: torch.fx.GraphModule, name: str, opts: dict):
         super().__init__()
-        from .backend import CompiledGraph
-
-        self._graph = CompiledGraph(gm, None, name, opts)
+        self._graph = _graph_type[0](gm, None, name, opts)
         self._name = name
         self._opts = opts
         self._pickled_gm: bytes | None = None
@@ -73,12 +80,10 @@ class GraphCode(OutputCode):
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx._graph_pickler import GraphPickler
 
-        from .backend import CompiledGraph
-
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         gm = GraphPickler.loads(self._pickled_gm, fake_mode)
         gm.recompile()
-        self._graph = CompiledGraph(gm, None, self._name, self._opts)
+        self._graph = _graph_type[0](gm, None, self._name, self._opts)
         count("aot_cache_loads")
 
     def set_triton_bundle(self, triton_bundle) -> None:

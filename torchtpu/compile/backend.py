@@ -469,6 +469,9 @@ class CompiledGraph:
                       self._run.check_info)
 
 
+_aot_cache.register_graph_type(CompiledGraph)
+
+
 def _pad_host(x, dims, vals, buckets, fill=None):
     """numpy ``x`` padded along ``dims`` ((dim, c * (s + k))) from the real sizes ``vals`` to
     the bucket sizes ``buckets``, as ``(c, s + k) -> (c, S + k)``."""

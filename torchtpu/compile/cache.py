@@ -28,7 +28,7 @@ _MAGIC_G = b"TORCHTPU-XLA-GRAPH-3\n"  # 3: graph entries record their custom-cal
 def _env_fingerprint() -> str:
     import jaxlib
 
-    from .. import __version__
+    from .._version import __version__
 
     from ..runtime import devices as _devices
 

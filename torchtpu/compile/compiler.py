@@ -1,6 +1,4 @@
 """``torch.tpu.compiler``: the compile backend's user-facing knobs (TorchTPU's names)."""
-from __future__ import annotations
-
 from .options import custom_compiler_options, get_custom_compiler_options  # noqa: F401
 from .options import set_dynamic_buckets  # noqa: F401
 

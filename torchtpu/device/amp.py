@@ -1,24 +1,22 @@
 """``torch.tpu.amp``: the names of ``torch.cuda.amp`` for device "tpu", so a script written
 against ``torch.cuda.amp.autocast()`` / ``GradScaler()`` runs with only the device string
 changed. Each is PyTorch's device-generic ``torch.amp`` object bound to "tpu"."""
-from __future__ import annotations
+import functools as _functools
 
-import functools
-
-import torch
+import torch as _torch
 
 __all__ = ["autocast", "GradScaler", "custom_fwd", "custom_bwd"]
 
 
-class autocast(torch.amp.autocast):
+class autocast(_torch.amp.autocast):
     """``torch.amp.autocast("tpu", ...)`` (the dtype defaults to the tpu autocast dtype)."""
 
-    def __init__(self, enabled: bool = True, dtype: torch.dtype | None = None,
+    def __init__(self, enabled: bool = True, dtype: _torch.dtype | None = None,
                  cache_enabled: bool = True):
         super().__init__("tpu", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
 
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(_torch.amp.GradScaler):
     """``torch.amp.GradScaler("tpu", ...)``."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -28,5 +26,5 @@ class GradScaler(torch.amp.GradScaler):
                          enabled=enabled)
 
 
-custom_fwd = functools.partial(torch.amp.custom_fwd, device_type="tpu")
-custom_bwd = functools.partial(torch.amp.custom_bwd, device_type="tpu")
+custom_fwd = _functools.partial(_torch.amp.custom_fwd, device_type="tpu")
+custom_bwd = _functools.partial(_torch.amp.custom_bwd, device_type="tpu")

@@ -38,7 +38,7 @@ def _tpu_index(device, default_current=True):
         device = torch.device(device)
     if isinstance(device, torch.device) and device.type == "tpu":
         if device.index is None:
-            from . import tpu_module
+            tpu_module = _device_module[0]
 
             return tpu_module.current_device() if default_current else 0
         return device.index
@@ -478,7 +478,7 @@ def _wrap_accelerator() -> None:
         @functools.wraps(orig_set_stream)
         def set_stream(stream):
             if getattr(stream, "device_type", None) == sync._PRIVATEUSE1:
-                from . import tpu_module
+                tpu_module = _device_module[0]
 
                 return tpu_module.set_stream(stream)
             return orig_set_stream(stream)
@@ -524,7 +524,7 @@ def _wrap_accelerator() -> None:
 
 
 def _tpu_stream(index):
-    from . import tpu_module
+    tpu_module = _device_module[0]
 
     return tpu_module.current_stream(index)
 
@@ -535,7 +535,7 @@ def _acc_wrapper(orig, fn):
         if _acc_is_tpu():
             if isinstance(device_index, (str, torch.device)):
                 device_index = _tpu_index(device_index)
-            from . import tpu_module
+            tpu_module = _device_module[0]
 
             idx = tpu_module.current_device() if device_index is None else device_index
             return fn(idx)
@@ -623,7 +623,13 @@ def _install_kernels() -> None:
 
 # ---------------------------------------------------------------- install
 
-def install() -> None:
+# torch.tpu (device/tpu_module.py), passed in by device/registration.py: tpu_module imports this
+# module (its default generators), so this one cannot import it
+_device_module: list = [None]
+
+
+def install(device_module) -> None:
+    _device_module[0] = device_module
     torch.Generator = Generator
     torch.Event = Event
     torch.Stream = Stream

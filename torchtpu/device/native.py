@@ -156,9 +156,8 @@ def install_pinned_hooks() -> None:
                 "torchtpu's pinned-memory hooks (needed by PyTorch for DistributedDataParallel "
                 "with find_unused_parameters=True or static_graph=True on device 'tpu') are "
                 f"built for Linux only, not {sys.platform}; " + _AVOID)
-        from . import registration
-
-        registration.register()  # torch's Python hooks first: we re-type them in place
+        # torch's Python hooks exist: the package root registered the device (device/
+        # registration.py) before any of its modules could run; we re-type them in place
         path = library_path()
         t0 = time.perf_counter()
         built = _build_locked(path)

@@ -60,7 +60,7 @@ def register() -> None:
 
     from . import extras
 
-    extras.install()
+    extras.install(tpu_module)
     from . import module_apply
 
     module_apply.install()  # module.to("tpu") keeps Parameter objects (weight tying)

@@ -1,12 +1,10 @@
 """``torch.tpu``: the device module PyTorch finds for device type "tpu" (TorchTPU's names)."""
-from __future__ import annotations
 
-import functools
-import os
-import threading
+import os as _os
+import threading as _threading
 
-import jax
-import torch
+import jax as _jax
+import torch as _torch
 
 from ..eager import fallback as _fallback
 from ..eager import modes as _modes
@@ -30,7 +28,7 @@ def is_available() -> bool:
     CPU backend at least), so a process of a multi-process job that asks (libraries do at
     import) can still join its job before the backend is created; a named platform
     (TORCHTPU_PLATFORM=tpu/gpu) is checked by creating it."""
-    if not _devices.backend_created() and os.environ.get(
+    if not _devices.backend_created() and _os.environ.get(
             "TORCHTPU_PLATFORM", "").strip().lower() in ("", "cpu"):
         return True
     try:
@@ -70,8 +68,8 @@ def _index(device) -> int:
     if isinstance(device, int):
         return device
     if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
+        device = _torch.device(device)
+    if isinstance(device, _torch.device):
         if device.type != "tpu":
             raise ValueError(f"Expected a tpu device, but got: {device}")
         return _current[0] if device.index is None else device.index
@@ -177,7 +175,7 @@ def get_device_properties(device=None) -> _DeviceProperties:
 
 
 def get_amp_supported_dtype():
-    return [torch.bfloat16, torch.float16]
+    return [_torch.bfloat16, _torch.float16]
 
 
 def _get_device_index(device, optional=False):
@@ -218,7 +216,7 @@ def memory_summary(device=None, abbreviated: bool = False) -> str:
 
 
 _streams: dict = {}  # device index -> its default stream (stream_id 0)
-_tls = threading.local()  # .current: {device index: stream} (per thread, as CUDA's)
+_tls = _threading.local()  # .current: {device index: stream} (per thread, as CUDA's)
 
 
 def default_stream(device=None) -> Stream:
@@ -248,7 +246,7 @@ def current_stream(device=None) -> Stream:
 def _as_tpu_stream(stream) -> Stream:
     if isinstance(stream, Stream):
         return stream
-    if isinstance(stream, torch.Stream) and stream.device.type == "tpu":
+    if isinstance(stream, _torch.Stream) and stream.device.type == "tpu":
         return Stream(stream_id=stream.stream_id, device_index=stream.device_index,
                       device_type=stream.device_type)
     raise ValueError(f"Expected a tpu stream, but got: {stream!r}")
@@ -356,7 +354,7 @@ def initial_seed() -> int:
     return _rng.default_state(_current[0]).seed
 
 
-def get_rng_state(device="tpu") -> torch.Tensor:
+def get_rng_state(device="tpu") -> _torch.Tensor:
     return _rng.default_state(_index(device)).get_state()
 
 
@@ -421,7 +419,7 @@ class precision:
 
     def __new__(cls, p=None):
         if p is None:
-            cur = jax.config.jax_default_matmul_precision
+            cur = _jax.config.jax_default_matmul_precision
             if cur is None:
                 return Precision.DEFAULT
             for m in Precision:
@@ -429,16 +427,16 @@ class precision:
                     return m
             return Precision.DEFAULT
         self = object.__new__(cls)
-        self.prev = jax.config.jax_default_matmul_precision
+        self.prev = _jax.config.jax_default_matmul_precision
         self.new = Precision(p) if not isinstance(p, Precision) else p
-        jax.config.update("jax_default_matmul_precision", self.new.value)
+        _jax.config.update("jax_default_matmul_precision", self.new.value)
         return self
 
     def __enter__(self):
         return self.new
 
     def __exit__(self, *exc):
-        jax.config.update("jax_default_matmul_precision", self.prev)
+        _jax.config.update("jax_default_matmul_precision", self.prev)
         return False
 
 
@@ -446,7 +444,7 @@ def _get_enable_cpu_fallback() -> bool:
     return _fallback.enabled()
 
 
-class _Module(type(torch)):
+class _Module(type(_torch)):
     """Module type that gives ``torch.tpu`` settable properties."""
 
     @property
@@ -470,7 +468,6 @@ from .. import pallas  # noqa: E402  (torch.tpu.pallas.jax_op)
 from . import amp  # noqa: E402  (torch.tpu.amp: torch.cuda.amp's names)
 from .. import profiler  # noqa: E402  (torch.tpu.profiler; hooks torch.profiler for "tpu")
 from .. import export  # noqa: E402  (torch.tpu.export: ExportedProgram -> StableHLO)
-from .. import ops  # noqa: E402  (torch.tpu.ops: custom kernels, TorchTPU's names)
 
 import sys as _sys
 

@@ -6,7 +6,7 @@ collective is a cached SPMD XLA program over a mesh of the group's devices (``co
 registers the backend and the lazy-bootstrap hook; nothing joins a cluster until
 ``init_process_group`` or the first device use in a job with ``WORLD_SIZE`` > 1.
 """
-from __future__ import annotations
+__all__ = ["register"]
 
 _done = [False]
 

@@ -123,15 +123,16 @@ def assign(dst: torch.Tensor, value) -> None:
 
 
 def _executor():
-    ex = _EXECUTOR[0]
-    if ex is None:
-        from . import executor as ex
-
-        _EXECUTOR[0] = ex
-    return ex
+    return _EXECUTOR[0]
 
 
-_EXECUTOR = [None]  # eager/executor.py imports this module
+# eager/executor.py (which imports this module, so this one cannot import it), registered by
+# eager/kernels.py when it binds the executors: bind_executor
+_EXECUTOR = [None]
+
+
+def bind_executor(executor) -> None:
+    _EXECUTOR[0] = executor
 
 
 def assign_out(out: torch.Tensor, value, op_name: str) -> None:
@@ -246,8 +247,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     src_tpu = src.device.type == "tpu"
     if dst_tpu and src_tpu:
         if _recording() and (src.device.index or 0) == (dst.device.index or 0):
-            from . import executor  # a recorded copy keeps the fused graph uncut
-
+            executor = _executor()  # a recorded copy keeps the fused graph uncut
             executor.run(executor.copy_lowering(), executor.DIRECT_INPLACE, (dst, src), {})
             return dst
         v = value_of(src)

@@ -17,6 +17,8 @@ from . import copy as _copy
 from . import executor
 from .dynamo_skip import skip
 
+_copy.bind_executor(executor)  # copy.py's writes read the executor's donation settings
+
 aten = torch.ops.aten
 _lib = torch.library.Library("aten", "IMPL")
 _libs = {"aten": _lib}  # one IMPL library per op namespace (aten, prims, ...)

@@ -9,3 +9,6 @@ from .stablehlo import (  # noqa: F401
     exported_program_to_stablehlo,
     load,
 )
+
+__all__ = ["ExportError", "StableHLOExportOptions", "StableHLOGraphModule", "export_function",
+           "exported_program_to_stablehlo", "load", "to_litert"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 
-from . import bind, patch, skipped, tpu_is_accelerator, when_imported
+from .hooks import bind, patch, skipped, tpu_is_accelerator, when_imported
 
 
 def torch_cuda_available() -> bool:

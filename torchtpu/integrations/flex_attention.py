@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from . import patch, when_imported
+from .hooks import patch, when_imported
 
 
 def _validate(orig):

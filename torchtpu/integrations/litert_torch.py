@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 
-from . import bind, patch, when_imported
+from .hooks import bind, patch, when_imported
 
 
 def _on_tpu(module, args, kwargs) -> bool:

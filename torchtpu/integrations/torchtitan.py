@@ -106,6 +106,6 @@ def install() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     if __package__:  # not when a CPU reference loads this file alone for the finder above
-        from . import when_imported
+        from .hooks import when_imported
 
         when_imported(SCATTER_ADD, _lower_scatter_add)

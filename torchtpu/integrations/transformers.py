@@ -42,7 +42,7 @@ import inspect
 import os
 import warnings
 
-from . import bind, patch, skipped, tpu_is_accelerator, when_imported
+from .hooks import bind, patch, skipped, tpu_is_accelerator, when_imported
 
 CPU_PLATFORM_MEMORY_PERCENT = 0.1
 CB_COMPILE_LEVEL = int(os.environ.get("TORCHTPU_CB_COMPILE_LEVEL", "1"))

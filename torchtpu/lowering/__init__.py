@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     elementwise,
     factories,
     fft,
+    flex_attention,  # fills hops.HOPS
     foreach,
     graph_ops,
     grouped_mm,

@@ -37,7 +37,6 @@ def get(hop):
     """The lowering of a higher-order op, or None."""
     if not _filled[0]:  # not "if not HOPS": a module may have registered one of its own already
         _filled[0] = True
-        from . import flex_attention  # noqa: F401  (fills HOPS)
         _register_functionalized()
     return HOPS.get(hop)
 

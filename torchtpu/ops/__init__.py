@@ -10,20 +10,18 @@ portable JAX lowering runs everywhere else.
 One module per op family; every public name a module lists in ``__all__`` is re-exported here
 (modules are found on the package path, so adding a family edits nothing else).
 """
-from __future__ import annotations
-
-import importlib
-import pkgutil
+import importlib as _importlib
+import pkgutil as _pkgutil
 
 __all__: list = []
 
 
 
 def _load_families() -> None:
-    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    for m in sorted(_pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if m.name.startswith("_"):
             continue
-        mod = importlib.import_module(f"{__name__}.{m.name}")
+        mod = _importlib.import_module(f"{__name__}.{m.name}")
         for name in getattr(mod, "__all__", ()):
             globals()[name] = getattr(mod, name)
             __all__.append(name)

@@ -35,25 +35,26 @@ Keyword options (TorchTPU's):
 - ``fake``: ``fake(*tensors)`` gives the outputs' shapes and dtypes (FakeTensors / meta) instead
   of ``jax.eval_shape(fn)`` (for ``fn`` whose tracing is expensive or needs concrete values).
 """
-from __future__ import annotations
+import functools as _functools
 
-import functools
+import jax as _jax
+import jax.numpy as _jnp
+import numpy as _np
+import torch as _torch
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import torch
+from ..eager.dynamo_skip import skip as _skip
+from ..runtime.dtypes import to_jax as _to_jax
+from ..runtime.dtypes import to_torch as _to_torch
 
-from ..eager.dynamo_skip import skip
-from ..runtime.dtypes import to_jax, to_torch
+__all__ = ["NAMESPACE", "jax_op"]
 
 NAMESPACE = "tpu_jax"
-_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib = _torch.library.Library(NAMESPACE, "FRAGMENT")
 _ops: dict = {}
 
 
 def _specs(tensors):
-    return [jax.ShapeDtypeStruct(tuple(t.shape), to_jax(t.dtype)) for t in tensors]
+    return [_jax.ShapeDtypeStruct(tuple(t.shape), _to_jax(t.dtype)) for t in tensors]
 
 
 def _as_tuple(out):
@@ -74,8 +75,8 @@ def _run(jitted, tensors):
         outs = _as_tuple(jitted(*[_copy.value_of(t) for t in tensors]))
         return [_buffer.wrap(o) for o in outs]
     if devs == {"cpu"}:
-        cpu = jax.devices("cpu")[0]
-        vals = [jax.device_put(np.asarray(_np_of(t)), cpu) for t in tensors]
+        cpu = _jax.devices("cpu")[0]
+        vals = [_jax.device_put(_np.asarray(_np_of(t)), cpu) for t in tensors]
         outs = _as_tuple(jitted(*vals))
         return [_copy.device_to_host(o) for o in outs]
     raise RuntimeError(
@@ -87,17 +88,17 @@ def _np_of(t):
     from ..eager import copy as _copy
 
     t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
+    if t.dtype == _torch.bfloat16:
         import ml_dtypes
 
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(_torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
 
 def _fake(fn_specs, tensors):
-    outs = _as_tuple(jax.eval_shape(fn_specs, *_specs(tensors)))
-    dev = tensors[0].device if tensors else torch.device("tpu")
-    return [torch.empty(o.shape, dtype=to_torch(o.dtype), device=dev) for o in outs]
+    outs = _as_tuple(_jax.eval_shape(fn_specs, *_specs(tensors)))
+    dev = tensors[0].device if tensors else _torch.device("tpu")
+    return [_torch.empty(o.shape, dtype=_to_torch(o.dtype), device=dev) for o in outs]
 
 
 def _split(n, donate):
@@ -143,7 +144,7 @@ def jax_op(name: str, fn=None, *, donate_argnums=(), mesh=None, in_specs=None,
     qual_vjp = f"{NAMESPACE}::{name}_vjp"
     _lib.define(f"{name}(Tensor[] args) -> Tensor[]")
     _lib.define(f"{name}_vjp(Tensor[] args, Tensor[] cotangents) -> Tensor[]")
-    fwd = jax.jit(fn)
+    fwd = _jax.jit(fn)
     single = [None]  # does fn return one array? (set by the kernels, which see the result)
 
     def note(outs):
@@ -153,22 +154,22 @@ def jax_op(name: str, fn=None, *, donate_argnums=(), mesh=None, in_specs=None,
 
     def vjp_fn(n_args, *vals):
         primals, cts = vals[:n_args], vals[n_args:]
-        out, pullback = jax.vjp(fn, *primals)
+        out, pullback = _jax.vjp(fn, *primals)
         outs = _as_tuple(out)
         cts = tuple(c.astype(o.dtype) for c, o in zip(cts, outs))
         grads = pullback(cts if isinstance(out, (tuple, list)) else cts[0])
-        return tuple(jnp.zeros(p.shape, p.dtype) if g is None or g.dtype == jax.dtypes.float0
+        return tuple(_jnp.zeros(p.shape, p.dtype) if g is None or g.dtype == _jax.dtypes.float0
                      else g for g, p in zip(grads, primals))
 
-    @functools.lru_cache(maxsize=None)
+    @_functools.lru_cache(maxsize=None)
     def bwd_jitted(n_args):
-        return jax.jit(functools.partial(vjp_fn, n_args))
+        return _jax.jit(_functools.partial(vjp_fn, n_args))
 
-    @skip
+    @_skip
     def impl(args):
         return _run(lambda *a: note(fwd(*a)), list(args))
 
-    @skip
+    @_skip
     def impl_vjp(args, cotangents):
         args = list(args)
         try:
@@ -188,15 +189,15 @@ def jax_op(name: str, fn=None, *, donate_argnums=(), mesh=None, in_specs=None,
             outs = fake(*args)
             note(outs)
             return list(_as_tuple(outs))
-        note(jax.eval_shape(fn, *_specs(args)))
+        note(_jax.eval_shape(fn, *_specs(args)))
         return _fake(fn, args)
 
-    torch.library.register_fake(qual)(fake_kernel)
-    torch.library.register_fake(qual_vjp)(
-        lambda args, cts: [torch.empty_like(a) for a in args])
+    _torch.library.register_fake(qual)(fake_kernel)
+    _torch.library.register_fake(qual_vjp)(
+        lambda args, cts: [_torch.empty_like(a) for a in args])
 
-    op = getattr(getattr(torch.ops, NAMESPACE), name).default
-    op_vjp = getattr(getattr(torch.ops, NAMESPACE), f"{name}_vjp").default
+    op = getattr(getattr(_torch.ops, NAMESPACE), name).default
+    op_vjp = getattr(getattr(_torch.ops, NAMESPACE), f"{name}_vjp").default
     # the lowering table: graphs compiled for "tpu" trace fn inline
     _register_lowering(op, lambda args: list(_as_tuple(fn(*args))))
     _register_lowering(op_vjp, lambda args, cts: list(
@@ -209,13 +210,13 @@ def jax_op(name: str, fn=None, *, donate_argnums=(), mesh=None, in_specs=None,
 
     def backward(ctx, grads):
         args = list(ctx.saved_tensors)
-        cts = [g if g is not None else torch.zeros(s, dtype=d, device=v)
+        cts = [g if g is not None else _torch.zeros(s, dtype=d, device=v)
                for g, (s, d, v) in zip(grads, ctx.out_meta)]
         res = op_vjp(args, cts)
         return ([r if a.is_floating_point() or a.is_complex() else None
                  for r, a in zip(res, args)],)
 
-    torch.library.register_autograd(qual, backward, setup_context=setup_context)
+    _torch.library.register_autograd(qual, backward, setup_context=setup_context)
 
     def call(*tensors):
         outs = op(list(tensors))
@@ -239,7 +240,7 @@ def _sole_holder(buf) -> bool:
     from ..runtime import buffer as _buffer
 
     if not _BASE_REFS:
-        b = _buffer.Buffer(jnp.zeros(()))
+        b = _buffer.Buffer(_jnp.zeros(()))
         _BASE_REFS.append(sys.getrefcount(b.array))
     return sys.getrefcount(buf.array) <= _BASE_REFS[0]
 
@@ -267,7 +268,7 @@ def _jax_op_donating(name, fn, donate, fake):
     def jitted(n):
         if n not in cache:
             pos, _ = _split(n, donate)
-            cache[n] = jax.jit(lambda *a: _checked(fn(*a)), donate_argnums=pos)
+            cache[n] = _jax.jit(lambda *a: _checked(fn(*a)), donate_argnums=pos)
         return cache[n]
 
     def _checked(out):
@@ -278,7 +279,7 @@ def _jax_op_donating(name, fn, donate, fake):
                 f"values of the {nd} donated argument(s), got {len(outs)} outputs")
         return outs
 
-    @skip
+    @_skip
     def impl(*a):
         from ..eager import copy as _copy
         from ..runtime import buffer as _buffer
@@ -289,7 +290,7 @@ def _jax_op_donating(name, fn, donate, fake):
         pos, _ = _split(n, donate)
         if any(t.device.type != "tpu" for t in every):
             # CPU tensors: JAX's CPU backend, written back with copy_
-            outs = list(_run(jax.jit(lambda *a: _checked(fn(*a))), every))
+            outs = list(_run(_jax.jit(lambda *a: _checked(fn(*a))), every))
             for t, new in zip(donated, outs):
                 t.copy_(new)
         else:
@@ -299,13 +300,13 @@ def _jax_op_donating(name, fn, donate, fake):
                     vals.append(_copy.value_of(t))
                     continue
                 buf = _buffer.buffer_of(t)
-                if _sole_holder(buf) and isinstance(buf.array, jax.Array) \
+                if _sole_holder(buf) and isinstance(buf.array, _jax.Array) \
                         and t.is_contiguous() and t.storage_offset() == 0 \
                         and tuple(buf.array.shape) == tuple(t.shape) \
-                        and buf.array.dtype == to_jax(t.dtype):
+                        and buf.array.dtype == _to_jax(t.dtype):
                     vals.append(buf.array)  # nobody else's array: XLA may reuse it in place
                 else:  # a view, or an array another storage shares: donate a copy
-                    vals.append(jnp.array(_copy.value_of(t), copy=True))
+                    vals.append(_jnp.array(_copy.value_of(t), copy=True))
             outs = jitted(n)(*vals)
             del vals
             for t, new in zip(donated, outs):
@@ -318,8 +319,8 @@ def _jax_op_donating(name, fn, donate, fake):
     def fake_kernel(*a):
         return None
 
-    torch.library.register_fake(qual)(fake_kernel)
-    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    _torch.library.register_fake(qual)(fake_kernel)
+    op = getattr(getattr(_torch.ops, NAMESPACE), name).default
 
     def lowering(*a):
         outs = _checked(fn(*_merge(list(a[:nd]), list(a[nd]), donate)))

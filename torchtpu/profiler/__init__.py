@@ -10,11 +10,9 @@ that launched it) and in the exported Chrome trace (``tensorboard_trace_handler`
 region's ``torch.tpu.metrics()`` delta is ``prof.tpu_metrics`` (and ``"tpuMetrics"`` in the
 trace). See ``_torch.py`` for how, and why post-processing.
 """
-from __future__ import annotations
+import contextlib as _contextlib
 
-import contextlib
-
-import torch
+import torch as _pytorch
 
 from . import _state
 from . import _torch
@@ -23,7 +21,7 @@ from ._state import TpuProfilerConfig
 __all__ = ["TpuProfilerConfig", "set_config", "get_config", "profile", "trace",
            "metrics_region", "tensorboard_trace_handler"]
 
-tensorboard_trace_handler = torch.profiler.tensorboard_trace_handler
+tensorboard_trace_handler = _pytorch.profiler.tensorboard_trace_handler
 
 
 def set_config(config: TpuProfilerConfig) -> None:
@@ -37,15 +35,15 @@ def get_config() -> TpuProfilerConfig:
     return _state.config
 
 
-class profile(torch.profiler.profile):
+class profile(_pytorch.profiler.profile):
     """``torch.profiler.profile`` with CPU and TPU activities by default and a
     ``TpuProfilerConfig`` of its own (``config=``). ``tpu_metrics``: the ``torch.tpu.metrics()``
     delta of the last profiled window."""
 
     def __init__(self, *args, config: TpuProfilerConfig | None = None, **kwargs):
         if "activities" not in kwargs and not args:
-            kwargs["activities"] = [torch.profiler.ProfilerActivity.CPU,
-                                    torch.profiler.ProfilerActivity.PrivateUse1]
+            kwargs["activities"] = [_pytorch.profiler.ProfilerActivity.CPU,
+                                    _pytorch.profiler.ProfilerActivity.PrivateUse1]
         self.tpu_config = config
         super().__init__(*args, **kwargs)
 
@@ -59,7 +57,7 @@ class profile(torch.profiler.profile):
         return getattr(self.profiler, "tpu_metrics", None)
 
 
-@contextlib.contextmanager
+@_contextlib.contextmanager
 def trace(run_dir: str, config: TpuProfilerConfig | None = None):
     """The XLA trace alone (no PyTorch profiler): ``jax.profiler``'s XProf trace of the block,
     written under ``run_dir``, with torchtpu's program names."""
@@ -88,7 +86,7 @@ class metrics_region:
     def __enter__(self):
         from ..runtime import metrics as _metrics
 
-        self._rf = torch.autograd.profiler.record_function(self.name)
+        self._rf = _pytorch.autograd.profiler.record_function(self.name)
         self._rf.__enter__()
         self._before = _metrics.metrics()
         return self

@@ -259,7 +259,7 @@ def fingerprint() -> str:
         import jaxlib
         import torch
 
-        from .. import __version__
+        from .._version import __version__
 
         h = hashlib.sha256(source_fingerprint().encode())
         dev = jax.devices()[0]

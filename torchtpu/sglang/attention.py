@@ -26,7 +26,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from .kv_pool import TpuPagedKVPool
-from .platform import ATTENTION_BACKEND as NAME
+from .names import ATTENTION_BACKEND as NAME
 
 
 class _Metadata:

@@ -20,9 +20,10 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 import torchtpu  # noqa: F401  (the "tpu" device)
 
+from .names import ATTENTION_BACKEND  # torchtpu/sglang/attention.py registers it
+
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKEND = "torchtpu"  # torchtpu/sglang/attention.py
 TRANSFER_BACKEND = "torchtpu"  # torchtpu/sglang/disagg.py
 
 

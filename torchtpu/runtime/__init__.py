@@ -1,0 +1,1 @@
+"""The runtime layer: PJRT devices, buffers, programs and their caches, metrics (the bottom layer)."""
