@@ -32,6 +32,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm import tqdm
 
 DATA = pathlib.Path(__file__).resolve().parent / "data" / "fables.txt"
 
@@ -155,35 +156,6 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float, foreach):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=foreach)
 
 
-# ----------------------------------------------------------------------------- progress bar
-
-class Progress:
-    """A small progress bar (no tqdm): redraws one line on a terminal, prints lines otherwise."""
-
-    def __init__(self, total: int, stream=sys.stderr, width: int = 28):
-        self.total, self.stream, self.width = total, stream, width
-        self.tty = stream.isatty()
-        self.last_len = 0
-
-    def update(self, step: int, **fields):
-        done = int(self.width * step / max(self.total, 1))
-        bar = "#" * done + "." * (self.width - done)
-        info = "  ".join(f"{k} {v}" for k, v in fields.items())
-        line = f"[{bar}] {step:>{len(str(self.total))}}/{self.total}  {info}"
-        if self.tty:
-            pad = " " * max(self.last_len - len(line), 0)
-            self.stream.write("\r" + line + pad)
-            self.last_len = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def close(self):
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 # ----------------------------------------------------------------------------- device setup
 
 EAGER_MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING",
@@ -244,7 +216,7 @@ def maybe_compile(model: nn.Module, args):
 # ----------------------------------------------------------------------------- train
 
 def fmt_rate(x: float) -> str:
-    return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+    return tqdm.format_sizeof(x)  # 1.23k, 45.6k, 1.20M
 
 
 @torch.no_grad()
@@ -360,7 +332,8 @@ def train(args) -> dict:
         t = (step - args.warmup) / max(args.steps - args.warmup, 1)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
-    bar = Progress(args.steps) if not args.quiet else None
+    bar = tqdm(total=args.steps, unit="step", file=sys.stderr, disable=args.quiet,
+               dynamic_ncols=True)
     tokens_per_step = args.batch_size * args.seq_len * world
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # device losses not yet read (reading one is a host sync)
@@ -404,12 +377,11 @@ def train(args) -> dict:
                 rate = (step + 1 - steady_from) * tokens_per_step / (now - t_steady)
             else:
                 rate = (step + 1) * tokens_per_step / (now - t_start)
-            if bar:
-                bar.update(step + 1, loss=f"{losses[-1]:.4f}", tok_s=fmt_rate(rate))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=fmt_rate(rate), refresh=False)
+            bar.update(step + 1 - bar.n)
     synchronize(device)
     t_end = time.perf_counter()
-    if bar:
-        bar.close()
+    bar.close()
 
     total_s = t_end - t_start
     steady_steps = args.steps - steady_from
