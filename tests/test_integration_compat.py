@@ -10,7 +10,7 @@ when its target is missing or has moved it is skipped (said once under
 Releases other than the installed ones are installed without dependencies into a folder
 (``pip install --no-deps --target``, with the few dependencies whose pins differ, cached in
 pytest's cache folder) that comes first on PYTHONPATH of a fresh process running
-tests/integration_probe.py. The claimed range is stated in README.md: transformers 5.10.4 (the
+tests/integration_probe.py. The claimed range is stated in docs/guides/integrations.md: transformers 5.10.4 (the
 oldest, in the default run) to the installed newest, accelerate 1.1.0 to 1.16.0.
 """
 from __future__ import annotations
