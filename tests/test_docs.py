@@ -31,7 +31,8 @@ def _snippets():
             line = text.count("\n", 0, m.start()) + 2
             out.append((f"{os.path.relpath(path, ROOT)}:{line}", m.group(1)))
         # a marker not followed by a python block is a mistake, not a silent skip
-        assert text.count(MARK) == len(_BLOCK.findall(text)), f"{path}: {MARK} before no python block"
+        marks = len(re.findall(r"^" + re.escape(MARK) + r"$", text, re.M))
+        assert marks == len(_BLOCK.findall(text)), f"{path}: {MARK} before no python block"
     return out
 
 
