@@ -13,7 +13,6 @@ the attention ops "tpu" reaches (``distributed/attention.py``). ``TORCHTPU_TORCH
 (opt-in) makes ``import torch_tpu`` work for tools that look for Google's module name (Ray
 Train): see ``torch_tpu/__init__.py``.
 """
-from __future__ import annotations
 
 import importlib.abc as _abc
 import os as _os
