@@ -497,3 +497,21 @@ def test_aliasing_donation_views_suites_on_both_paths(value):
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         *SUITES], cwd=root, capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:]
+
+
+def test_evicted_programs_are_not_kept_alive_by_entries():
+    """program_cache bounds the loaded XLA code by dropping old executables; the fast path's
+    entries for them go too (else they would keep the code mapped)."""
+    from torchtpu.runtime import program_cache as pc
+
+    a = _rand(3, 7)
+    a * 5.5
+    a * 5.5
+    assert fastpath.entries() > 0
+    with pc._live_lock:
+        pc._evict_oldest(len(pc._live))
+    assert fastpath.entries() == 0
+    m = _c("eager_fastpath_misses")
+    out = a * 5.5
+    assert _c("eager_fastpath_misses") == m + 1
+    assert torch.equal(out.cpu(), a.cpu() * 5.5)

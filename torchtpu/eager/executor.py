@@ -910,6 +910,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
             # the lowering branches on a scalar_args value: bake its scalars in from now on
             lowering.meta["static_scalars"] = True
+            _fastpath.clear()  # its entries pass traced scalars the Python path now bakes in
             _CACHE.pop(key, None)
             return run(lowering, kind, orig[0], orig[1], mode)
         err = _trace_error(lowering, tensors, e)

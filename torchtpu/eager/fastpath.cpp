@@ -63,6 +63,11 @@ struct Kernel {
   Table* table;
 };
 
+std::vector<Kernel*>& all_kernels() {
+  static auto* v = new std::vector<Kernel*>();  // leaked: kernels may outlive module teardown
+  return *v;
+}
+
 // ---- module state (set once by `setup`) ----
 PyObject* g_mode_state = nullptr;  // eager.modes._state (a dict)
 PyObject* g_strict = nullptr;      // EagerMode.DEFER_NEVER
@@ -440,6 +445,9 @@ void Kernel_dealloc(PyObject* obj) {
   Py_XDECREF(self->lowering);
   Py_XDECREF(self->name);
   delete self->table;
+  auto& ks = all_kernels();
+  for (size_t i = 0; i < ks.size(); i++)
+    if (ks[i] == self) { ks.erase(ks.begin() + i); break; }
   Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -457,6 +465,7 @@ PyObject* Kernel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->name = name;
   self->reads_precision = reads_precision;
   self->table = new Table();
+  all_kernels().push_back(self);
   return reinterpret_cast<PyObject*>(self);
 }
 
@@ -587,7 +596,40 @@ PyObject* m_install(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
+// Drop every entry whose executable call is in `calls` (a set): program_cache dropped them
+// to keep the loaded XLA code bounded, and an entry must not keep one alive.
+PyObject* m_forget(PyObject*, PyObject* calls) {
+  if (!PyAnySet_Check(calls)) {
+    PyErr_SetString(PyExc_TypeError, "forget: a set of executable calls");
+    return nullptr;
+  }
+  Py_ssize_t dropped = 0;
+  for (Kernel* k : all_kernels()) {
+    for (auto it = k->table->begin(); it != k->table->end();) {
+      int in = PySet_Contains(calls, it->second->call);
+      if (in < 0) return nullptr;
+      if (in) { it = k->table->erase(it); dropped++; }
+      else ++it;
+    }
+  }
+  return PyLong_FromSsize_t(dropped);
+}
+
+PyObject* m_clear(PyObject*, PyObject*) {
+  for (Kernel* k : all_kernels()) k->table->clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* m_entries(PyObject*, PyObject*) {
+  size_t n = 0;
+  for (Kernel* k : all_kernels()) n += k->table->size();
+  return PyLong_FromSize_t(n);
+}
+
 PyMethodDef module_methods[] = {
+    {"forget", m_forget, METH_O, "drop the entries of these executable calls"},
+    {"clear", m_clear, METH_NOARGS, "drop every entry"},
+    {"entries", m_entries, METH_NOARGS, "entries in every table"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
     {"enabled", m_enabled, METH_NOARGS, "whether hits are served"},

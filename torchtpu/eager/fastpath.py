@@ -47,7 +47,7 @@ _WHAT = "its C++ eager fast path"
 _AVOID = "or set TORCHTPU_FASTPATH=0 (the Python path; same results, slower per op)"
 _lock = threading.Lock()
 _state: dict = {"ext": None, "tried": False, "error": None}
-_kernels: list = []  # every Kernel made (weak enough: they live as long as the op bindings)
+_kernels: list = []  # every Kernel made (they live as long as the op bindings)
 
 
 def wanted() -> bool:
@@ -75,6 +75,7 @@ def _load():
             ext.setup(modes._state, modes.EagerMode.DEFER_NEVER, _buffer.Buffer,
                       _buffer._next_free, _inflight.note, ArrayImpl,
                       _registry.matmul_precision, _metrics.COUNTERS)
+            _program_cache.EVICTED_HOOKS.append(_forget)
             _state["ext"] = ext
         except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path
             _state["error"] = e
@@ -126,13 +127,23 @@ def enabled() -> bool:
 
 
 def clear() -> None:
-    """Forget every installed entry (they are rebuilt from the Python path's cache)."""
-    for k in _kernels:
-        k.clear()
+    """Forget every installed entry (the Python path installs them again)."""
+    ext = _state["ext"]
+    if ext is not None:
+        ext.clear()
 
 
 def entries() -> int:
-    return sum(k.size() for k in _kernels)
+    ext = _state["ext"]
+    return 0 if ext is None else ext.entries()
+
+
+def _forget(calls) -> None:
+    """program_cache dropped these executables (its bound on loaded XLA code): an entry
+    must not keep one alive."""
+    ext = _state["ext"]
+    if ext is not None and calls:
+        ext.forget(set(calls))
 
 
 _Array = None
