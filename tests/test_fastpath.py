@@ -43,7 +43,11 @@ def _restore():
 # ---- comparing ----
 
 def _bytes(t):
-    c = t.detach().cpu().contiguous().reshape(-1)
+    c = t.detach().cpu()
+    if c.is_complex():
+        c = torch.view_as_real(c)
+    # fresh and dense, stride 1 even for one element
+    c = c.reshape(-1).clone(memory_format=torch.contiguous_format)
     return c.view(torch.uint8) if c.numel() else c
 
 
