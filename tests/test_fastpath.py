@@ -446,7 +446,7 @@ def _detach(x):
     return x
 
 
-FAST_KEYS = _opinfo_keys(9)
+FAST_KEYS = _opinfo_keys(15)
 
 
 @pytest.mark.parametrize("key", FAST_KEYS)

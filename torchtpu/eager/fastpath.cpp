@@ -416,7 +416,13 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   if (it != self->table->end()) {
     std::shared_ptr<Entry> e = it->second;  // kept alive while the GIL may be released
     PyObject* res = nullptr;
-    HitResult r = hit(self, *e, ts, &res);
+    HitResult r;
+    try {
+      r = hit(self, *e, ts, &res);
+    } catch (const std::exception& ex) {  // a C++ error never escapes into the interpreter
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, ex.what());
+      return nullptr;
+    }
     if (r == HIT_OK) {
       bump(c_hits);
       bump(c_cache_hits);
