@@ -305,6 +305,7 @@ HitResult hit(Kernel* self, const Entry& e, const std::vector<at::Tensor>& ts, P
   }
   if (filled < n) {
     for (size_t i = 0; i < filled; i++) Py_DECREF(args[i]);
+    bump(c_errors);
     return HIT_FALLBACK;
   }
   PyObject* call = e.call;
