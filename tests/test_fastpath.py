@@ -496,6 +496,13 @@ def test_without_a_compiler_the_python_path_serves(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
     assert line == ["RESULT False 1 [2.0, 2.0, 2.0]"], r.stdout[-2000:]
+    # TORCHTPU_FASTPATH=0: the Python kernels themselves are bound (nothing built or counted)
+    env = child_env(TORCHTPU_FASTPATH="0")
+    r = subprocess.run([sys.executable, "-c", NO_COMPILER], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line == ["RESULT False None [2.0, 2.0, 2.0]"], r.stdout[-2000:]
 
 
 SUITES = ["tests/test_aliased_writes.py", "tests/test_donation.py", "tests/test_views.py"]
