@@ -5,28 +5,19 @@
   ``find_unused_parameters=True`` or ``static_graph=True``); hooks written in Python cannot.
 - ``set_data.cpp``: ``tensor.data = other`` between CPU and "tpu" (``device/set_data.py``).
 
-Each is compiled on first need (not at import), with the
-system C++ compiler against the installed torch's headers, and cached on disk under
-``$TORCHTPU_CACHE_DIR/native`` if that is set, else under torch's extension folder
-(``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), keyed by the torch version and a
-hash of the source and flags; a later process only loads it. Builds by concurrent processes are
-serialized by a file lock and published by an atomic rename.
+Each is compiled on first need (not at import) and cached on disk by
+``runtime/native_build.py`` (under ``$TORCHTPU_CACHE_DIR/native`` if that is set, else under
+torch's extension folder); a later process only loads it.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import re
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-import torch
+from ..runtime import native_build as _nb
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_HERE, "pinned_hooks.cpp")
@@ -39,15 +30,7 @@ _AVOID = ("or avoid the need: DistributedDataParallel(..., find_unused_parameter
 
 
 def cache_dir() -> str:
-    root = os.environ.get("TORCHTPU_CACHE_DIR")
-    if root:
-        return os.path.join(root, "native")
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # as torch.utils.cpp_extension does
-    if not root:
-        from torch import _appdirs
-
-        root = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
-    return os.path.join(root, "torchtpu_native")
+    return _nb.cache_dir()
 
 
 _PINNED_WHAT = ("its pinned-memory hooks, which PyTorch requires for DistributedDataParallel "
@@ -55,92 +38,22 @@ _PINNED_WHAT = ("its pinned-memory hooks, which PyTorch requires for Distributed
 
 
 def _compiler(what: str = _PINNED_WHAT, avoid: str = _AVOID) -> list[str]:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        cmd = shlex.split(cxx)
-        if not cmd or shutil.which(cmd[0]) is None:
-            raise RuntimeError(
-                f"torchtpu needs a C++ compiler to build {what}; CXX={cxx!r} was not found: "
-                "fix CXX, " + avoid)
-        return cmd
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    raise RuntimeError(
-        f"torchtpu needs a C++ compiler to build {what} (once; cached in {cache_dir()}). "
-        "No c++, g++ or clang++ was found on PATH and CXX is not set: install one (e.g. "
-        "apt-get install g++), " + avoid)
-
-
-def _torch_dir() -> str:
-    return os.path.dirname(os.path.abspath(torch.__file__))
-
-
-def _compile_flags() -> list[str]:
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return ["-O2", "-shared", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            "-I", os.path.join(_torch_dir(), "include")]
-
-
-def _link_flags() -> list[str]:
-    # libc10/libtorch_cpu are resolved by soname against the copies this process has already
-    # loaded (torch is imported first), so the library carries no path to this torch install
-    return ["-L", os.path.join(_torch_dir(), "lib"), "-lc10", "-ltorch_cpu"]
+    return _nb.compiler(what, avoid)
 
 
 def library_path(source: str = _SOURCE) -> str:
     """Where the compiled library for this torch and this source lives (built or not)."""
-    with open(source, "rb") as f:
-        src = f.read()
-    flags = [f for f in _compile_flags() if not f.startswith("/")]  # not the install path
-    key = hashlib.sha256(src + "\0".join(flags).encode()).hexdigest()[:16]
-    version = re.sub(r"[^0-9A-Za-z.]+", "_", torch.__version__)
-    name = os.path.splitext(os.path.basename(source))[0]
-    return os.path.join(cache_dir(), f"{name}-torch{version}-{key}.so")
+    return _nb.library_path(source)
 
 
 def _build(path: str, source: str = _SOURCE, what: str = _PINNED_WHAT,
            avoid: str = _AVOID) -> None:
-    cmd = _compiler(what, avoid)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        # sources before libraries: with --as-needed, libraries named first would be dropped
-        full = cmd + _compile_flags() + [source, "-o", tmp] + _link_flags()
-        r = subprocess.run(full, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(
-                f"torchtpu could not build {what}. Command: {shlex.join(full)}\n"
-                f"{r.stderr[-4000:]}\nCheck that the compiler supports C++20, " + avoid)
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
-        os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _nb.build(path, source, what, avoid)
 
 
 def _build_locked(path: str, *build_args) -> bool:
     """Build ``path`` unless it exists; one process builds, others wait. True if built here."""
-    if os.path.exists(path):
-        return False
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # no flock: concurrent builds are still safe thanks to os.replace
-        fcntl = None
-    with open(path + ".lock", "a") as lockf:
-        if fcntl is not None:
-            fcntl.flock(lockf, fcntl.LOCK_EX)
-        try:
-            if os.path.exists(path):  # another process built it while we waited
-                return False
-            _build(path, *build_args)
-            return True
-        finally:
-            if fcntl is not None:
-                fcntl.flock(lockf, fcntl.LOCK_UN)
+    return _nb.build_locked(path, *(build_args or (_SOURCE, _PINNED_WHAT, _AVOID)))
 
 
 def install_pinned_hooks() -> None:

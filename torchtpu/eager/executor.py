@@ -23,6 +23,7 @@ from ..runtime.metrics import COUNTERS, count
 from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
 from . import checks as _checks
+from . import fastpath as _fastpath
 from . import modes, views
 from . import key_guess as _key_guess
 from . import rng as _rng
@@ -824,6 +825,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     flat = []
     specs = []
     offs = None
+    plain = True  # every tensor a whole storage array (the C++ fast path's condition)
     for t in tensors:
         if type(t) is Traced:
             flat.append(t.device_value())
@@ -835,6 +837,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         except AttributeError:
             flat.append(cpu_scalar(t, lowering, tensors))
             specs.append(None)
+            plain = False
             continue
         flat.append(arr)
         # spec_for's fast path, inlined: this loop runs for every tensor of every op
@@ -844,6 +847,7 @@ def run(lowering, kind, args, kwargs, mode=None):
             continue
         spec, off = views.spec_of(t, arr)
         specs.append(spec)
+        plain = False
         if off is not None:
             if offs is None:
                 offs = []
@@ -906,6 +910,7 @@ def run(lowering, kind, args, kwargs, mode=None):
         if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
             # the lowering branches on a scalar_args value: bake its scalars in from now on
             lowering.meta["static_scalars"] = True
+            _fastpath.clear()  # its entries pass traced scalars the Python path now bakes in
             _CACHE.pop(key, None)
             return run(lowering, kind, orig[0], orig[1], mode)
         err = _trace_error(lowering, tensors, e)
@@ -917,7 +922,10 @@ def run(lowering, kind, args, kwargs, mode=None):
     if lowering.mutates:
         out = _write_mutated(lowering, args, kwargs, out)
     if kind == FUNCTIONAL:
-        return _results(out)
+        res = _results(out)
+        if plain and _fastpath.pending() is lowering and mode is _STRICT:
+            _offer(lowering, entry, flat, tensors, out, groups, dev)
+        return res
     if kind == FUNCTIONAL_RAW:
         if type(out) is tuple or type(out) is list:
             return type(out)(o.value if type(o) is _Static else o for o in out)
@@ -925,6 +933,22 @@ def run(lowering, kind, args, kwargs, mode=None):
     for slot, new in zip(entry.writes, out):
         tensors[slot].untyped_storage()._tpu_buffer.array = new
     return args[0] if args else kwargs["self"]
+
+
+def _offer(lowering, entry, flat, tensors, out, groups, dev) -> None:
+    """Hand an eligible call to the C++ fast path (eager/fastpath.py), which serves the next
+    calls with the same key itself. Eligible: nothing but the program's call happens on this
+    path for that key (no check, random state, mutated arguments, written storages, storage
+    groups, several devices)."""
+    if (lowering.check is not None or lowering.random or lowering.mutates or entry.writes
+            or lowering.reads_layout or groups is not None or dev is not None
+            or _multi_device() or lowering.meta.get("eager_layout") is not None):
+        return
+    try:
+        _fastpath.offer(lowering, entry.jitted, flat, tensors, out, Traced)
+    except Exception as e:  # noqa: BLE001 - an entry not installed is the Python path
+        count("eager_fastpath_offer_errors")
+        _fastpath._log.debug("torchtpu: fast path entry not installed: %r", e)
 
 
 def _results(out):

@@ -15,6 +15,7 @@ from ..runtime.metrics import count
 from . import multi_write_kernels as _multi
 from . import copy as _copy
 from . import executor
+from . import fastpath as _fastpath
 from .dynamo_skip import skip
 
 _copy.bind_executor(executor)  # copy.py's writes read the executor's donation settings
@@ -123,6 +124,10 @@ def _make(lowering, kind, out_names=(), void=False):
             if host:
                 args = _host_tensors_to_device(args)
             return run(lowering, kind, args, kwargs)
+
+        if kind == executor.FUNCTIONAL:
+            # the C++ fast path in front of it (eager/fastpath.py), or the kernel itself
+            return _fastpath.kernel(skip(kernel), lowering)
     else:
         def kernel(*args, **kwargs):
             outs = []

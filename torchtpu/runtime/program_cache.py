@@ -136,8 +136,14 @@ def mappings() -> int:
         return 0
 
 
+# Called with the executables ``_evict_oldest`` just dropped: a cache above this one that holds
+# them (eager/fastpath.py) lets go of them too.
+EVICTED_HOOKS: list = []
+
+
 def _evict_oldest(n: int) -> None:
     """Drop the ``n`` oldest loaded executables from their Programs (caller holds the lock)."""
+    dropped = []
     for _ in range(min(n, len(_live))):
         (_, old_sig), ref = _live.popitem(last=False)
         prog = ref()
@@ -145,9 +151,12 @@ def _evict_oldest(n: int) -> None:
             continue
         c = prog.by_sig.pop(old_sig, None)
         if c is not None:
+            dropped.append(c)
             if prog._last is c:
                 prog._last = None
             count(f"{prog.kind}_programs_evicted")
+    for fn in EVICTED_HOOKS:
+        fn(dropped)
 
 
 def _track(program, sig) -> None:

@@ -1,0 +1,536 @@
+"""The C++ fast path of the Strict executor (eager/fastpath.py, eager/fastpath.cpp).
+
+Every comparison runs the same call through the Python path (``fastpath.set_enabled(False)``:
+the Python kernel, the reference) and through the fast path (a first call installs the entry,
+the next one is served in C++), and compares bit for bit: values (as bytes), dtypes, shapes,
+strides, storage offsets, which outputs share storage with which inputs, dispatch keys,
+storage properties and gradients.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import torchtpu  # noqa: F401
+from torchtpu.eager import fastpath
+from torchtpu.runtime import inflight
+
+from dist_launch import child_env
+
+pytestmark = pytest.mark.skipif(not fastpath.available(),
+                                reason="the fast path is not bound (TORCHTPU_FASTPATH=0)")
+
+
+def _c(name):
+    return torch.tpu.metrics()["counters"].get(name, 0)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    old = fastpath.set_enabled(True)
+    mode = torch.tpu.get_eager_mode()
+    yield
+    fastpath.set_enabled(old)
+    torch.tpu.set_eager_mode(mode)
+
+
+# ---- comparing ----
+
+def _bytes(t):
+    c = t.detach().cpu()
+    if c.is_complex():
+        c = torch.view_as_real(c)
+    # fresh and dense, stride 1 even for one element
+    c = c.reshape(-1).clone(memory_format=torch.contiguous_format)
+    return c.view(torch.uint8) if c.numel() else c
+
+
+def _same(a, b, path="out"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, (path, a.dtype, b.dtype, a.shape, b.shape)
+        assert a.device == b.device, path
+        assert a.stride() == b.stride() and a.storage_offset() == b.storage_offset(), path
+        assert a.requires_grad == b.requires_grad and a.is_inference() == b.is_inference(), path
+        assert torch._C._dispatch_keys(a) == torch._C._dispatch_keys(b), path
+        sa, sb = a.untyped_storage(), b.untyped_storage()
+        assert sa.nbytes() == sb.nbytes() and sa.resizable() == sb.resizable(), path
+        if a.device.type == "tpu":
+            assert sa.data_ptr() % 512 == sb.data_ptr() % 512 == 0, path
+        assert torch.equal(_bytes(a), _bytes(b)), f"{path}: values differ"
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+        return
+    assert a == b or (a != a and b != b), (path, a, b)
+
+
+def _tensors(x, out):
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for e in x:
+            _tensors(e, out)
+    elif isinstance(x, dict):
+        for e in x.values():
+            _tensors(e, out)
+    return out
+
+
+def _sharing(ins, outs):
+    """Which of ``outs`` share a storage with which earlier tensor (inputs, then outputs)."""
+    seen, pattern = {}, []
+    for t in _tensors(ins, []) + _tensors(outs, []):
+        if t.device.type != "tpu":
+            pattern.append(None)
+            continue
+        p = t.untyped_storage().data_ptr()
+        pattern.append(seen.setdefault(p, len(pattern)))
+    return pattern
+
+
+def both(make, fn, hit=True):
+    """fn(*make()) through the Python path, then twice through the fast path; compares
+    results and storage sharing. ``hit``: the second fast call must be served in C++."""
+    fastpath.set_enabled(False)
+    ins = make()
+    ref = fn(*ins)
+    ref_share = _sharing(ins, ref)
+    fastpath.set_enabled(True)
+    fn(*make())
+    ins = make()
+    h0 = _c("eager_fastpath_hits")
+    got = fn(*ins)
+    if hit:
+        assert _c("eager_fastpath_hits") > h0, "the fast path was not taken"
+    _same(ref, got)
+    assert _sharing(ins, got) == ref_share
+    return got
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype).to("tpu")
+    if dtype is torch.bool:
+        return (torch.randn(shape, generator=g) > 0).to("tpu")
+    return torch.randint(-50, 50, shape, generator=g).to(dtype).to("tpu")
+
+
+# ---- the fast path is taken, and gives the Python path's results ----
+
+def test_add_is_served_in_cpp_and_counted():
+    a, b = _rand(16, 16), _rand(16, 16, seed=1)
+    a + b
+    h, c = _c("eager_fastpath_hits"), _c("eager_cache_hits")
+    out = a + b
+    assert _c("eager_fastpath_hits") == h + 1 and _c("eager_cache_hits") == c + 1
+    assert torch.equal(out.cpu(), a.cpu() + b.cpu())
+    fastpath.set_enabled(False)
+    h = _c("eager_fastpath_hits")
+    a + b
+    assert _c("eager_fastpath_hits") == h  # disabled: the Python kernel ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool,
+                                   torch.int32, torch.float16])
+def test_elementwise_and_reductions_bitwise(dtype):
+    shapes = [(), (7,), (3, 5), (2, 3, 4)]
+    for shape in shapes:
+        def make():
+            return _rand(*shape, dtype=dtype), _rand(*shape, dtype=dtype, seed=1)
+
+        if dtype is not torch.bool:
+            both(make, lambda a, b: a + b)
+            both(make, lambda a, b: a * b)
+            both(make, lambda a, b: torch.maximum(a, b))
+            both(make, lambda a, b: a.sum(-1) if a.dim() else a.sum())
+        both(make, lambda a, b: a == b)
+        both(make, lambda a, b: torch.where(a > b, a, b) if dtype is not torch.bool else a & b)
+
+
+def test_python_scalars_are_keyed_by_value():
+    a = _rand(4, 4)
+    for s in (2.5, 3.0, -0.0, 0.0, float("nan"), float("inf"), 7, 0, 1, True, 2**40):
+        # (0.0 and nan reach the program as Python numbers, not cached device scalars: the
+        # executable that ran has no signature of its own for them, so no entry is made)
+        hit = not (isinstance(s, float) and (s != s or s == 0))
+        both(lambda: (_rand(4, 4),), lambda x, s=s: x * s, hit)
+        both(lambda: (_rand(4, 4),), lambda x, s=s: x + s, hit)
+        if not isinstance(s, bool):
+            both(lambda: (_rand(4, 4),), lambda x, s=s: torch.add(x, x, alpha=s), hit)
+    # a value never seen gives its own result, not another value's entry
+    x = a * 2.5
+    y = a * 4.0
+    assert torch.equal(y.cpu(), a.cpu() * 4.0) and torch.equal(x.cpu(), a.cpu() * 2.5)
+
+
+def test_multiple_outputs_and_int_lists():
+    both(lambda: (_rand(5, 6),), lambda x: torch.max(x, dim=1))
+    both(lambda: (_rand(5, 6),), lambda x: torch.sort(x, dim=0))
+    both(lambda: (_rand(5, 6),), lambda x: torch.var_mean(x, dim=[0, 1], keepdim=True))
+    both(lambda: (_rand(5, 6), _rand(5, 6, seed=2)), lambda a, b: torch.cat([a, b], 1))
+    both(lambda: (_rand(5, 6), _rand(6, 3, seed=2)), lambda a, b: a @ b)
+    both(lambda: (_rand(2, 3, 8),), lambda x: torch.nn.functional.softmax(x, -1))
+    both(lambda: (_rand(2, 3, 8),), lambda x: torch.nn.functional.layer_norm(x, (8,)))
+
+
+def test_views_and_offsets_take_the_python_path_and_match():
+    base = _rand(8, 8)
+    # a transposed, an offset and a reshaped input: not whole storage arrays
+    for make in (lambda: (base.t(),), lambda: (base[2:],), lambda: (base.view(64)[:16].view(4, 4),),
+                 lambda: (base.view(4, 16),)):
+        both(make, lambda x: x * 3.0, hit=False)
+    # outputs that are views of an op's result stay views (PyTorch's metadata kernels)
+    both(lambda: (_rand(4, 6),), lambda x: (x + 1).t())
+
+
+def test_inplace_and_donation_unchanged():
+    """In-place ops take the Python path; a fast-path hit leaves no reference behind that
+    would block the next write from donating its storage."""
+    def run():
+        x = _rand(32, 32)
+        y = x * 2.0
+        y = x * 2.0  # a hit
+        d0 = _c("eager_donated_writes")
+        x.add_(1.0)
+        y.mul_(y)
+        return x, y, _c("eager_donated_writes") - d0
+
+    fastpath.set_enabled(False)
+    rx, ry, rd = run()
+    fastpath.set_enabled(True)
+    run()
+    gx, gy, gd = run()
+    _same((rx, ry), (gx, gy))
+    assert rd == gd and gd >= 1
+
+
+def test_autograd_bitwise():
+    def run():
+        g = torch.Generator().manual_seed(3)
+        a = torch.randn(6, 5, generator=g).to("tpu").requires_grad_()
+        b = torch.randn(5, 4, generator=g).to("tpu").requires_grad_()
+        out = torch.tanh(a @ b * 1.5 + 0.25).sum(0)
+        out.backward(torch.ones_like(out))
+        return out.detach(), a.grad, b.grad
+
+    fastpath.set_enabled(False)
+    ref = run()
+    fastpath.set_enabled(True)
+    run()
+    h = _c("eager_fastpath_hits")
+    got = run()
+    assert _c("eager_fastpath_hits") > h
+    _same(ref, got)
+
+
+def test_inference_mode_outputs():
+    a, b = _rand(3, 3), _rand(3, 3, seed=1)
+    with torch.inference_mode():
+        both(lambda: (a, b), lambda x, y: x + y)
+        out = a + b
+    assert out.is_inference()
+
+
+def test_default_dtype_precision_and_mode_are_keyed():
+    i = _rand(4, 4, dtype=torch.int64)
+    both(lambda: (i,), lambda x: x / 3)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        ref = (i.cpu() / 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = i / 3
+            out2 = i / 3
+        assert out.dtype == ref.dtype == out2.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+    assert (i / 3).dtype == torch.float32
+    a, b = _rand(64, 64), _rand(64, 64, seed=1)
+    hi = both(lambda: (a, b), lambda x, y: x @ y)
+    prev = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        m0 = _c("eager_fastpath_misses")
+        lo = both(lambda: (a, b), lambda x, y: x @ y)
+        assert _c("eager_fastpath_misses") > m0  # not the "highest" entry
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    _same(hi, a @ b)
+    del lo
+    # Fused mode records: the Strict entry is not used
+    with torch.tpu.set_eager_mode("fused"):
+        by = _c("eager_fastpath_bypassed")
+        h = _c("eager_fastpath_hits")
+        out = a + b
+        out = out * 2.0
+        assert _c("eager_fastpath_bypassed") > by and _c("eager_fastpath_hits") == h
+        val = out.cpu()
+    assert torch.equal(val, (a.cpu() + b.cpu()) * 2.0)
+
+
+def test_exceptions_match():
+    a, c = _rand(4, 4), _rand(3, 3)
+    errs = []
+    for on in (False, True, True):
+        fastpath.set_enabled(on)
+        a + a
+        with pytest.raises(RuntimeError) as e:
+            a + c
+        errs.append((type(e.value), str(e.value)))
+    assert errs[0] == errs[1] == errs[2]
+    # an entry whose input storage lost its buffer: the Python path raises its own error
+    x = _rand(2, 2)
+    x + x
+    x + x
+    st = x.untyped_storage()
+    buf = st._tpu_buffer
+    del st._tpu_buffer
+    try:
+        with pytest.raises(Exception) as e1:
+            x + x
+        fastpath.set_enabled(False)
+        with pytest.raises(Exception) as e2:
+            x + x
+        assert type(e1.value) is type(e2.value) and str(e1.value) == str(e2.value)
+    finally:
+        st._tpu_buffer = buf
+
+
+def test_stale_array_shape_or_dtype_falls_back():
+    """A storage whose array changed shape or dtype behind the same tensor metadata (a
+    ``.data``/``set_`` swap) is not served from the entry."""
+    x = _rand(4, 4)
+    y = x + 1.0
+    y = x + 1.0
+    buf = x.untyped_storage()._tpu_buffer
+    import jax.numpy as jnp
+
+    buf.array = jnp.arange(16, dtype=jnp.float32)  # same bytes, another shape
+    f0 = _c("eager_fastpath_fallbacks")
+    y = x + 1.0
+    assert _c("eager_fastpath_fallbacks") == f0 + 1  # the entry was not used
+    assert torch.equal(y.cpu(), torch.arange(16.).view(4, 4) + 1)
+    x2 = _rand(4, 4)
+    x2 + 1.0
+    x2.untyped_storage()._tpu_buffer.array = jnp.zeros((4, 4), jnp.int32)  # another dtype
+    f0 = _c("eager_fastpath_fallbacks")
+    y = x2 + 1.0
+    assert _c("eager_fastpath_fallbacks") == f0 + 1
+    fastpath.set_enabled(False)
+    assert torch.equal(_bytes(y), _bytes(x2 + 1.0))
+
+
+def test_outputs_are_noted_in_flight_and_synchronize_waits():
+    a, b = _rand(384, 384), _rand(384, 384, seed=1)
+    (a @ b)
+    h = _c("eager_fastpath_hits")
+    out = a @ b @ b
+    assert _c("eager_fastpath_hits") >= h + 2
+    arr = out.untyped_storage()._tpu_buffer.array
+    ref = inflight._last[0]()
+    assert arr.is_ready() or ref is arr
+    del out, arr, ref
+    torch.tpu.synchronize()
+    assert not inflight.pending()
+
+
+def test_memory_accounting_unchanged():
+    def run():
+        torch.tpu.synchronize()
+        m0 = torch.tpu.memory_allocated()
+        a = _rand(64, 64)
+        outs = [a * float(i % 3) for i in range(6)]
+        torch.tpu.synchronize()
+        m1 = torch.tpu.memory_allocated()
+        del outs, a
+        torch.tpu.synchronize()
+        return m1 - m0, torch.tpu.memory_allocated() - m0
+
+    fastpath.set_enabled(False)
+    ref = run()
+    fastpath.set_enabled(True)
+    run()
+    assert run() == ref
+
+
+def test_threads():
+    errors = []
+
+    def work(k):
+        try:
+            g = torch.Generator().manual_seed(k)
+            a = torch.randn(k + 2, 5, generator=g)
+            b = torch.randn(k + 2, 5, generator=g)
+            ta, tb = a.to("tpu"), b.to("tpu")
+            for i in range(150):
+                if i % 7 == 0:
+                    out, want = ta * 3.5 + tb, a * 3.5 + b
+                else:
+                    out, want = ta + tb, a + b
+                if i % 5 == 0 and not torch.equal(out.cpu(), want):
+                    errors.append((k, i))
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+# ---- OpInfo: a broad subset through both paths ----
+
+def _opinfo_keys(every):
+    from torchtpu import coverage
+
+    db = coverage.op_db()
+    keys = []
+    for i, (k, o) in enumerate(db.items()):
+        if i % every or k in coverage.RANDOM or k in coverage.RANDOM_IF or k in coverage.UNDEFINED:
+            continue
+        if coverage.not_applicable(k, o) or torch.float32 not in o.supported_dtypes("cpu"):
+            continue
+        keys.append(k)
+    return keys
+
+
+def _opinfo_case(key):
+    from torchtpu import coverage
+
+    opinfo = coverage.op_db()[key]
+    grad = coverage.supports_grad(opinfo)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            samples = list(opinfo.sample_inputs("cpu", torch.float32, requires_grad=grad))[:2]
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"no samples: {e}")
+
+        def run(sample):
+            inp, args, kwargs = coverage._move_sample(sample, "tpu", key)
+            try:
+                out = opinfo(inp, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - must fail the same way on both paths
+                return ("raised", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            res = [out]
+            targets = coverage._grad_targets(out)
+            ins = [t for t in _tensors((inp, args, kwargs), []) if t.requires_grad]
+            if targets and ins:
+                go = [torch.ones_like(t) for t in targets]
+                try:
+                    res.append(torch.autograd.grad(targets, ins, go, allow_unused=True))
+                except Exception as e:  # noqa: BLE001
+                    res.append(("raised", type(e).__name__))
+            return _detach(res)
+
+        for sample in samples:
+            fastpath.set_enabled(False)
+            ref = run(sample)
+            fastpath.set_enabled(True)
+            run(sample)
+            got = run(sample)
+            _same(ref, got, key)
+
+
+def _detach(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (list, tuple)):
+        return [_detach(e) for e in x]
+    return x
+
+
+FAST_KEYS = _opinfo_keys(15)
+
+
+@pytest.mark.parametrize("key", FAST_KEYS)
+def test_opinfo_both_paths(key):
+    _opinfo_case(key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(set(_opinfo_keys(1)) - set(FAST_KEYS)))
+def test_opinfo_both_paths_all(key):
+    _opinfo_case(key)
+
+
+def test_opinfo_subset_hits():
+    """The OpInfo comparisons above exercised the fast path (not only the Python one)."""
+    h = _c("eager_fastpath_hits")
+    for key in FAST_KEYS[:6]:
+        _opinfo_case(key)
+    assert _c("eager_fastpath_hits") > h
+
+
+# ---- environment switches ----
+
+NO_COMPILER = r'''
+import torch, torchtpu
+from torchtpu.eager import fastpath
+a = torch.ones(3, device="tpu")
+b = a + a
+b = a + a
+print("RESULT", fastpath.available(), torch.tpu.metrics()["counters"].get("eager_fastpath_unavailable"),
+      b.cpu().tolist())
+'''
+
+
+def test_without_a_compiler_the_python_path_serves(tmp_path):
+    env = child_env(TORCH_EXTENSIONS_DIR=str(tmp_path), CXX="/nonexistent/c++")
+    r = subprocess.run([sys.executable, "-c", NO_COMPILER], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line == ["RESULT False 1 [2.0, 2.0, 2.0]"], r.stdout[-2000:]
+    # TORCHTPU_FASTPATH=0: the Python kernels themselves are bound (nothing built or counted)
+    env = child_env(TORCHTPU_FASTPATH="0")
+    r = subprocess.run([sys.executable, "-c", NO_COMPILER], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line == ["RESULT False None [2.0, 2.0, 2.0]"], r.stdout[-2000:]
+
+
+SUITES = ["tests/test_aliased_writes.py", "tests/test_donation.py", "tests/test_views.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_aliasing_donation_views_suites_on_both_paths(value):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = child_env(TORCHTPU_FASTPATH=value)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        *SUITES], cwd=root, capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stdout[-4000:]
+
+
+def test_evicted_programs_are_not_kept_alive_by_entries():
+    """program_cache bounds the loaded XLA code by dropping old executables; the fast path's
+    entries for them go too (else they would keep the code mapped)."""
+    from torchtpu.runtime import program_cache as pc
+
+    a = _rand(3, 7)
+    a * 5.5
+    a * 5.5
+    assert fastpath.entries() > 0
+    with pc._live_lock:
+        pc._evict_oldest(len(pc._live))
+    assert fastpath.entries() == 0
+    m = _c("eager_fastpath_misses")
+    out = a * 5.5
+    assert _c("eager_fastpath_misses") == m + 1
+    assert torch.equal(out.cpu(), a.cpu() * 5.5)

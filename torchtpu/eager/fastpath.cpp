@@ -1,0 +1,688 @@
+// The Strict executor's cached-program hot path in C++ (eager/fastpath.py has the design).
+//
+// A `Kernel` object is what torch.library calls for one functional op on PrivateUse1 (in
+// place of the Python kernel it wraps). It keys the call's arguments (tensor dtype/sizes/
+// strides/offset, Python scalars by their bits, lists, dtypes, devices, the default dtype,
+// the matmul precision for ops that read it) and looks the key up in its own table. A hit
+// gathers the input storages' jax.Arrays, calls the executable's C++ call, notes the outputs
+// in flight and builds the output tensors and storages directly, exactly as buffer.wrap_noted
+// does. Anything else runs the Python kernel (eager/executor.py), which installs an entry
+// through `install` only for a call it has proven eligible while this thread's pending key
+// (set here before calling it) is still its own.
+//
+// Every Python object is touched with the GIL held (torch.library calls Python kernels with
+// it); tables hold entries by shared_ptr, since an executable call may release the GIL.
+
+#include <Python.h>
+
+#include <ATen/Tensor.h>
+#include <c10/core/DefaultDtype.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Storage.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+struct OutMeta {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  int64_t nbytes;
+};
+
+struct Entry {
+  PyObject* call = nullptr;             // the executable's call (owned)
+  std::vector<int> plan;                // per flat argument: >= 0 a tensor ordinal, < 0 a constant
+  std::vector<PyObject*> consts;        // owned
+  std::vector<PyObject*> in_dtypes;     // per tensor ordinal: the storage array's dtype (owned)
+  bool tuple_out = false;
+  std::vector<OutMeta> outs;
+  ~Entry() {
+    Py_XDECREF(call);
+    for (auto* c : consts) Py_XDECREF(c);
+    for (auto* d : in_dtypes) Py_XDECREF(d);
+  }
+};
+
+using Table = std::unordered_map<std::string, std::shared_ptr<Entry>>;
+constexpr size_t kMaxEntries = 4096;  // per op: a table past it starts over
+
+struct Kernel {
+  PyObject_HEAD
+  PyObject* fn;        // the Python kernel
+  PyObject* lowering;  // the executor's Lowering (identifies the op at install)
+  PyObject* name;      // str: for counters
+  int reads_precision;
+  Table* table;
+};
+
+std::vector<Kernel*>& all_kernels() {
+  static auto* v = new std::vector<Kernel*>();  // leaked: kernels may outlive module teardown
+  return *v;
+}
+
+// ---- module state (set once by `setup`) ----
+PyObject* g_mode_state = nullptr;  // eager.modes._state (a dict)
+PyObject* g_strict = nullptr;      // EagerMode.DEFER_NEVER
+PyObject* g_buffer_type = nullptr; // runtime.buffer.Buffer
+PyObject* g_next_free = nullptr;   // runtime.buffer._next_free (a one-element list)
+PyObject* g_note = nullptr;        // runtime.inflight.note
+PyObject* g_array_type = nullptr;  // jax ArrayImpl
+PyObject* g_precision = nullptr;   // lowering.registry.matmul_precision
+PyObject* g_counters = nullptr;    // runtime.metrics.COUNTERS
+PyObject* g_empty = nullptr;       // ()
+bool g_enabled = true;
+constexpr int64_t kAlign = 512;    // buffer._ALIGN
+
+PyObject *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready;
+PyObject *c_hits, *c_cache_hits, *c_misses, *c_uncacheable, *c_bypassed, *c_errors,
+    *c_installs, *c_full;
+
+void bump(PyObject* name) {
+  if (g_counters == nullptr) return;
+  PyObject* v = PyDict_GetItemWithError(g_counters, name);  // borrowed
+  long long n = 0;
+  if (v != nullptr) {
+    n = PyLong_AsLongLong(v);
+    if (n == -1 && PyErr_Occurred()) { PyErr_Clear(); return; }
+  } else if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return;
+  }
+  PyObject* nv = PyLong_FromLongLong(n + 1);
+  if (nv == nullptr) { PyErr_Clear(); return; }
+  if (PyDict_SetItem(g_counters, name, nv) < 0) PyErr_Clear();
+  Py_DECREF(nv);
+}
+
+// ---- the thread's pending key: what the Python kernel may install an entry for ----
+struct Pending {
+  Kernel* kernel = nullptr;
+  std::string key;
+  int n_tensors = 0;
+};
+thread_local Pending* tl_pending = nullptr;
+
+// ---- keys ----
+template <typename T>
+inline void put(std::string& k, T v) {
+  k.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth);
+
+bool key_tensor(PyObject* x, std::string& k, std::vector<at::Tensor>& ts) {
+  const at::Tensor& t = THPVariable_Unpack(x);
+  if (!t.defined()) return false;
+  auto* impl = t.unsafeGetTensorImpl();
+  const auto& dev = impl->device();
+  if (dev.type() != c10::DeviceType::PrivateUse1 || dev.index() != 0) return false;
+  if (impl->layout() != c10::kStrided || impl->is_nested() || !impl->has_storage()) return false;
+  if (impl->key_set().has(c10::DispatchKey::Python)) return false;
+  k.push_back('T');
+  put<int8_t>(k, static_cast<int8_t>(impl->dtype().toScalarType()));
+  put<int8_t>(k, static_cast<int8_t>(impl->is_conj() | (impl->is_neg() << 1)));
+  auto sizes = impl->sizes();
+  auto strides = impl->strides();
+  put<int32_t>(k, static_cast<int32_t>(sizes.size()));
+  for (auto s : sizes) put<int64_t>(k, s);
+  for (auto s : strides) put<int64_t>(k, s);
+  put<int64_t>(k, impl->storage_offset());
+  ts.push_back(t);
+  return true;
+}
+
+bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth) {
+  PyTypeObject* tp = Py_TYPE(x);
+  if (THPVariable_CheckTypeExact(tp)) return key_tensor(x, k, ts);
+  if (x == Py_None) { k.push_back('N'); return true; }
+  if (tp == &PyBool_Type) { k.push_back(x == Py_True ? 'B' : 'b'); return true; }
+  if (tp == &PyLong_Type) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow != 0 || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); return false; }
+    k.push_back('i');
+    put<int64_t>(k, v);
+    return true;
+  }
+  if (tp == &PyFloat_Type) {
+    double v = PyFloat_AS_DOUBLE(x);
+    k.push_back('f');
+    put<double>(k, v);  // by its bits: nan, -0.0 and 0.0 are distinct keys
+    return true;
+  }
+  if (tp == &PyComplex_Type) {
+    k.push_back('c');
+    put<double>(k, PyComplex_RealAsDouble(x));
+    put<double>(k, PyComplex_ImagAsDouble(x));
+    return true;
+  }
+  if (tp == &PyUnicode_Type) {
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(x, &n);
+    if (s == nullptr) { PyErr_Clear(); return false; }
+    k.push_back('s');
+    put<int64_t>(k, n);
+    k.append(s, n);
+    return true;
+  }
+  if (tp == &PyList_Type || tp == &PyTuple_Type) {
+    if (depth > 2) return false;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+    k.push_back(tp == &PyList_Type ? 'L' : 'U');
+    put<int64_t>(k, n);
+    PyObject** items = PySequence_Fast_ITEMS(x);
+    for (Py_ssize_t i = 0; i < n; i++)
+      if (!key_of(items[i], k, ts, depth + 1)) return false;
+    return true;
+  }
+  if (tp == &THPDtypeType) {
+    k.push_back('d');
+    put<int8_t>(k, static_cast<int8_t>(reinterpret_cast<THPDtype*>(x)->scalar_type));
+    return true;
+  }
+  if (tp == &THPDeviceType) {
+    const auto& d = reinterpret_cast<THPDevice*>(x)->device;
+    k.push_back('D');
+    put<int8_t>(k, static_cast<int8_t>(d.type()));
+    put<int8_t>(k, static_cast<int8_t>(d.index()));
+    return true;
+  }
+  return false;  // anything else (layouts, memory formats, generators, ...): the Python path
+}
+
+// ---- the hit path ----
+
+// The storage array of input tensor `t` when it is what the executor passes as is (the whole
+// array, same shape and dtype); new reference, or nullptr (no Python error set).
+PyObject* array_of(const at::Tensor& t, PyObject* want_dtype) {
+  PyObject* st = THPStorage_Wrap(t.storage());
+  if (st == nullptr) { PyErr_Clear(); return nullptr; }
+  PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
+  Py_DECREF(st);
+  if (buf == nullptr) { PyErr_Clear(); return nullptr; }
+  PyObject* arr = PyObject_GetAttr(buf, s_array);
+  Py_DECREF(buf);
+  if (arr == nullptr) { PyErr_Clear(); return nullptr; }
+  bool ok = reinterpret_cast<PyObject*>(Py_TYPE(arr)) == g_array_type;
+  if (ok) {
+    PyObject* dt = PyObject_GetAttr(arr, s_dtype);
+    if (dt == nullptr) { PyErr_Clear(); ok = false; }
+    else {
+      ok = dt == want_dtype;
+      if (!ok) {
+        int eq = PyObject_RichCompareBool(dt, want_dtype, Py_EQ);
+        if (eq < 0) PyErr_Clear();
+        ok = eq == 1;
+      }
+      Py_DECREF(dt);
+    }
+  }
+  if (ok) {
+    PyObject* shape = PyObject_GetAttr(arr, s_shape);
+    if (shape == nullptr || !PyTuple_Check(shape)) { PyErr_Clear(); ok = false; }
+    else {
+      auto sizes = t.sizes();
+      Py_ssize_t n = PyTuple_GET_SIZE(shape);
+      ok = n == static_cast<Py_ssize_t>(sizes.size());
+      for (Py_ssize_t i = 0; ok && i < n; i++) {
+        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (d == -1 && PyErr_Occurred()) { PyErr_Clear(); ok = false; }
+        ok = ok && d == sizes[i];
+      }
+    }
+    Py_XDECREF(shape);
+  }
+  if (!ok) { Py_DECREF(arr); return nullptr; }
+  return arr;
+}
+
+// A new tpu tensor whose storage holds `arr` (buffer.wrap_noted); new reference or nullptr
+// with a Python error set.
+PyObject* wrap(PyObject* arr, const OutMeta& m) {
+  PyObject* nf = PyList_GetItem(g_next_free, 0);  // borrowed
+  if (nf == nullptr) return nullptr;
+  long long addr = PyLong_AsLongLong(nf);
+  if (addr == -1 && PyErr_Occurred()) return nullptr;
+  PyObject* next = PyLong_FromLongLong(addr + (m.nbytes / kAlign + 1) * kAlign);
+  if (next == nullptr) return nullptr;
+  if (PyList_SetItem(g_next_free, 0, next) < 0) return nullptr;  // steals `next`
+  PyObject* buf = nullptr;
+  PyObject* st = nullptr;
+  PyObject* res = nullptr;
+  try {
+    c10::Storage storage(c10::Storage::use_byte_size_t(), m.nbytes,
+                         c10::DataPtr(reinterpret_cast<void*>(addr),
+                                      c10::Device(c10::DeviceType::PrivateUse1, 0)),
+                         /*allocator=*/nullptr, /*resizable=*/false);
+    auto impl = c10::make_intrusive<c10::TensorImpl>(
+        c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+        caffe2::TypeMeta::fromScalarType(m.dtype));
+    impl->set_sizes_and_strides(m.sizes, m.strides);
+    at::Tensor t(std::move(impl));
+    buf = reinterpret_cast<PyTypeObject*>(g_buffer_type)
+              ->tp_new(reinterpret_cast<PyTypeObject*>(g_buffer_type), g_empty, nullptr);
+    if (buf == nullptr || PyObject_SetAttr(buf, s_array, arr) < 0) goto fail;
+    st = THPStorage_Wrap(storage);
+    if (st == nullptr || PyObject_SetAttr(st, s_tpu_buffer, buf) < 0) goto fail;
+    res = THPVariable_Wrap(std::move(t));
+  } catch (const std::exception& e) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+fail:
+  Py_XDECREF(buf);
+  Py_XDECREF(st);
+  return res;
+}
+
+enum HitResult { HIT_OK, HIT_FALLBACK, HIT_ERROR };
+
+HitResult hit(Kernel* self, const Entry& e, const std::vector<at::Tensor>& ts, PyObject** result) {
+  size_t n = e.plan.size();
+  PyObject* small[16];
+  std::vector<PyObject*> big;
+  PyObject** args = small;
+  if (n > 16) { big.resize(n); args = big.data(); }
+  size_t filled = 0;
+  for (; filled < n; filled++) {
+    int p = e.plan[filled];
+    PyObject* a;
+    if (p >= 0) {
+      a = array_of(ts[p], e.in_dtypes[p]);
+      if (a == nullptr) break;
+    } else {
+      a = e.consts[-p - 1];
+      Py_INCREF(a);
+    }
+    args[filled] = a;
+  }
+  if (filled < n) {
+    for (size_t i = 0; i < filled; i++) Py_DECREF(args[i]);
+    bump(c_errors);
+    return HIT_FALLBACK;
+  }
+  PyObject* call = e.call;
+  Py_INCREF(call);
+  PyObject* out = PyObject_Vectorcall(call, args, n, nullptr);
+  Py_DECREF(call);
+  for (size_t i = 0; i < n; i++) Py_DECREF(args[i]);
+  if (out == nullptr) {
+    // the executable refused the call (or failed): the Python path redoes it and raises
+    // what it raises today
+    PyErr_Clear();
+    bump(c_errors);
+    return HIT_FALLBACK;
+  }
+  size_t n_out = e.outs.size();
+  bool shape_ok = e.tuple_out ? (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == (Py_ssize_t)n_out)
+                              : reinterpret_cast<PyObject*>(Py_TYPE(out)) == g_array_type;
+  for (size_t i = 0; shape_ok && e.tuple_out && i < n_out; i++)
+    shape_ok = reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(out, i))) == g_array_type;
+  if (!shape_ok) {
+    Py_DECREF(out);
+    bump(c_errors);
+    return HIT_FALLBACK;
+  }
+  // inflight.note: an output already computed is not kept (its first check, inlined)
+  PyObject* first = e.tuple_out ? PyTuple_GET_ITEM(out, 0) : out;
+  PyObject* ready = PyObject_CallMethodNoArgs(first, s_is_ready);
+  if (ready == nullptr) PyErr_Clear();
+  if (ready != Py_True) {
+    PyObject* r = PyObject_CallOneArg(g_note, out);
+    if (r == nullptr) { Py_XDECREF(ready); Py_DECREF(out); return HIT_ERROR; }
+    Py_DECREF(r);
+  }
+  Py_XDECREF(ready);
+  PyObject* res;
+  if (!e.tuple_out) {
+    res = wrap(out, e.outs[0]);
+  } else {
+    res = PyTuple_New(n_out);
+    for (size_t i = 0; res != nullptr && i < n_out; i++) {
+      PyObject* w = wrap(PyTuple_GET_ITEM(out, i), e.outs[i]);
+      if (w == nullptr) { Py_CLEAR(res); break; }
+      PyTuple_SET_ITEM(res, i, w);
+    }
+  }
+  Py_DECREF(out);
+  if (res == nullptr) return HIT_ERROR;
+  *result = res;
+  return HIT_OK;
+}
+
+// ---- the Kernel type ----
+
+PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs) {
+  return PyObject_Call(self->fn, args, kwargs);
+}
+
+PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
+  auto* self = reinterpret_cast<Kernel*>(obj);
+  if (!g_enabled || g_mode_state == nullptr) return forward(self, args, kwargs);
+  PyObject* mode = PyDict_GetItemWithError(g_mode_state, s_mode);  // borrowed
+  if (mode != g_strict) {
+    if (mode == nullptr) PyErr_Clear();
+    bump(c_bypassed);
+    return forward(self, args, kwargs);
+  }
+  std::string key;
+  key.reserve(128);
+  std::vector<at::Tensor> ts;
+  ts.reserve(4);
+  bool ok = true;
+  try {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    put<int32_t>(key, static_cast<int32_t>(n));
+    for (Py_ssize_t i = 0; ok && i < n; i++) ok = key_of(PyTuple_GET_ITEM(args, i), key, ts, 0);
+    if (ok && kwargs != nullptr) {
+      Py_ssize_t pos = 0;
+      PyObject *kk, *vv;
+      while (ok && PyDict_Next(kwargs, &pos, &kk, &vv)) {
+        Py_ssize_t len = 0;
+        const char* s = PyUnicode_AsUTF8AndSize(kk, &len);
+        if (s == nullptr) { PyErr_Clear(); ok = false; break; }
+        key.push_back('k');
+        key.append(s, len + 1);
+        ok = key_of(vv, key, ts, 0);
+      }
+    }
+  } catch (...) {
+    PyErr_Clear();
+    ok = false;
+  }
+  if (ok && ts.empty()) ok = false;  // a factory: its program is bound to the current device
+  if (!ok) {
+    bump(c_uncacheable);
+    return forward(self, args, kwargs);
+  }
+  put<int8_t>(key, static_cast<int8_t>(c10::get_default_dtype_as_scalartype()));
+  if (self->reads_precision) {
+    PyObject* p = PyObject_CallNoArgs(g_precision);
+    if (p == nullptr) return nullptr;
+    Py_ssize_t len = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(p, &len);
+    if (s == nullptr) { Py_DECREF(p); return nullptr; }
+    key.push_back('p');
+    key.append(s, len);
+    Py_DECREF(p);
+  }
+  auto it = self->table->find(key);
+  if (it != self->table->end()) {
+    std::shared_ptr<Entry> e = it->second;  // kept alive while the GIL may be released
+    PyObject* res = nullptr;
+    HitResult r;
+    try {
+      r = hit(self, *e, ts, &res);
+    } catch (const std::exception& ex) {  // a C++ error never escapes into the interpreter
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, ex.what());
+      return nullptr;
+    }
+    if (r == HIT_OK) {
+      bump(c_hits);
+      bump(c_cache_hits);
+      return res;
+    }
+    if (r == HIT_ERROR) return nullptr;
+    // a stale entry (the arrays no longer match): forget it, let Python decide again
+    self->table->erase(key);
+  } else {
+    bump(c_misses);
+  }
+  Pending pending;
+  pending.kernel = self;
+  pending.key = std::move(key);
+  pending.n_tensors = static_cast<int>(ts.size());
+  Pending* saved = tl_pending;
+  tl_pending = &pending;
+  PyObject* res = forward(self, args, kwargs);
+  tl_pending = saved;
+  return res;
+}
+
+void Kernel_dealloc(PyObject* obj) {
+  auto* self = reinterpret_cast<Kernel*>(obj);
+  Py_XDECREF(self->fn);
+  Py_XDECREF(self->lowering);
+  Py_XDECREF(self->name);
+  delete self->table;
+  auto& ks = all_kernels();
+  for (size_t i = 0; i < ks.size(); i++)
+    if (ks[i] == self) { ks.erase(ks.begin() + i); break; }
+  Py_TYPE(obj)->tp_free(obj);
+}
+
+PyObject* Kernel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *fn, *lowering, *name;
+  int reads_precision = 0;
+  if (!PyArg_ParseTuple(args, "OOUp", &fn, &lowering, &name, &reads_precision)) return nullptr;
+  auto* self = reinterpret_cast<Kernel*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  Py_INCREF(fn);
+  Py_INCREF(lowering);
+  Py_INCREF(name);
+  self->fn = fn;
+  self->lowering = lowering;
+  self->name = name;
+  self->reads_precision = reads_precision;
+  self->table = new Table();
+  all_kernels().push_back(self);
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyObject* Kernel_size(PyObject* obj, PyObject*) {
+  return PyLong_FromSize_t(reinterpret_cast<Kernel*>(obj)->table->size());
+}
+
+PyObject* Kernel_clear(PyObject* obj, PyObject*) {
+  reinterpret_cast<Kernel*>(obj)->table->clear();
+  Py_RETURN_NONE;
+}
+
+PyMethodDef Kernel_methods[] = {
+    {"size", Kernel_size, METH_NOARGS, "entries in this op's table"},
+    {"clear", Kernel_clear, METH_NOARGS, "forget this op's entries"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject KernelType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// ---- module functions ----
+
+PyObject* m_setup(PyObject*, PyObject* args) {
+  PyObject *mode_state, *strict, *buffer_type, *next_free, *note, *array_type, *precision,
+      *counters;
+  if (!PyArg_ParseTuple(args, "O!OOO!OOOO!", &PyDict_Type, &mode_state, &strict, &buffer_type,
+                        &PyList_Type, &next_free, &note, &array_type, &precision,
+                        &PyDict_Type, &counters))
+    return nullptr;
+  PyObject** slots[] = {&g_mode_state, &g_strict, &g_buffer_type, &g_next_free,
+                        &g_note, &g_array_type, &g_precision, &g_counters};
+  PyObject* vals[] = {mode_state, strict, buffer_type, next_free, note, array_type, precision,
+                      counters};
+  for (int i = 0; i < 8; i++) {
+    Py_INCREF(vals[i]);
+    Py_XSETREF(*slots[i], vals[i]);
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* m_set_enabled(PyObject*, PyObject* arg) {
+  int v = PyObject_IsTrue(arg);
+  if (v < 0) return nullptr;
+  g_enabled = v != 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* m_enabled(PyObject*, PyObject*) { return PyBool_FromLong(g_enabled); }
+
+// The lowering whose call may install an entry now (this thread's pending key), or None.
+PyObject* m_pending(PyObject*, PyObject*) {
+  if (tl_pending == nullptr || tl_pending->kernel == nullptr) Py_RETURN_NONE;
+  PyObject* l = tl_pending->kernel->lowering;
+  Py_INCREF(l);
+  return l;
+}
+
+// install(lowering, call, plan, in_dtypes, tuple_out, outs): outs = [(shape, torch dtype)].
+PyObject* m_install(PyObject*, PyObject* args) {
+  PyObject *lowering, *call, *plan, *in_dtypes, *outs;
+  int tuple_out = 0;
+  if (!PyArg_ParseTuple(args, "OOO!O!pO!", &lowering, &call, &PyList_Type, &plan, &PyList_Type,
+                        &in_dtypes, &tuple_out, &PyList_Type, &outs))
+    return nullptr;
+  Pending* p = tl_pending;
+  if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering) Py_RETURN_FALSE;
+  Py_ssize_t n_t = PyList_GET_SIZE(in_dtypes);
+  if (n_t != p->n_tensors || PyList_GET_SIZE(outs) == 0 ||
+      (!tuple_out && PyList_GET_SIZE(outs) != 1))
+    Py_RETURN_FALSE;
+  auto e = std::make_shared<Entry>();
+  Py_INCREF(call);
+  e->call = call;
+  e->tuple_out = tuple_out != 0;
+  std::vector<bool> used(n_t, false);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(plan); i++) {
+    PyObject* item = PyList_GET_ITEM(plan, i);
+    if (PyLong_CheckExact(item)) {
+      long v = PyLong_AsLong(item);
+      if (v < 0 || v >= n_t) Py_RETURN_FALSE;
+      used[v] = true;
+      e->plan.push_back(static_cast<int>(v));
+    } else if (PyTuple_CheckExact(item) && PyTuple_GET_SIZE(item) == 1) {
+      PyObject* c = PyTuple_GET_ITEM(item, 0);
+      Py_INCREF(c);
+      e->consts.push_back(c);
+      e->plan.push_back(-static_cast<int>(e->consts.size()));
+    } else {
+      Py_RETURN_FALSE;
+    }
+  }
+  for (bool u : used)
+    if (!u) Py_RETURN_FALSE;  // every tensor the kernel got is an argument of the program
+  for (Py_ssize_t i = 0; i < n_t; i++) {
+    PyObject* d = PyList_GET_ITEM(in_dtypes, i);
+    Py_INCREF(d);
+    e->in_dtypes.push_back(d);
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); i++) {
+    PyObject* o = PyList_GET_ITEM(outs, i);
+    PyObject *shape, *dt;
+    if (!PyArg_ParseTuple(o, "O!O!", &PyTuple_Type, &shape, &THPDtypeType, &dt)) return nullptr;
+    OutMeta m;
+    m.dtype = reinterpret_cast<THPDtype*>(dt)->scalar_type;
+    int64_t numel = 1;
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
+      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+      if (d == -1 && PyErr_Occurred()) return nullptr;
+      m.sizes.push_back(d);
+      numel *= d;
+    }
+    m.strides.resize(m.sizes.size());
+    int64_t acc = 1;
+    for (Py_ssize_t j = static_cast<Py_ssize_t>(m.sizes.size()) - 1; j >= 0; j--) {
+      m.strides[j] = acc;
+      acc *= m.sizes[j] > 1 ? m.sizes[j] : 1;
+    }
+    m.nbytes = numel * static_cast<int64_t>(c10::elementSize(m.dtype));
+    e->outs.push_back(std::move(m));
+  }
+  Table& t = *p->kernel->table;
+  if (t.size() >= kMaxEntries) {
+    t.clear();
+    bump(c_full);
+  }
+  t[p->key] = std::move(e);
+  p->kernel = nullptr;  // consumed: a later call in the same kernel installs nothing
+  bump(c_installs);
+  Py_RETURN_TRUE;
+}
+
+// Drop every entry whose executable call is in `calls` (a set): program_cache dropped them
+// to keep the loaded XLA code bounded, and an entry must not keep one alive.
+PyObject* m_forget(PyObject*, PyObject* calls) {
+  if (!PyAnySet_Check(calls)) {
+    PyErr_SetString(PyExc_TypeError, "forget: a set of executable calls");
+    return nullptr;
+  }
+  Py_ssize_t dropped = 0;
+  for (Kernel* k : all_kernels()) {
+    for (auto it = k->table->begin(); it != k->table->end();) {
+      int in = PySet_Contains(calls, it->second->call);
+      if (in < 0) return nullptr;
+      if (in) { it = k->table->erase(it); dropped++; }
+      else ++it;
+    }
+  }
+  return PyLong_FromSsize_t(dropped);
+}
+
+PyObject* m_clear(PyObject*, PyObject*) {
+  for (Kernel* k : all_kernels()) k->table->clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* m_entries(PyObject*, PyObject*) {
+  size_t n = 0;
+  for (Kernel* k : all_kernels()) n += k->table->size();
+  return PyLong_FromSize_t(n);
+}
+
+PyMethodDef module_methods[] = {
+    {"forget", m_forget, METH_O, "drop the entries of these executable calls"},
+    {"clear", m_clear, METH_NOARGS, "drop every entry"},
+    {"entries", m_entries, METH_NOARGS, "entries in every table"},
+    {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
+    {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
+    {"enabled", m_enabled, METH_NOARGS, "whether hits are served"},
+    {"pending", m_pending, METH_NOARGS, "the lowering this thread's pending key belongs to"},
+    {"install", m_install, METH_VARARGS, "install an entry for this thread's pending key"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "torchtpu_fastpath", nullptr, -1,
+                          module_methods};
+
+PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
+  KernelType.tp_name = "torchtpu_fastpath.Kernel";
+  KernelType.tp_basicsize = sizeof(Kernel);
+  KernelType.tp_flags = Py_TPFLAGS_DEFAULT;
+  KernelType.tp_new = Kernel_new;
+  KernelType.tp_dealloc = Kernel_dealloc;
+  KernelType.tp_call = Kernel_call;
+  KernelType.tp_methods = Kernel_methods;
+  KernelType.tp_doc = "A functional op's PrivateUse1 kernel with the Strict fast path";
+  if (PyType_Ready(&KernelType) < 0) return nullptr;
+  s_mode = intern("mode");
+  s_tpu_buffer = intern("_tpu_buffer");
+  s_array = intern("array");
+  s_dtype = intern("dtype");
+  s_shape = intern("shape");
+  s_is_ready = intern("is_ready");
+  c_hits = intern("eager_fastpath_hits");
+  c_cache_hits = intern("eager_cache_hits");
+  c_misses = intern("eager_fastpath_misses");
+  c_uncacheable = intern("eager_fastpath_uncacheable");
+  c_bypassed = intern("eager_fastpath_bypassed");
+  c_errors = intern("eager_fastpath_fallbacks");
+  c_installs = intern("eager_fastpath_installs");
+  c_full = intern("eager_fastpath_table_resets");
+  g_empty = PyTuple_New(0);
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  Py_INCREF(&KernelType);
+  if (PyModule_AddObject(m, "Kernel", reinterpret_cast<PyObject*>(&KernelType)) < 0) {
+    Py_DECREF(&KernelType);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,186 @@
+"""The Strict executor's hot path for cached programs, in C++ (``fastpath.cpp``).
+
+Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C++ callable
+that torch.library calls in place of the Python kernel it wraps. While the eager mode is
+Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset;
+Python scalars by their bits; lists, dtypes, devices; the default dtype; the matmul precision
+for an op that reads it) and looks the key up in the op's table. A hit gathers the input
+storages' arrays, checks each is what the executor would pass as is (same shape and dtype),
+calls the executable's C++ call (the one ``program_cache.Program`` calls), notes the outputs
+in flight and makes the output tensors and storages itself, as ``buffer.wrap_noted`` does: no
+Python frame of torchtpu runs. Anything else runs the Python kernel (eager/executor.py): a
+miss sets this thread's pending key first, and the executor installs an entry for it (``offer``)
+only for a call it proved eligible: a functional op in Strict mode, every tensor a whole
+storage array (no view spec, no CPU scalar), no check, no random state, no mutated argument,
+one device, array results. Everything else (views, in-place writes and donation, Debug and
+Fused modes, dynamic shapes, checks, random ops, fallbacks) takes the Python path every time.
+
+``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
+``set_enabled(False)`` makes every Kernel run its Python kernel (the same path, in-process,
+for tests and benchmarks). Without a C++ compiler the Python kernels are bound and
+``eager_fastpath_unavailable`` is counted. ``torch.tpu.metrics()`` counts
+``eager_fastpath_hits`` (also counted as ``eager_cache_hits``), ``eager_fastpath_misses`` (no
+entry: the Python path ran), ``eager_fastpath_installs``, ``eager_fastpath_uncacheable``
+(arguments it cannot key), ``eager_fastpath_bypassed`` (not Strict mode) and
+``eager_fastpath_fallbacks`` (an entry that no longer matched: dropped, the Python path ran).
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import threading
+
+from ..lowering import registry as _registry
+from ..runtime import buffer as _buffer
+from ..runtime import inflight as _inflight
+from ..runtime import metrics as _metrics
+from ..runtime import native_build as _nb
+from ..runtime import program_cache as _program_cache
+from . import modes
+
+_log = logging.getLogger("torchtpu")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_HERE, "fastpath.cpp")
+_WHAT = "its C++ eager fast path"
+_AVOID = "or set TORCHTPU_FASTPATH=0 (the Python path; same results, slower per op)"
+_lock = threading.Lock()
+_state: dict = {"ext": None, "tried": False, "error": None}
+_kernels: list = []  # every Kernel made (they live as long as the op bindings)
+
+
+def wanted() -> bool:
+    return os.environ.get("TORCHTPU_FASTPATH", "1") not in ("0", "")
+
+
+def _load():
+    """The extension module, built on first need (shared by every process of this torch,
+    whatever TORCHTPU_CACHE_DIR: the library does not depend on it); None if it cannot be."""
+    if _state["tried"]:
+        return _state["ext"]
+    with _lock:
+        if _state["tried"]:
+            return _state["ext"]
+        try:
+            path = _nb.library_path(_SOURCE, python=True, shared=True)
+            _nb.build_locked(path, _SOURCE, _WHAT, _AVOID, python=True)
+            loader = importlib.machinery.ExtensionFileLoader("torchtpu_fastpath", path)
+            spec = importlib.util.spec_from_file_location("torchtpu_fastpath", path,
+                                                          loader=loader)
+            ext = importlib.util.module_from_spec(spec)
+            loader.exec_module(ext)
+            from jax._src.array import ArrayImpl
+
+            ext.setup(modes._state, modes.EagerMode.DEFER_NEVER, _buffer.Buffer,
+                      _buffer._next_free, _inflight.note, ArrayImpl,
+                      _registry.matmul_precision, _metrics.COUNTERS)
+            _program_cache.EVICTED_HOOKS.append(_forget)
+            _state["ext"] = ext
+        except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path
+            _state["error"] = e
+            _metrics.count("eager_fastpath_unavailable")
+            _log.debug("torchtpu: the C++ eager fast path is unavailable: %s", e)
+        _state["tried"] = True
+        global pending
+        if _state["ext"] is not None:
+            pending = _state["ext"].pending
+    return _state["ext"]
+
+
+def pending():
+    """The lowering whose call may install an entry now (None: none)."""
+    return None
+
+
+def kernel(fn, lowering):
+    """The PrivateUse1 kernel to bind for functional Python kernel ``fn``: a C++ Kernel in
+    front of it, or ``fn`` itself (TORCHTPU_FASTPATH=0, or no compiler)."""
+    if not wanted():
+        return fn
+    ext = _load()
+    if ext is None:
+        return fn
+    k = ext.Kernel(fn, lowering, lowering.name, bool(lowering.reads_precision))
+    _kernels.append(k)
+    return k
+
+
+def available() -> bool:
+    return _state["ext"] is not None
+
+
+def set_enabled(flag: bool) -> bool:
+    """Serve hits (True) or run every call through the Python kernel (False); the previous
+    setting. A no-op (False) where the fast path is not bound."""
+    ext = _state["ext"]
+    if ext is None:
+        return False
+    old = ext.enabled()
+    ext.set_enabled(bool(flag))
+    return old
+
+
+def enabled() -> bool:
+    ext = _state["ext"]
+    return ext is not None and ext.enabled() and bool(_kernels)
+
+
+def clear() -> None:
+    """Forget every installed entry (the Python path installs them again)."""
+    ext = _state["ext"]
+    if ext is not None:
+        ext.clear()
+
+
+def entries() -> int:
+    ext = _state["ext"]
+    return 0 if ext is None else ext.entries()
+
+
+def _forget(calls) -> None:
+    """program_cache dropped these executables (its bound on loaded XLA code): an entry
+    must not keep one alive."""
+    ext = _state["ext"]
+    if ext is not None and calls:
+        ext.forget(set(calls))
+
+
+_Array = None
+
+
+def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
+    """Install the entry for this thread's pending key: the call of ``prog`` just made with
+    ``flat`` (one argument per item of ``tensors``: a tensor's whole storage array, or a
+    Traced scalar's value) returned ``out``. The executor calls it only for an eligible call;
+    True if installed."""
+    global _Array
+    if _Array is None:
+        from jax._src.array import ArrayImpl as _Array
+    if len(flat) != len(tensors):
+        return False
+    if type(out) is _Array:
+        outs = (out,)
+        tuple_out = False
+    elif type(out) is tuple and out and all(type(o) is _Array for o in out):
+        outs = out
+        tuple_out = True
+    else:
+        return False
+    call = prog.by_sig.get(_program_cache.signature(flat)) \
+        if type(prog) is _program_cache.Program else None
+    if call is None:
+        return False
+    plan = []
+    dtypes = []
+    for t, a in zip(tensors, flat):
+        if type(t) is traced_type:
+            plan.append((a,))
+        else:
+            plan.append(len(dtypes))
+            dtypes.append(a.dtype)
+    metas = []
+    for o in outs:
+        shape, dt, _strides, _nbytes = _buffer._meta(o.shape, o.dtype)
+        metas.append((tuple(shape), dt))
+    return _state["ext"].install(lowering, call, plan, dtypes, tuple_out, metas)
