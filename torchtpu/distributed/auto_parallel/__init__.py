@@ -142,9 +142,9 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
                 if best is None or term.memory < best[4].memory:
                     best = (dp, tp, uc, gc, term)
         raise ValueError(
-            f"auto_parallelize: no plan fits memory_budget={budget / 2**20:.2f} MiB per device; "
-            f"the smallest plan (dp={best[0]} x tp={best[1]}) needs "
-            f"{best[4].memory / 2**20:.2f} MiB per device")
+            f"auto_parallelize: no plan fits memory_budget={_size(budget)} per device; the "
+            f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[4].memory)} per "
+            f"device")
     key = (lambda f: f[4].time) if objective == "step_time" else (lambda f: f[4].memory)
     found.sort(key=key)
     plans = [s.plan(*f) for f in found[:top_k]]
@@ -171,6 +171,10 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
     chosen.search = search
     chosen.why = _why(chosen, plans, budget, objective, verify)
     return chosen
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**20:.3f} MiB ({b:,.0f} bytes)"
 
 
 def _why(plan, plans, budget, objective, verified) -> list:

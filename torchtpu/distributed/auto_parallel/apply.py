@@ -142,7 +142,11 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         raise ValueError(f"Plan.apply: the mesh has {mesh.size()} devices, the plan {n}")
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     if n == 1:
-        return model if on_meta else model.to(device)
+        if on_meta:
+            model.to_empty(device=device)
+            _initialise(model)
+            return model
+        return model.to(device)
     _check_same_plan(plan)
     dims, shape = [], []
     for name, size in (("dp", plan.dp), ("tp", plan.tp)):
@@ -162,6 +166,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         tp_plan = _tp_plan(plan, model)
         if tp_plan:
             parallelize_module(model, full["tp"], tp_plan)
+    _replicate_rest(model, full["tp"] if plan.tp > 1 else full["dp"], plan)
     replicated = []
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
@@ -172,8 +177,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         sharded_any = any(p not in repl for p in model.parameters())
         if sharded_any:
             for fqn, mod in model.named_modules():
-                if fqn and group_name(fqn) != fqn and \
-                        isinstance(_parent(model, fqn), nn.ModuleList):
+                if fqn and isinstance(_parent(model, fqn), (nn.ModuleList, nn.ModuleDict)):
                     own = set(mod.parameters())
                     if own - repl:
                         fully_shard(mod, mesh=dp_mesh, ignored_params=own & repl or None)
@@ -187,6 +191,53 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         _batch_hooks(model, plan.dp, dp_mesh.get_local_rank(), dp_mesh.get_group())
         _average_grads(replicated, dp_mesh.get_group(), plan.dp)
     return model
+
+
+def _replicate_rest(model: nn.Module, mesh, plan) -> None:
+    """Every parameter that tensor parallelism left a plain tensor and FSDP will not shard
+    becomes a DTensor replicated on ``mesh`` (the tp mesh, or the dp mesh without tp), with
+    its module's tensor inputs entering as replicated DTensors and its outputs leaving as
+    local tensors: an optimizer's foreach ops cannot mix plain tensors and DTensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    fsdp_owned = plan.tp == 1  # on a dp-only mesh FSDP turns its groups into DTensors itself
+    for fqn, mod in list(model.named_modules()):
+        own = [(n_, p) for n_, p in mod.named_parameters(recurse=False)
+               if not isinstance(p, DTensor)
+               and not (fsdp_owned and plan.groups[group_name(f"{fqn}.{n_}" if fqn else n_)]
+                        ["dp"] == "fsdp")]
+        if not own:
+            continue
+        if any(True for c in mod.children() for _ in c.parameters()):
+            raise NotImplementedError(
+                f"Plan.apply: module {fqn or '<root>'} ({type(mod).__name__}) holds replicated "
+                f"parameters directly and has parametrised submodules: not supported yet")
+        for n_, p in own:
+            mod.register_parameter(n_, nn.Parameter(
+                DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
+                requires_grad=p.requires_grad))
+        mod.register_forward_pre_hook(_to_replicated(mesh), with_kwargs=True)
+        mod.register_forward_hook(_to_local)
+
+
+def _to_replicated(mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def hook(mod, args, kwargs):
+        def conv(t):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+            return t
+
+        return pytree.tree_map(conv, (args, kwargs))
+
+    return hook
+
+
+def _to_local(mod, args, out):
+    from torch.distributed.tensor import DTensor
+
+    return pytree.tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, out)
 
 
 def _parent(model, fqn):

@@ -3,7 +3,8 @@ dp option), solved with PuLP's bundled CBC.
 
     minimise   sum(cost * x)              (step time, or memory for objective="memory")
     subject to one tp option per unit; per group, its dp options sum to its unit's chosen tp
-               option (z[g, t, d] <= y[u, t]); predicted memory <= memory_budget.
+               option (z[g, t, d] <= y[u, t]); predicted memory <= memory_budget; on a 2-D
+               mesh one dp option for all groups.
 The k best assignments of a factorisation come from re-solving with a no-good cut on each
 solution found.
 """
@@ -37,10 +38,18 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
         for t in {t for t, _ in opts}:
             chosen = y[(owner, t)] if owner is not None else 1
             prob += pulp.lpSum(z[(g, t, d)] for tt, d in opts if tt == t) == chosen
-    prob += (c.const.memory
-             + pulp.lpSum(c.unit_opts[u][o].memory * v for (u, o), v in y.items())
-             + pulp.lpSum(c.group_opts[g][(t, d)].memory * v for (g, t, d), v in z.items())
-             <= budget)
+    if c.dp > 1 and c.tp > 1:
+        # on a 2-D mesh every group takes the same dp option (apply.py: parameters replicated
+        # over dp would live on the tp mesh while FSDP's live on the 2-D mesh, and one
+        # optimizer's foreach ops cannot mix meshes)
+        w = pulp.LpVariable("fsdp_all", cat="Binary")
+        for g, opts in c.group_opts.items():
+            prob += pulp.lpSum(z[(g, t, d)] for t, d in opts if d == "fsdp") == w
+    if budget != float("inf"):
+        prob += (c.const.memory
+                 + pulp.lpSum(c.unit_opts[u][o].memory * v for (u, o), v in y.items())
+                 + pulp.lpSum(c.group_opts[g][(t, d)].memory * v for (g, t, d), v in z.items())
+                 <= budget)
     found = []
     solver = pulp.PULP_CBC_CMD(msg=False)
     for _ in range(k):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -109,16 +110,14 @@ def export_step(gm, path: str):
     from ...compile.lower import GraphLowering
 
     low = GraphLowering(gm, "auto_parallel_step")
-    if low.random_nodes:
-        raise RuntimeError("auto_parallelize(verify=True): the train step draws random numbers "
-                           "(dropout?); verification needs a deterministic step (model.eval() "
-                           "or dropout=0)")
     n = len(low.placeholders)
     fn = low.trace_fn(list(range(n)), {}, None)
     shapes = []
     for p in low.placeholders:
         v = p.meta["val"]
         shapes.append(jax.ShapeDtypeStruct(tuple(v.shape), _jnp_dtype(v.dtype)))
+    if low.random_nodes:  # the (seed, offset) words of each random op, as the runtime passes
+        shapes.append(jax.ShapeDtypeStruct((len(low.random_nodes), 4), np.uint32))
 
     def program(*arrays):
         return fn(*arrays)[0]
@@ -155,7 +154,7 @@ def param_spec(shape, dp_choice: str, tp_place: str) -> list:
     return [None if not a else (a[0] if len(a) == 1 else a) for a in dims]
 
 
-def candidate_specs(plan, names, shapes, n_states, n_buffers, batch) -> dict:
+def candidate_specs(plan, names, shapes, n_states, n_buffers, batch, n_inputs) -> dict:
     specs = []
     for nme, s in zip(names, shapes):
         g = plan.groups[group_name(nme)]
@@ -163,11 +162,12 @@ def candidate_specs(plan, names, shapes, n_states, n_buffers, batch) -> dict:
     param_specs = list(specs)
     specs += param_specs * n_states
     specs += [[None] * len(s.shape) for s in shapes[len(specs):len(specs) + n_buffers]]
-    for s in shapes[len(specs):]:
+    for s in shapes[len(specs):n_inputs]:
         sp = [None] * len(s.shape)
         if sp and s.shape[0] == batch and batch % plan.dp == 0 and plan.dp > 1:
             sp[0] = "dp"
         specs.append(sp)
+    specs += [[None, None]] * (len(shapes) - n_inputs)  # random words: replicated
     out_specs = [[]] + param_specs * (1 + n_states)
     return {"dp": plan.dp, "tp": plan.tp, "in_specs": specs, "out_specs": out_specs}
 
@@ -178,7 +178,7 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     import jax
 
     n = plans[0].world_size
-    gm, names, _ = trace_step(model, args, kwargs, optimizer_states)
+    gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states)
     n_p = len(names)
     n_b = len(list(model.buffers()))
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,7 +186,8 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
         shapes = export_step(gm, path)
         req = {"exported": path, "devices": n,
                "donate": list(range(n_p * (1 + optimizer_states))),
-               "candidates": [candidate_specs(p, names, shapes, optimizer_states, n_b, batch)
+               "candidates": [candidate_specs(p, names, shapes, optimizer_states, n_b, batch,
+                                              n_inputs)
                               for p in plans]}
         if jax.default_backend() == "cpu" and jax.local_device_count() >= n:
             return _worker().compile_candidates(req)
