@@ -94,7 +94,10 @@ def check(name, plan, make, hf=False, edit=None, adam=False):
             torch.testing.assert_close(full(p), want[n].detach(), msg=lambda m: f"{name} {n}: {m}")
     checked.append(name)
     if dist.get_rank() == 0:
-        print(f"OK {name} dp={plan.dp} tp={plan.tp} losses {losses}", flush=True)
+        tp_units = sorted(n for n, u in plan.units.items() if u["choice"] != "none")
+        dps = sorted({d["dp"] for d in plan.groups.values()})
+        print(f"OK {name} dp={plan.dp} tp={plan.tp} tp units {tp_units} dp {dps} "
+              f"losses {losses}", flush=True)
 
 
 def search(model, world, shape, budget, hf=False):

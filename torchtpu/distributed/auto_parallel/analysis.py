@@ -18,7 +18,6 @@ parametrised leaves between.
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,12 +28,25 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+def namer(model: nn.Module):
+    """``fqn -> group name`` for ``model``: the index of a child of a ``ModuleList`` /
+    ``ModuleDict`` (numeric keys) becomes ``*`` (``layers.3.attention.wq`` ->
+    ``layers.*.attention.wq``), so repeated layers share one decision; the positions inside
+    an ``nn.Sequential`` stay apart (``0.weight`` and ``2.weight`` are different layers)."""
+    containers = {n for n, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
 
+    def name(fqn: str) -> str:
+        parts = fqn.split(".")
+        out = []
+        for i, p in enumerate(parts):
+            if p.isdigit() and ".".join(parts[:i]) in containers:
+                out.append("*")
+            else:
+                out.append(p)
+        return ".".join(out)
 
-def group_name(fqn: str) -> str:
-    """``layers.3.attention.wq`` -> ``layers.*.attention.wq``."""
-    return _INDEX.sub(".*", fqn)
+    return name
 
 
 @dataclass
@@ -59,6 +71,7 @@ class TPBlock:
 
 @dataclass
 class Analysis:
+    namer: object  # fqn -> group name (see ``namer``)
     params: dict  # fqn -> (shape, dtype itemsize)
     groups: dict  # group name -> [param fqns]
     flops: dict  # module fqn -> fwd+bwd FLOPs ("" = whole model)
@@ -151,7 +164,7 @@ def _head_counts(mod: nn.Module) -> list:
     found = []
     srcs = [mod] + list(mod.modules())[1:]
     cfg = getattr(mod, "config", None)
-    if cfg is not None:
+    if cfg is not None and hasattr(mod, "head_dim"):  # an attention module (HF): its heads
         srcs.append(cfg)
     for s in srcs:
         for k, v in vars(s).items():
@@ -163,9 +176,10 @@ def _head_counts(mod: nn.Module) -> list:
 
 def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     params = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+    gn = namer(model)
     groups = defaultdict(list)
     for n in params:
-        groups[group_name(n)].append(n)
+        groups[gn(n)].append(n)
     fm = fake_mode()
     meta_params = {n: fake_like(fm, p).requires_grad_(p.requires_grad)
                    for n, p in model.named_parameters()}
@@ -267,5 +281,5 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         used |= ls
         keep.append(b)
     out_bytes = sum(_nbytes(t) for t in outs)
-    return Analysis(params, dict(groups), flops, dict(saved), leaves, keep, batch,
+    return Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
                     sum(_nbytes(t) for t in tensors), out_bytes)

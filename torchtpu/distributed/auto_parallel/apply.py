@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .analysis import group_name
+from .analysis import namer
 
 
 class _GatherBatch(torch.autograd.Function):
@@ -104,13 +104,13 @@ def _check_same_plan(plan) -> None:
                            f"(search once and Plan.load the saved plan on every rank)")
 
 
-def _tp_plan(plan, model: nn.Module) -> dict:
+def _tp_plan(plan, model: nn.Module, gn) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     res = {}
     for fqn, _ in model.named_modules():
-        u = plan.units.get(group_name(fqn))
+        u = plan.units.get(gn(fqn))
         if u is None or u["choice"] == "none":
             continue
         pre = f"{fqn}." if fqn else ""
@@ -128,8 +128,9 @@ def _tp_plan(plan, model: nn.Module) -> dict:
 def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
+    gn = namer(model)
     names = {n for n, _ in model.named_parameters()}
-    missing = sorted(n for n in names if group_name(n) not in plan.groups)
+    missing = sorted(n for n in names if gn(n) not in plan.groups)
     if missing:
         raise ValueError(f"Plan.apply: the plan has no decision for parameter(s) {missing[:5]} "
                          f"(was it made for another model?)")
@@ -163,17 +164,17 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
     if plan.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        tp_plan = _tp_plan(plan, model)
+        tp_plan = _tp_plan(plan, model, gn)
         if tp_plan:
             parallelize_module(model, full["tp"], tp_plan)
-    _replicate_rest(model, full["tp"] if plan.tp > 1 else full["dp"], plan)
+    _replicate_rest(model, full["tp"] if plan.tp > 1 else full["dp"], plan, gn)
     replicated = []
     if plan.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = full["dp"]
         repl = {p for n_, p in model.named_parameters()
-                if plan.groups[group_name(n_)]["dp"] == "replicate"}
+                if plan.groups[gn(n_)]["dp"] == "replicate"}
         sharded_any = any(p not in repl for p in model.parameters())
         if sharded_any:
             for fqn, mod in model.named_modules():
@@ -193,7 +194,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
     return model
 
 
-def _replicate_rest(model: nn.Module, mesh, plan) -> None:
+def _replicate_rest(model: nn.Module, mesh, plan, gn) -> None:
     """Every parameter that tensor parallelism left a plain tensor and FSDP will not shard
     becomes a DTensor replicated on ``mesh`` (the tp mesh, or the dp mesh without tp), with
     its module's tensor inputs entering as replicated DTensors and its outputs leaving as
@@ -204,7 +205,7 @@ def _replicate_rest(model: nn.Module, mesh, plan) -> None:
     for fqn, mod in list(model.named_modules()):
         own = [(n_, p) for n_, p in mod.named_parameters(recurse=False)
                if not isinstance(p, DTensor)
-               and not (fsdp_owned and plan.groups[group_name(f"{fqn}.{n_}" if fqn else n_)]
+               and not (fsdp_owned and plan.groups[gn(f"{fqn}.{n_}" if fqn else n_)]
                         ["dp"] == "fsdp")]
         if not own:
             continue

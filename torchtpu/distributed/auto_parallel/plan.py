@@ -99,7 +99,7 @@ class Plan:
 
     def save(self, path) -> None:
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1, sort_keys=True)
+            json.dump(self.to_dict(), f, indent=1)  # model order: diffable
 
     @classmethod
     def load(cls, path) -> "Plan":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .analysis import Analysis, group_name
+from .analysis import Analysis
 
 
 def factorisations(n: int) -> list:
@@ -52,7 +52,7 @@ def units(an: Analysis, modules: dict) -> list:
     in_block = set()
     for b in an.blocks:
         rel = lambda f, b=b: f[len(b.fqn) + 1:] if b.fqn else f  # noqa: E731
-        g = group_name(b.fqn)
+        g = an.namer(b.fqn)
         u = out.get(g)
         if u is None:
             out[g] = Unit(g, "block", [b.fqn], [rel(f) for f in b.ins], rel(b.out), "tp")
@@ -63,7 +63,7 @@ def units(an: Analysis, modules: dict) -> list:
     for fqn, leaf in an.leaves.items():
         if fqn in in_block:
             continue
-        g = group_name(fqn)
+        g = an.namer(fqn)
         u = out.get(g)
         if u is None:
             out[g] = Unit(g, leaf.kind, [fqn], option="colwise" if leaf.kind == "linear"

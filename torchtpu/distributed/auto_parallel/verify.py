@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from .analysis import eager, fake_like, fake_mode, group_name
+from .analysis import eager, fake_like, fake_mode, namer
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_worker.py")
 
@@ -154,10 +154,10 @@ def param_spec(shape, dp_choice: str, tp_place: str) -> list:
     return [None if not a else (a[0] if len(a) == 1 else a) for a in dims]
 
 
-def candidate_specs(plan, names, shapes, n_states, n_buffers, batch, n_inputs) -> dict:
+def candidate_specs(plan, names, shapes, n_states, n_buffers, batch, n_inputs, gn) -> dict:
     specs = []
     for nme, s in zip(names, shapes):
-        g = plan.groups[group_name(nme)]
+        g = plan.groups[gn(nme)]
         specs.append(param_spec(s.shape, g["dp"], g["tp"]))
     param_specs = list(specs)
     specs += param_specs * n_states
@@ -187,7 +187,7 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
         req = {"exported": path, "devices": n,
                "donate": list(range(n_p * (1 + optimizer_states))),
                "candidates": [candidate_specs(p, names, shapes, optimizer_states, n_b, batch,
-                                              n_inputs)
+                                              n_inputs, namer(model))
                               for p in plans]}
         if jax.default_backend() == "cpu" and jax.local_device_count() >= n:
             return _worker().compile_candidates(req)
