@@ -23,7 +23,7 @@ from .plan import Plan
 from .solver import solve
 from .space import factorisations, units
 
-__all__ = ["auto_parallelize", "Plan", "DeviceSpec", "DEVICES", "plan_for"]
+__all__ = ["auto_parallelize", "Plan", "DeviceSpec", "DEVICES", "plan_for", "predict"]
 
 
 def _mesh_size(mesh) -> int:
@@ -107,6 +107,20 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
         uc[u] = sharded[0] if want and sharded else "none"
     gc = {g: (data_parallel if dp > 1 else "replicate") for g in c.group_opts}
     return s.plan(dp, tp, uc, gc, evaluate(c, uc, gc))
+
+
+def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwargs=None,
+            optimizer_states: int = 2) -> dict:
+    """The cost model's figures (step_time_s, memory_bytes, dp_bytes, tp_bytes, ...) of an
+    existing plan on another device."""
+    from .cost import evaluate
+    from .plan import _term_dict
+
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    s = _Search(model, plan.world_size, args, kwargs, device_spec, optimizer_states)
+    c = s.costs(plan.dp, plan.tp)
+    return _term_dict(evaluate(c, {u: d["choice"] for u, d in plan.units.items()},
+                               {g: d["dp"] for g, d in plan.groups.items()}))
 
 
 def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spec="v6e",
