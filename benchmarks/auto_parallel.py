@@ -99,7 +99,8 @@ def main():
             for p, r in zip(hand, res):
                 p.compiled = judge(p, r, spec, spf)
             t_hand = time.perf_counter() - t1
-            print(f"\n-- mesh of {n} devices: auto search {auto.search['analyse_s'] + auto.search['solve_s']:.2f} s "
+            search_s = auto.search["analyse_s"] + auto.search["solve_s"]
+            print(f"\n-- mesh of {n} devices: auto search {search_s:.2f} s "
                   f"(analyse {auto.search['analyse_s']:.2f}, ILP {auto.search['solve_s']:.2f}, "
                   f"{auto.search['candidates']} candidates), verification of the top 3 "
                   f"{auto.search['verify_s']:.2f} s, auto_parallelize total {wall:.2f} s; "
@@ -132,6 +133,11 @@ def main():
             print(f"   auto vs TorchTitan's plan (predicted, v6e): step "
                   f"{auto.predicted['step_time_s'] / titan['step_time_s']:.2f}x, memory "
                   f"{auto.predicted['memory_bytes'] / titan['memory_bytes']:.2f}x")
+            same = auto_parallelize(model, n, a, example_kwargs=kw, device_spec="v6e",
+                                    memory_budget=titan["memory_bytes"], verify=False)
+            print(f"   auto under TorchTitan's memory as budget: dp={same.dp} x tp={same.tp}, "
+                  f"step {same.predicted['step_time_s'] / titan['step_time_s']:.2f}x, memory "
+                  f"{same.predicted['memory_bytes'] / titan['memory_bytes']:.2f}x TorchTitan's")
             budget = 0.9 * plans["fsdp"].predicted["memory_bytes"]
             t2 = time.perf_counter()
             try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .analysis import Analysis
 from .devices import DeviceSpec
-from .space import Unit, params_of, tp_ok
+from .space import params_of, tp_ok
 
 
 def ring(kind: str, nbytes: float, n: int, spec: DeviceSpec):

@@ -229,11 +229,11 @@ def judge(plan, compiled: dict, spec, sec_per_flop: float) -> dict:
             predicted.add("all-reduce")
     if plan.tp > 1:
         predicted |= {"all-reduce", "all-gather", "reduce-scatter"}
+    from .xla_worker import sent_bytes
+
     comm = 0.0
     for kind, nbytes, g in compiled.pop("collective_list", []):
         if g > 1:
-            from .xla_worker import sent_bytes
-
             comm += 2 * (g - 1) * spec.latency + sent_bytes(kind, nbytes, g) / spec.axis_bandwidth
     compiled["step_time_s"] = compiled["flops"] * sec_per_flop + comm
     compiled["unpredicted"] = sorted(k for k in compiled["collectives"] if k not in predicted)
