@@ -210,9 +210,9 @@ def test_plans_train_on_two_processes_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "tp", timeout=300))
 
 
-@pytest.mark.slow  # ~1 min
+@pytest.mark.slow  # ~1.5 min
 def test_mixed_and_hf_plans_train_on_two_processes_like_one():
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "mixed", "hf", timeout=400))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "mixed", "hf", "hf_fsdp", timeout=500))
 
 
 @pytest.mark.slow  # ~1 min, 4 processes

@@ -10,7 +10,8 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
   mixed    the fsdp plan with the norms edited to "replicate" (ignored by FSDP, gradients
            averaged by the plan's hooks) and saved / loaded as JSON on the way; AdamW
            (foreach over sharded and replicated DTensors)
-  hf       a tiny HF LlamaForCausalLM under a tp or fsdp plan (the model computes its loss)
+  hf       a tiny HF LlamaForCausalLM (computing its own loss) under a budget-forced TP plan
+  hf_fsdp  the same under a budget-forced FSDP plan: the 0-dim loss averaged over dp
   2d       dp=2 x tp=2 (4 ranks)
 Prints "OK <config>" per configuration and "ALL OK <n>".
 """
@@ -147,6 +148,13 @@ def main():
                           hf=True)
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("hf", plan, tiny_llama, hf=True)
+        elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
+            torch.manual_seed(0)
+            hfm = tiny_llama()
+            plan = search(hfm, world, (world, 1), 0.8 * _replicated_memory(hfm, world, hf=True),
+                          hf=True)
+            assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
+            check("hf_fsdp", plan, tiny_llama, hf=True)
         elif cfg == "2d":
             plan = search(probe, world, (2, world // 2), 0.8 * _replicated_memory(probe, world))
             check("2d", plan, Transformer)
