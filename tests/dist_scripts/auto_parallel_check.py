@@ -12,6 +12,8 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
            (foreach over sharded and replicated DTensors)
   hf       a tiny HF LlamaForCausalLM (computing its own loss) under a budget-forced TP plan
   hf_fsdp  the same under a budget-forced FSDP plan: the 0-dim loss averaged over dp
+  meta     the fsdp plan applied to a model built on "meta" (initialised by apply; trains, the
+           same losses on every rank)
   2d       dp=2 x tp=2 (4 ranks)
 Prints "OK <config>" per configuration and "ALL OK <n>".
 """
@@ -155,6 +157,34 @@ def main():
                           hf=True)
             assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
             check("hf_fsdp", plan, tiny_llama, hf=True)
+        elif cfg == "meta":  # built on meta, materialised by apply (reset_parameters)
+            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            torch.manual_seed(dist.get_rank())  # ranks seeded apart: apply must agree them
+            with torch.device("meta"):
+                model = Transformer()
+            model = plan.apply(model)
+            assert all(p.device.type == "tpu" for p in model.parameters())
+            # what is replicated holds the same values on every rank
+            from torch.distributed.tensor import DTensor, Replicate
+
+            assert any(d["dp"] == "replicate" for d in plan.groups.values()), plan
+            for n, p in model.named_parameters():
+                if isinstance(p, DTensor) and all(isinstance(x, Replicate) for x in p.placements):
+                    mine = p.to_local().detach().cpu()
+                    theirs = [None] * world
+                    dist.all_gather_object(theirs, mine)
+                    for t in theirs:
+                        torch.testing.assert_close(t, mine, rtol=0, atol=0, msg=n)
+            losses, _ = train(model, batches(VOCAB), "tpu")
+            everyone = [None] * world
+            dist.all_gather_object(everyone, losses)
+            assert all(x == losses for x in everyone), everyone  # one model, every rank
+            assert all(x == x and x < 10 for x in losses), losses
+            full_params = [full(p) for p in model.parameters()]
+            assert all(bool(t.isfinite().all()) for t in full_params)
+            checked.append("meta")
+            if dist.get_rank() == 0:
+                print(f"OK meta losses {losses}", flush=True)
         elif cfg == "2d":
             plan = search(probe, world, (2, world // 2), 0.8 * _replicated_memory(probe, world))
             check("2d", plan, Transformer)

@@ -187,6 +187,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
     if on_meta:
         model.to_empty(device=device)
         _initialise(model)
+        _sync_replicated(model)
     if plan.dp > 1:
         dp_mesh = full["dp"]
         _batch_hooks(model, plan.dp, dp_mesh.get_local_rank(), dp_mesh.get_group())
@@ -256,6 +257,24 @@ def _initialise(model: nn.Module) -> None:
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+
+
+def _sync_replicated(model: nn.Module) -> None:
+    """After initialising on every rank, what is replicated over a mesh dim takes the values of
+    that dim's first rank (as DDP broadcasts rank 0's parameters). DTensor's random ops agree
+    replicas already (its RNG tracker; seen with ranks seeded apart); this also covers an
+    initialiser that writes the local tensors some other way."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if not isinstance(p, DTensor):
+                continue
+            for dim, place in enumerate(p.placements):
+                if isinstance(place, Replicate) and p.device_mesh.size(dim) > 1:
+                    group = p.device_mesh.get_group(dim)
+                    dist.broadcast(p._local_tensor, src=dist.get_global_rank(group, 0),
+                                   group=group)
 
 
 def _average_grads(params, group, n) -> None:
