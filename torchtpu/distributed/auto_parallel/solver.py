@@ -4,7 +4,7 @@ dp option), solved with PuLP's bundled CBC.
     minimise   sum(cost * x)              (step time, or memory for objective="memory")
     subject to one tp option per unit; per group, its dp options sum to its unit's chosen tp
                option (z[g, t, d] <= y[u, t]); predicted memory <= memory_budget; on a 2-D
-               mesh one dp option for all groups.
+               mesh one dp option for all groups; with tp > 1 at least one unit sharded.
 The k best assignments of a factorisation come from re-solving with a no-good cut on each
 solution found.
 """
@@ -38,6 +38,12 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
         for t in {t for t, _ in opts}:
             chosen = y[(owner, t)] if owner is not None else 1
             prob += pulp.lpSum(z[(g, t, d)] for tt, d in opts if tt == t) == chosen
+    if c.tp > 1:
+        # a tp axis that shards nothing would only repeat the computation on idle devices
+        sharded = [v for (u, o), v in y.items() if o != "none"]
+        if not sharded:
+            return []
+        prob += pulp.lpSum(sharded) >= 1
     if c.dp > 1 and c.tp > 1:
         # on a 2-D mesh every group takes the same dp option (apply.py: parameters replicated
         # over dp would live on the tp mesh while FSDP's live on the 2-D mesh, and one
