@@ -219,6 +219,6 @@ def test_mixed_hf_and_meta_plans_train_on_two_processes_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "mixed", "hf", "hf_fsdp", "meta", timeout=600))
 
 
-@pytest.mark.slow  # ~1 min, 4 processes
+@pytest.mark.slow  # ~2 min, 4 processes
 def test_two_dimensional_plan_trains_on_four_processes_like_one():
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d", nproc=4, timeout=400))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d", "2d_fsdp", nproc=4, timeout=600))

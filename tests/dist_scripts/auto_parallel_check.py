@@ -15,6 +15,7 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
   meta     the fsdp plan applied to a model built on "meta" (initialised by apply; trains, the
            same losses on every rank)
   2d       dp=2 x tp=2 (4 ranks)
+  2d_fsdp  dp=2 x tp=2 under a budget only FSDP over TP fits
 Prints "OK <config>" per configuration and "ALL OK <n>".
 """
 from __future__ import annotations
@@ -188,6 +189,14 @@ def main():
         elif cfg == "2d":
             plan = search(probe, world, (2, world // 2), 0.8 * _replicated_memory(probe, world))
             check("2d", plan, Transformer)
+        elif cfg == "2d_fsdp":  # FSDP over TP's DTensors on the 2-D mesh
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            x = torch.randint(0, VOCAB, (BATCH, SEQ))
+            both = plan_for(probe, world, (x,), dp=2, tp=world // 2, device_spec="cpu")
+            plan = search(probe, world, (2, world // 2), 1.01 * both.predicted["memory_bytes"])
+            assert {d["dp"] for d in plan.groups.values()} == {"fsdp"}, plan
+            check("2d_fsdp", plan, Transformer)
         else:
             raise SystemExit(f"unknown config {cfg}")
     if dist.get_rank() == 0:
