@@ -75,3 +75,13 @@ def register() -> None:
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])
     dist.Backend.default_device_backend_map["tpu"] = "tpu_dist"
+
+
+def __getattr__(name):
+    """``auto_parallelize`` / ``Plan`` (``auto_parallel/``), imported on first use: the
+    search pulls in PuLP, which ``import torch`` should not pay for."""
+    if name in ("auto_parallelize", "Plan"):
+        from . import auto_parallel
+
+        return getattr(auto_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""Models for tests/test_auto_parallel.py and dist_scripts/auto_parallel_check.py: a plain MLP,
+a small hand-written Llama-style transformer and a tiny HF LlamaForCausalLM."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DIM, HEADS, HIDDEN, VOCAB, LAYERS = 32, 4, 64, 48, 2
+
+
+class MLP(nn.Module):
+    def __init__(self, d=32, h=128, depth=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+                                    for _ in range(depth))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n_heads = HEADS
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        hd = DIM // HEADS
+        # -1 heads: under tensor parallelism each rank holds HEADS / tp of them
+        q, k, v = (w(x).view(b, s, -1, hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(DIM)
+        self.attention = Attention()
+        self.ffn_norm = nn.RMSNorm(DIM)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, layers=LAYERS):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN,
+                      num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=2,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)

@@ -1,0 +1,219 @@
+"""auto_parallelize's plans trained on "tpu" / tpu_dist against one CPU process.
+
+Every rank builds the same model from one seed, searches a plan (the same on every rank:
+``Plan.apply`` checks that against rank 0's), applies it and trains STEPS AdamW steps on the
+same global batches with an unchanged training loop (SGD with momentum; AdamW in "mixed"); one
+CPU process trains the unsharded model on the same batches. Losses (1e-5), every step's
+gradients and the final parameters (``full_tensor``, float32 tolerance) must match. Configurations:
+  fsdp     a budget only sharding fits, on a dp-only mesh: FSDP groups
+  tp       a tp-only mesh under a tight budget: attention and MLP blocks colwise/rowwise
+  mixed    the fsdp plan with the norms edited to "replicate" (ignored by FSDP, gradients
+           averaged by the plan's hooks) and saved / loaded as JSON on the way; AdamW
+           (foreach over sharded and replicated DTensors)
+  hf       a tiny HF LlamaForCausalLM (computing its own loss) under a budget-forced TP plan
+  hf_fsdp  the same under a budget-forced FSDP plan: the 0-dim loss averaged over dp
+  meta     the fsdp plan applied to a model built on "meta" (initialised by apply; trains, the
+           same losses on every rank)
+  2d       dp=2 x tp=2 (4 ranks)
+  2d_fsdp  dp=2 x tp=2 under a budget only FSDP over TP fits
+Prints "OK <config>" per configuration and "ALL OK <n>".
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from auto_parallel_models import Transformer, VOCAB, tiny_llama  # noqa: E402
+
+import torchtpu.distributed as td  # noqa: E402
+from torchtpu.distributed.auto_parallel import Plan  # noqa: E402
+
+STEPS, BATCH, SEQ = 3, 4, 8
+checked = []
+
+
+def batches(vocab):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=g),
+             torch.randint(0, vocab, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def train(model, data, device, hf=False, adam=False):
+    """An ordinary loop (SGD with momentum, or AdamW, over model.parameters()); returns the
+    losses and each step's gradients (full tensors)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, grads = [], []
+    for x, y in data:
+        x, y = x.to(device), y.to(device)
+        if hf:
+            loss = model(input_ids=x, labels=y).loss
+        else:
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        grads.append({n: full(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def full(p):
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+
+
+def check(name, plan, make, hf=False, edit=None, adam=False):
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    vocab = VOCAB if not hf else model.config.vocab_size
+    data = batches(vocab)
+    ref_losses, ref_grads = train(ref, data, "cpu", hf, adam)
+    if edit is not None:
+        plan = edit(plan)
+    model = plan.apply(model)
+    losses, grads = train(model, data, "tpu", hf, adam)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                               atol=1e-5)
+    # gradients at every step, and the parameters at the end; after AdamW only the first
+    # step's gradients: its m / sqrt(v) turns a near-zero gradient's last-bit difference into
+    # a whole lr step, so later steps (and the parameters) differ by more than float32 noise
+    for step, (g, r) in enumerate(zip(grads[:1] if adam else grads, ref_grads)):
+        for n in r:
+            torch.testing.assert_close(g[n], r[n], msg=lambda m: f"{name} step {step} {n}: {m}")
+    if not adam:
+        want = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(full(p), want[n].detach(), msg=lambda m: f"{name} {n}: {m}")
+    checked.append(name)
+    if dist.get_rank() == 0:
+        tp_units = sorted(n for n, u in plan.units.items() if u["choice"] != "none")
+        dps = sorted({d["dp"] for d in plan.groups.values()})
+        print(f"OK {name} dp={plan.dp} tp={plan.tp} tp units {tp_units} dp {dps} "
+              f"losses {losses}", flush=True)
+
+
+def search(model, world, shape, budget, hf=False):
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    args, kw = ((), {"input_ids": x, "labels": x}) if hf else ((x,), {})
+    return td.auto_parallelize(model, world, args, memory_budget=budget, device_spec="cpu",
+                               mesh_shapes=[shape], verify=False, example_kwargs=kw)
+
+
+def main():
+    dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    torch.tpu.set_device(local)
+    configs = sys.argv[1:] or ["fsdp", "tp", "mixed"]
+    torch.manual_seed(0)
+    probe = Transformer()
+    for cfg in configs:
+        if cfg == "fsdp":
+            # a budget below the replicated model's memory: sharding is forced
+            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
+            check("fsdp", plan, Transformer)
+        elif cfg == "tp":
+            plan = search(probe, world, (1, world), 0.8 * _replicated_memory(probe, world))
+            assert any(u["choice"] != "none" for u in plan.units.values()), plan
+            check("tp", plan, Transformer)
+        elif cfg == "mixed":
+            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            path = os.path.join(tempfile.gettempdir(), f"auto_plan_{os.getpid()}.json")
+
+            def edit(p):
+                for g, d in p.groups.items():
+                    if "norm" in g:
+                        d["dp"] = "replicate"
+                p.save(path)
+                q = Plan.load(path)
+                os.remove(path)
+                assert q.decisions() == p.decisions()
+                return q
+
+            check("mixed", plan, Transformer, edit=edit, adam=True)
+        elif cfg == "hf":
+            torch.manual_seed(0)
+            hfm = tiny_llama()
+            plan = search(hfm, world, (1, world), 0.8 * _replicated_memory(hfm, world, hf=True),
+                          hf=True)
+            assert any(u["choice"] != "none" for u in plan.units.values()), plan
+            check("hf", plan, tiny_llama, hf=True)
+        elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
+            torch.manual_seed(0)
+            hfm = tiny_llama()
+            plan = search(hfm, world, (world, 1), 0.8 * _replicated_memory(hfm, world, hf=True),
+                          hf=True)
+            assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
+            check("hf_fsdp", plan, tiny_llama, hf=True)
+        elif cfg == "meta":  # built on meta, materialised by apply (reset_parameters)
+            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            torch.manual_seed(dist.get_rank())  # ranks seeded apart: apply must agree them
+            with torch.device("meta"):
+                model = Transformer()
+            model = plan.apply(model)
+            assert all(p.device.type == "tpu" for p in model.parameters())
+            # what is replicated holds the same values on every rank
+            from torch.distributed.tensor import DTensor, Replicate
+
+            assert any(d["dp"] == "replicate" for d in plan.groups.values()), plan
+            for n, p in model.named_parameters():
+                if isinstance(p, DTensor) and all(isinstance(x, Replicate) for x in p.placements):
+                    mine = p.to_local().detach().cpu()
+                    theirs = [None] * world
+                    dist.all_gather_object(theirs, mine)
+                    for t in theirs:
+                        torch.testing.assert_close(t, mine, rtol=0, atol=0, msg=n)
+            losses, _ = train(model, batches(VOCAB), "tpu")
+            everyone = [None] * world
+            dist.all_gather_object(everyone, losses)
+            assert all(x == losses for x in everyone), everyone  # one model, every rank
+            assert all(x == x and x < 10 for x in losses), losses
+            full_params = [full(p) for p in model.parameters()]
+            assert all(bool(t.isfinite().all()) for t in full_params)
+            checked.append("meta")
+            if dist.get_rank() == 0:
+                print(f"OK meta losses {losses}", flush=True)
+        elif cfg == "2d":
+            plan = search(probe, world, (2, world // 2), 0.8 * _replicated_memory(probe, world))
+            check("2d", plan, Transformer)
+        elif cfg == "2d_fsdp":  # FSDP over TP's DTensors on the 2-D mesh
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            x = torch.randint(0, VOCAB, (BATCH, SEQ))
+            both = plan_for(probe, world, (x,), dp=2, tp=world // 2, device_spec="cpu")
+            plan = search(probe, world, (2, world // 2), 1.01 * both.predicted["memory_bytes"])
+            assert {d["dp"] for d in plan.groups.values()} == {"fsdp"}, plan
+            check("2d_fsdp", plan, Transformer)
+        else:
+            raise SystemExit(f"unknown config {cfg}")
+    if dist.get_rank() == 0:
+        print("ALL OK", len(checked), flush=True)
+    dist.destroy_process_group()
+
+
+def _replicated_memory(model, world, hf=False):
+    """The cost model's memory of the plan that replicates everything."""
+    from torchtpu.distributed.auto_parallel import plan_for
+
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    kw = {"example_kwargs": {"input_ids": x, "labels": x}} if hf else {}
+    p = plan_for(model, world, () if hf else (x,), dp=world, tp=1, tp_units=None,
+                 data_parallel="replicate", device_spec="cpu", **kw)
+    return p.predicted["memory_bytes"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""torchtpu.distributed.auto_parallelize: plans for an MLP, a hand-written transformer, a tiny
+HF Llama and TorchTitan's llama3 debug model; memory budgets (tight ones force sharding, an
+impossible one is a clear error); verification by compiling with XLA for virtual devices;
+save / load; plans applied and trained on tpu_dist against one CPU process
+(dist_scripts/auto_parallel_check.py)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import dist_launch as dl
+import torchtpu.distributed as td
+from auto_parallel_models import MLP, VOCAB, Transformer, tiny_llama
+from torchtpu.distributed.auto_parallel import Plan, plan_for
+
+
+def tokens(b=4, s=8):
+    return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(0))
+
+
+def replicated_memory(model, n, x, **kw):
+    return plan_for(model, n, (x,), dp=n, tp=1, tp_units=None, data_parallel="replicate",
+                    device_spec="cpu", **kw).predicted["memory_bytes"]
+
+
+def test_exported_from_torchtpu_distributed():
+    assert td.auto_parallelize is __import__(
+        "torchtpu.distributed.auto_parallel", fromlist=["x"]).auto_parallelize
+    assert td.Plan is Plan
+
+
+def test_mlp_groups_blocks_and_factorisations():
+    torch.manual_seed(0)
+    m = MLP(depth=3)
+    plan = td.auto_parallelize(m, 4, torch.randn(8, 32), device_spec="v6e", verify=False)
+    # repeated layers share one decision: one group per position in the block
+    assert set(plan.groups) == {"blocks.*.0.weight", "blocks.*.0.bias", "blocks.*.2.weight",
+                                "blocks.*.2.bias", "head.weight", "head.bias"}
+    # each Sequential(Linear, GELU, Linear) is a TP block (colwise in, rowwise out)
+    assert plan.units["blocks.*"]["kind"] == "block"
+    assert plan.units["blocks.*"]["ins"] == ["0"] and plan.units["blocks.*"]["out"] == "2"
+    assert plan.search["factorisations"] == [[4, 1], [2, 2], [1, 4]]
+    assert plan.dp * plan.tp == 4
+    assert "blocks.*.0.weight" in str(plan)
+
+
+def test_tight_budget_forces_tensor_parallel():
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+    none = plan_for(m, 2, (x,), dp=1, tp=2, tp_units=None, device_spec="cpu")
+    every = plan_for(m, 2, (x,), dp=1, tp=2, device_spec="cpu")
+    assert every.predicted["memory_bytes"] < 0.7 * none.predicted["memory_bytes"]
+    budget = 1.01 * every.predicted["memory_bytes"]
+    plan = td.auto_parallelize(m, 2, (x,), memory_budget=budget, device_spec="cpu",
+                               mesh_shapes=[(1, 2)], verify=False)
+    assert plan.predicted["memory_bytes"] <= budget
+    assert plan.units["layers.*.attention"]["choice"] == "tp"
+    assert plan.groups["layers.*.attention.wq.weight"]["tp"] == "Shard(0)"
+    assert plan.groups["layers.*.attention.wo.weight"]["tp"] == "Shard(1)"
+    assert plan.groups["layers.*.feed_forward.w2.weight"]["tp"] == "Shard(1)"
+    # without a budget, the tiny model's fastest plan on this host shards as little as it
+    # may (collective latency outweighs its compute) and does not fit: the budget forced TP
+    free = td.auto_parallelize(m, 2, (x,), device_spec="cpu", mesh_shapes=[(1, 2)],
+                               verify=False)
+    assert free.predicted["memory_bytes"] > budget
+    assert sum(u["choice"] != "none" for u in free.units.values()) < \
+        sum(u["choice"] != "none" for u in plan.units.values())
+
+
+def test_budget_forces_fsdp_and_infeasible_budget_is_clear():
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+    budget = 0.8 * replicated_memory(m, 2, x)
+    plan = td.auto_parallelize(m, 2, (x,), memory_budget=budget, device_spec="cpu",
+                               mesh_shapes=[(2, 1)], verify=False)
+    assert any(g["dp"] == "fsdp" for g in plan.groups.values())
+    assert plan.predicted["memory_bytes"] <= budget
+    with pytest.raises(ValueError, match=r"no plan fits memory_budget=0\.000 MiB \(100 bytes\)"
+                                         r".*smallest plan \(dp=\d x tp=\d\) needs"):
+        td.auto_parallelize(m, 2, (x,), memory_budget=100, device_spec="cpu", verify=False)
+
+
+def test_save_load_round_trip(tmp_path):
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+    plan = td.auto_parallelize(m, 4, (x,), memory_budget=0.7 * replicated_memory(m, 4, x),
+                               device_spec="v5e", verify=False)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back.to_dict() == plan.to_dict()
+    assert back.decisions() == plan.decisions()
+    assert str(back) == str(plan)
+    tt = plan_for(m, 4, (x,), dp=2, tp=2, device_spec="v5e").to_torchtitan()
+    assert tt["parallelism"]["tensor_parallel_degree"] == 2
+    assert tt["parallelism"]["data_parallel_shard_degree"] == 2 and tt["exact"]
+
+
+def test_hf_llama_blocks_and_head_divisibility():
+    torch.manual_seed(0)
+    m = tiny_llama()
+    x = tokens()
+    kw = {"input_ids": x, "labels": x}
+    mlp_only = plan_for(m, 4, (), dp=1, tp=4, tp_units=["model.layers.*.mlp"],
+                        device_spec="v6e", example_kwargs=kw)
+    plan = td.auto_parallelize(m, 4, (), example_kwargs=kw, device_spec="v6e",
+                               mesh_shapes=[(1, 4)], verify=False,
+                               memory_budget=1.01 * mlp_only.predicted["memory_bytes"])
+    units = plan.units
+    assert units["model.layers.*.self_attn"]["ins"] == ["q_proj", "k_proj", "v_proj"]
+    assert units["model.layers.*.self_attn"]["out"] == "o_proj"
+    assert units["model.layers.*.mlp"]["ins"] == ["gate_proj", "up_proj"]
+    # 2 key/value heads cannot be split 4 ways: attention stays replicated at tp=4
+    assert units["model.layers.*.self_attn"]["choice"] == "none"
+    assert units["model.layers.*.mlp"]["choice"] == "tp"
+
+
+def test_verification_compiles_candidates_and_reranks():
+    """The top 3 plans compiled by XLA for 4 virtual devices (a subprocess): per-device
+    memory, FLOPs and collectives read back, the plans re-ranked by them."""
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+    plan = td.auto_parallelize(m, 4, (x,), memory_budget=0.7 * replicated_memory(m, 4, x),
+                               device_spec="cpu", top_k=3)
+    c = plan.compiled
+    assert c["devices"] == 4 and c["memory_bytes"] > 0 and c["flops"] > 0
+    assert 0.4 < c["memory_bytes"] / plan.predicted["memory_bytes"] < 2.5
+    assert len(plan.search["ranking"]) == 3 and plan.search["verify_s"] > 0
+    assert "compiled by XLA (4 devices)" in str(plan)
+
+
+@pytest.mark.slow  # ~30 s: one more compile subprocess
+def test_compiled_collectives_of_hand_written_plans():
+    """A TP plan's compiled all-reduces are exactly the predicted ones; FSDP's per-device
+    arguments are a fraction of DDP's."""
+    from torchtpu.distributed.auto_parallel.verify import compile_plans
+
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+
+    tp = plan_for(m, 4, (x,), dp=1, tp=4, device_spec="cpu",
+                  tp_units=["layers.*.attention", "layers.*.feed_forward"])
+    fsdp = plan_for(m, 4, (x,), dp=4, tp=1, tp_units=None, device_spec="cpu")
+    ddp = plan_for(m, 4, (x,), dp=4, tp=1, tp_units=None, data_parallel="replicate",
+                   device_spec="cpu")
+    rtp, rfsdp, rddp = compile_plans(m, (x,), {}, [tp, fsdp, ddp], 2, 4)
+    # two blocks per layer, an all-reduce of each block's output in forward and of its input
+    # gradient in backward: 2 layers x 2 blocks x 2
+    assert rtp["collectives"] == {"all-reduce": 8}, rtp["collectives"]
+    # FSDP's parameters, gradients and optimizer state are a quarter of DDP's per device
+    assert rfsdp["argument_bytes"] < 0.5 * rddp["argument_bytes"]
+    assert "all-gather" in rfsdp["collectives"] or "reduce-scatter" in rfsdp["collectives"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                    reason="torchtitan is not installed")
+def test_torchtitan_llama3_debug_plan():
+    from torchtitan.models.llama3 import model_registry
+
+    with torch.device("meta"):
+        m = model_registry("debugmodel").model.build()
+    x = torch.randint(0, 2048, (8, 64))
+    pos = torch.arange(64).repeat(8, 1)
+    masks = _titan_masks(pos)
+    budget = 0.5 * plan_for(m, 8, (x,), dp=8, tp=1, tp_units=None, data_parallel="replicate",
+                            device_spec="v5e", example_kwargs={
+                                "positions": pos, "attention_masks": masks}
+                            ).predicted["memory_bytes"]
+    plan = td.auto_parallelize(m, 8, (x,), memory_budget=budget, device_spec="v5e",
+                               example_kwargs={"positions": pos, "attention_masks": masks},
+                               verify=False)
+    assert plan.predicted["memory_bytes"] <= budget
+    # the fused QKV projection is not a colwise/rowwise pair: only the MLP is a TP block
+    assert "layers.*.attention" not in plan.units
+    assert plan.units["layers.*.feed_forward"]["ins"] == ["w1", "w3"]
+    assert len(plan.groups) == 10
+
+
+def _titan_masks(pos):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, k: q >= k, None, None, pos.shape[1], pos.shape[1],
+                             device="cpu")
+
+
+def test_apply_one_process_meta_model_trains():
+    """A plan for one device applied to a model built on meta: materialised on "tpu" by its
+    own reset_parameters, and an ordinary loop trains it."""
+    with torch.device("meta"):
+        m = Transformer()
+    x = tokens()
+    plan = td.auto_parallelize(m, 1, (x,), device_spec="cpu", verify=False)
+    m = plan.apply(m)
+    assert all(p.device.type == "tpu" for p in m.parameters())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(m(x.to("tpu")).flatten(0, 1),
+                                                 x.flatten().to("tpu"))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_plans_train_on_two_processes_like_one():
+    """FSDP (budget-forced) and TP (budget-forced) plans: losses, every step's gradients and
+    the final parameters equal one CPU process's."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "tp", timeout=300))
+
+
+@pytest.mark.slow  # ~2 min
+def test_mixed_hf_and_meta_plans_train_on_two_processes_like_one():
+    """Mixed FSDP / replicated groups (AdamW, JSON round trip), HF Llama under TP and FSDP
+    (its own loss averaged over dp), a model built on meta."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "mixed", "hf", "hf_fsdp", "meta", timeout=600))
+
+
+@pytest.mark.slow  # ~2 min, 4 processes
+def test_two_dimensional_plan_trains_on_four_processes_like_one():
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d", "2d_fsdp", nproc=4, timeout=600))

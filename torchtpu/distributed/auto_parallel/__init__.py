@@ -1,0 +1,206 @@
+"""``torchtpu.distributed.auto_parallelize``: find a parallel plan for a model and a mesh,
+prove it by compiling it, apply it through DTensor / FSDP2 / TP.
+
+    analysis.py  one forward + backward on "meta": parameter groups, FLOPs, saved activations,
+                 the Linear / Embedding call structure (TP blocks)
+    space.py     mesh factorisations, TP units, per-parameter placements
+    devices.py   the device table (TPU v5e / v6e, H100, this CPU host)
+    cost.py      compute, ring alpha-beta collectives per mesh axis, memory per device
+    solver.py    the ILP (PuLP / CBC), memory budget as a hard constraint, k best
+    verify.py    the top-k plans compiled by XLA as SPMD programs (xla_worker.py)
+    plan.py      Plan: print / save / load / apply / to_torchtitan
+    apply.py     Plan.apply
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from .analysis import analyse
+from .cost import costs
+from .devices import DEVICES, DeviceSpec, device_spec
+from .plan import Plan
+from .solver import solve
+from .space import factorisations, units
+
+__all__ = ["auto_parallelize", "Plan", "DeviceSpec", "DEVICES", "plan_for", "predict"]
+
+
+def _mesh_size(mesh) -> int:
+    if isinstance(mesh, int):
+        return mesh
+    if hasattr(mesh, "size"):
+        return int(mesh.size())
+    raise TypeError(f"auto_parallelize: mesh must be a DeviceMesh or a device count, got "
+                    f"{type(mesh).__name__}")
+
+
+def _split_inputs(example_inputs, example_kwargs):
+    import torch
+
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    return tuple(example_inputs), dict(example_kwargs or {})
+
+
+class _Search:
+    """What auto_parallelize and plan_for share: the analysed model and its cost tables."""
+
+    def __init__(self, model, n, args, kwargs, spec, optimizer_states):
+        self.model, self.n, self.args, self.kwargs = model, n, args, kwargs
+        self.spec = device_spec(spec)
+        self.optimizer_states = optimizer_states
+        self.an = analyse(model, args, kwargs)
+        self.modules = dict(model.named_modules())
+        self.units = units(self.an, self.modules)
+        self._costs = {}
+
+    def shapes(self, mesh_shapes=None):
+        res = []
+        for dp, tp in factorisations(self.n):
+            if mesh_shapes is not None and (dp, tp) not in [tuple(s) for s in mesh_shapes]:
+                continue
+            if dp > 1 and self.an.batch % dp:
+                continue  # the batch cannot be split dp ways
+            res.append((dp, tp))
+        if not res:
+            raise ValueError(f"auto_parallelize: no mesh factorisation of {self.n} devices "
+                             f"splits the batch of {self.an.batch} (mesh_shapes={mesh_shapes})")
+        return res
+
+    def costs(self, dp, tp):
+        if (dp, tp) not in self._costs:
+            self._costs[(dp, tp)] = costs(self.an, self.units, self.modules, dp, tp, self.spec,
+                                          self.optimizer_states)
+        return self._costs[(dp, tp)]
+
+    def plan(self, dp, tp, unit_choice, group_choice, term) -> Plan:
+        c = self.costs(dp, tp)
+        return Plan.from_choice(dp, tp, self.spec.name, self.units, unit_choice, group_choice,
+                                c.owner, term)
+
+    def sec_per_flop(self) -> float:
+        fp32 = any(size == 4 for _, size in self.an.params.values())
+        return (self.spec.fp32_slowdown if fp32 else 1.0) / (self.spec.peak_flops
+                                                              * self.spec.efficiency)
+
+
+def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
+             data_parallel="fsdp", example_kwargs=None, device_spec="v6e",
+             optimizer_states: int = 2) -> Plan:
+    """A hand-written plan in the same space, with the cost model's prediction: ``dp`` x ``tp``,
+    every TP unit sharded (``tp_units="all"``), none (``None``) or those named (a list of unit
+    names), every parameter ``data_parallel`` ("fsdp" or "replicate") over dp. TorchTitan's
+    FSDP+TP, pure FSDP and DDP are ``plan_for(..., tp_units="all")``, ``(dp=n, tp=1)`` and
+    ``(dp=n, tp=1, data_parallel="replicate")``."""
+    from .cost import evaluate
+
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    s = _Search(model, _mesh_size(mesh), args, kwargs, device_spec, optimizer_states)
+    if dp * tp != s.n:
+        raise ValueError(f"plan_for: dp * tp = {dp * tp} != {s.n} devices")
+    c = s.costs(dp, tp)
+    uc = {}
+    for u, opts in c.unit_opts.items():
+        want = tp_units == "all" or (tp_units is not None and u in tp_units)
+        sharded = [o for o in opts if o != "none"]
+        uc[u] = sharded[0] if want and sharded else "none"
+    gc = {g: (data_parallel if dp > 1 else "replicate") for g in c.group_opts}
+    return s.plan(dp, tp, uc, gc, evaluate(c, uc, gc))
+
+
+def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwargs=None,
+            optimizer_states: int = 2) -> dict:
+    """The cost model's figures (step_time_s, memory_bytes, dp_bytes, tp_bytes, ...) of an
+    existing plan on another device."""
+    from .cost import evaluate
+    from .plan import _term_dict
+
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    s = _Search(model, plan.world_size, args, kwargs, device_spec, optimizer_states)
+    c = s.costs(plan.dp, plan.tp)
+    return _term_dict(evaluate(c, {u: d["choice"] for u, d in plan.units.items()},
+                               {g: d["dp"] for g, d in plan.groups.items()}))
+
+
+def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spec="v6e",
+                     objective="step_time", *, example_kwargs=None, optimizer_states: int = 2,
+                     mesh_shapes=None, verify: bool = True, top_k: int = 3) -> Plan:
+    """Find a parallel plan for training ``model`` on ``mesh`` (a DeviceMesh, or a device count
+    for analysis alone) with ``example_inputs`` (the global batch every rank will pass).
+
+    memory_budget: bytes per device, a hard constraint (default: the device's memory);
+    device_spec: "v5e", "v6e", "h100", "cpu" or a ``DeviceSpec``; objective: "step_time" or
+    "memory"; optimizer_states: state tensors per parameter (AdamW: 2, SGD with momentum: 1);
+    mesh_shapes: restrict the (dp, tp) factorisations tried; verify: compile the ``top_k``
+    plans with XLA for the mesh's device count and re-rank them by XLA's figures.
+    Returns a ``Plan`` (``plan.apply(model)`` shards the model).
+    """
+    if objective not in ("step_time", "memory"):
+        raise ValueError(f"auto_parallelize: objective must be 'step_time' or 'memory', got "
+                         f"{objective!r}")
+    args, kwargs = _split_inputs(example_inputs, example_kwargs)
+    t0 = time.perf_counter()
+    s = _Search(model, _mesh_size(mesh), args, kwargs, device_spec, optimizer_states)
+    budget = float(memory_budget) if memory_budget is not None else s.spec.hbm_bytes
+    t1 = time.perf_counter()
+    found = []
+    for dp, tp in s.shapes(mesh_shapes):
+        for uc, gc, term in solve(s.costs(dp, tp), budget, objective, top_k):
+            found.append((dp, tp, uc, gc, term))
+    t2 = time.perf_counter()
+    if not found:
+        best = None
+        for dp, tp in s.shapes(mesh_shapes):
+            for uc, gc, term in solve(s.costs(dp, tp), math.inf, "memory", 1):
+                if best is None or term.memory < best[4].memory:
+                    best = (dp, tp, uc, gc, term)
+        raise ValueError(
+            f"auto_parallelize: no plan fits memory_budget={_size(budget)} per device; the "
+            f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[4].memory)} per "
+            f"device")
+    key = (lambda f: f[4].time) if objective == "step_time" else (lambda f: f[4].memory)
+    found.sort(key=key)
+    plans = [s.plan(*f) for f in found[:top_k]]
+    search = {"analyse_s": t1 - t0, "solve_s": t2 - t1, "candidates": len(found),
+              "factorisations": [list(x) for x in s.shapes(mesh_shapes)]}
+    if verify:
+        from .verify import compile_plans, judge
+
+        t3 = time.perf_counter()
+        res = compile_plans(model, args, kwargs, plans, optimizer_states, s.an.batch)
+        for p, r in zip(plans, res):
+            p.compiled = judge(p, r, s.spec, s.sec_per_flop())
+        search["verify_s"] = time.perf_counter() - t3
+        fits = [p for p in plans if p.compiled["memory_bytes"] <= budget] or plans
+        metric = "step_time_s" if objective == "step_time" else "memory_bytes"
+        ranked = sorted(fits, key=lambda p: (bool(p.compiled["unpredicted"]),
+                                             p.compiled[metric]))
+        search["ranking"] = [{"dp": p.dp, "tp": p.tp, "predicted": p.predicted[metric],
+                              "compiled": p.compiled[metric],
+                              "unpredicted": p.compiled["unpredicted"]} for p in plans]
+        chosen = ranked[0]
+    else:
+        chosen = plans[0]
+    chosen.search = search
+    chosen.why = _why(chosen, plans, budget, objective, verify)
+    return chosen
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**20:.3f} MiB ({b:,.0f} bytes)"
+
+
+def _why(plan, plans, budget, objective, verified) -> list:
+    lines = [f"why: lowest predicted {objective.replace('_', ' ')} of "
+             f"{len(plans)} candidate(s) under a budget of {budget / 2**20:.2f} MiB per device"
+             + (" after re-ranking by XLA's compiled figures" if verified else "")]
+    for p in plans:
+        if p is plan:
+            continue
+        tag = f"dp={p.dp} x tp={p.tp}"
+        lines.append(f"  runner-up {tag}: predicted step {p.predicted['step_time_s'] * 1e3:.3f} ms,"
+                     f" memory {p.predicted['memory_bytes'] / 2**20:.2f} MiB"
+                     + (f"; compiled {p.compiled['memory_bytes'] / 2**20:.2f} MiB"
+                        if p.compiled else ""))
+    return lines

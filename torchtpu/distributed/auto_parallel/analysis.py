@@ -1,0 +1,285 @@
+"""What the search needs to know about a model, measured by one forward + backward on fake tensors.
+
+Parameters are replaced by fake CPU tensors (``torch.func.functional_call``), so a model on "tpu",
+on CPU or already on meta is analysed without touching its memory. Forward hooks record, per
+module, the call order of the ``nn.Linear`` / ``nn.Embedding`` leaves and the tensors they
+read and write; ``FlopCounterMode`` counts forward and backward FLOPs per module;
+``saved_tensors_hooks`` attribute the bytes autograd keeps for backward to the innermost module
+running when they were saved.
+
+Groups: a parameter's name with its ``ModuleList`` indices replaced by ``*``
+(``layers.*.attention.wq.weight``), so repeated layers share one decision.
+TP blocks: a module whose forward first runs one or more Linears on the same tensor ("in"
+layers, colwise) and then exactly one more Linear ("out", rowwise) whose ``in_features`` is a
+multiple of every in layer's ``out_features`` (attention with q/k/v/o, GQA included; a gated
+MLP); a fused QKV projection fails the rule and is left out, as are modules with other
+parametrised leaves between.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+def namer(model: nn.Module):
+    """``fqn -> group name`` for ``model``: the index of a child of a ``ModuleList`` /
+    ``ModuleDict`` (numeric keys) becomes ``*`` (``layers.3.attention.wq`` ->
+    ``layers.*.attention.wq``), so repeated layers share one decision; the positions inside
+    an ``nn.Sequential`` stay apart (``0.weight`` and ``2.weight`` are different layers)."""
+    containers = {n for n, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+
+    def name(fqn: str) -> str:
+        parts = fqn.split(".")
+        out = []
+        for i, p in enumerate(parts):
+            if p.isdigit() and ".".join(parts[:i]) in containers:
+                out.append("*")
+            else:
+                out.append(p)
+        return ".".join(out)
+
+    return name
+
+
+@dataclass
+class Leaf:
+    """One nn.Linear / nn.Embedding call seen in the forward."""
+    fqn: str
+    kind: str  # "linear" | "embedding"
+    in_id: int
+    out_bytes: int  # bytes of its output at the analysed batch
+    in_bytes: int
+
+
+@dataclass
+class TPBlock:
+    fqn: str
+    ins: list
+    out: str
+    out_act_bytes: int  # the out layer's output (all-reduced over tp in forward)
+    in_act_bytes: int  # the block input (its gradient all-reduced over tp in backward)
+    heads: list = field(default_factory=list)  # head counts found on the module, for divisibility
+
+
+@dataclass
+class Analysis:
+    namer: object  # fqn -> group name (see ``namer``)
+    params: dict  # fqn -> (shape, dtype itemsize)
+    groups: dict  # group name -> [param fqns]
+    flops: dict  # module fqn -> fwd+bwd FLOPs ("" = whole model)
+    saved: dict  # module fqn -> bytes saved for backward by ops run directly in it
+    leaves: dict  # fqn -> Leaf
+    blocks: list  # [TPBlock]
+    batch: int
+    input_bytes: int
+    output_bytes: int
+
+
+class _Flops(TorchDispatchMode):
+    """FLOPs of the ops run under it, per module of ``stack`` (forward) or as backward.
+
+    PyTorch's ``FlopCounterMode`` formulas (``flop_registry``), plus flex_attention's
+    higher-order ops (``FlopCounterMode`` itself fails on those in eager: TorchTitan's llama3):
+    4 * B * Hq * Lq * Lk * D forward, 2.5 times that backward (dense: an upper bound under a
+    block-sparse mask)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+        self.fwd = defaultdict(float)
+        self.bwd = 0.0
+        self.backward = False
+
+    def _add(self, n):
+        if self.backward:
+            self.bwd += n
+            return
+        for fqn in set(self.stack) | {""}:
+            self.fwd[fqn] += n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in ("flex_attention", "flex_attention_backward"):
+            q, k = args[0], args[1]
+            b, h, lq, d = q.shape
+            n = 4.0 * b * h * lq * k.shape[-2] * d
+            self._add(n if name == "flex_attention" else 2.5 * n)
+            return out
+        packet = getattr(func, "_overloadpacket", None)
+        if packet in flop_registry:
+            self._add(float(flop_registry[packet](*args, **kwargs, out_val=out)))
+        return out
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_like(fm, t):
+    """A fake CPU tensor with ``t``'s shape and dtype (no memory; "meta" would not do: some
+    ops, such as flex_attention, accept only real device types)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if isinstance(t, BlockMask):  # not a pytree: its tensors moved as a whole
+        with fm:
+            return t.to("tpu")
+    if not isinstance(t, torch.Tensor):
+        return t
+    with fm:
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device="tpu")
+
+
+@contextlib.contextmanager
+def eager():
+    """``torch.compile``d functions inside the model (TorchTitan's flex_attention) run as
+    their eager code (inlined when traced by ``make_fx``) while the model is analysed or
+    traced; flex_attention's warning about running uncompiled is silenced."""
+    import torch._dynamo.config as dcfg
+
+    with torch.compiler.set_stance("force_eager"), \
+            dcfg.patch(error_on_nested_fx_trace=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without")
+        yield
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _head_counts(mod: nn.Module) -> list:
+    found = []
+    srcs = [mod] + list(mod.modules())[1:]
+    cfg = getattr(mod, "config", None)
+    if cfg is not None and hasattr(mod, "head_dim"):  # an attention module (HF): its heads
+        srcs.append(cfg)
+    for s in srcs:
+        for k, v in vars(s).items():
+            if isinstance(v, int) and not isinstance(v, bool) and "head" in k.lower() \
+                    and "dim" not in k.lower() and "size" not in k.lower() and v > 0:
+                found.append(v)
+    return found
+
+
+def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
+    params = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+    gn = namer(model)
+    groups = defaultdict(list)
+    for n in params:
+        groups[gn(n)].append(n)
+    fm = fake_mode()
+    meta_params = {n: fake_like(fm, p).requires_grad_(p.requires_grad)
+                   for n, p in model.named_parameters()}
+    meta_buffers = {n: fake_like(fm, b) for n, b in model.named_buffers()}
+    margs, mkwargs = pytree.tree_map(lambda x: fake_like(fm, x), (args, kwargs))
+    tensors = [t for t in pytree.tree_leaves((margs, mkwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise ValueError("auto_parallelize: example_inputs hold no tensor")
+    batch = tensors[0].shape[0] if tensors[0].dim() else 1
+
+    names = {m: n for n, m in model.named_modules()}
+    stack = []
+    calls = defaultdict(list)  # module fqn -> [leaf fqn in call order] (every ancestor)
+    leaves = {}
+    block_inputs = {}
+    saved = defaultdict(int)
+    hooks = []
+
+    def pre(mod, a, kw):
+        fqn = names[mod]
+        stack.append(fqn)
+        first = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)), None)
+        block_inputs.setdefault(fqn, (id(first), _nbytes(first)))
+
+    def post(mod, a, kw, out):
+        fqn = stack.pop()
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            x = a[0] if a else next(iter(kw.values()))
+            leaves[fqn] = Leaf(fqn, "linear" if isinstance(mod, nn.Linear) else "embedding",
+                               id(x), _nbytes(out), _nbytes(x))
+            for anc in stack:
+                calls[anc].append(fqn)
+
+    for mod in model.modules():
+        hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(mod.register_forward_hook(post, with_kwargs=True))
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if not (base.is_leaf and base.requires_grad):  # parameters are counted apart
+            saved[stack[-1] if stack else ""] += _nbytes(t)
+        return t
+
+    fc = _Flops(stack)
+    try:
+        with fm, eager(), fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(model, (meta_params, meta_buffers), margs, mkwargs)
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point()]
+            if not outs:
+                raise ValueError("auto_parallelize: the model returned no floating-point tensor")
+            loss = sum(o.float().sum() for o in outs)
+            fc.backward = True
+            if loss.requires_grad:
+                loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    # backward FLOPs are given to the modules in proportion to their forward FLOPs
+    root_fwd = max(fc.fwd.get("", 0.0), 1.0)
+    scale = 1.0 + fc.bwd / root_fwd
+    flops = {k: v * scale for k, v in fc.fwd.items()}
+    flops.setdefault("", 0)
+
+    mods = dict(model.named_modules())
+    blocks = []
+    for fqn, seq in calls.items():
+        mod = mods[fqn]
+        if isinstance(mod, (nn.Linear, nn.Embedding)) or len(seq) < 2:
+            continue
+        lin = [leaves[s] for s in seq]
+        if any(l.kind != "linear" for l in lin) or len(set(seq)) != len(seq):
+            continue
+        out = lin[-1]
+        ins = lin[:-1]
+        if len({l.in_id for l in ins}) != 1 or out.in_id == ins[0].in_id:
+            continue
+        o_mod = mods[out.fqn]
+        if any(o_mod.in_features % mods[l.fqn].out_features for l in ins):
+            continue
+        own = {f"{l}.{p}" for l in seq for p, _ in mods[l].named_parameters()}
+        pre_ = f"{fqn}." if fqn else ""
+        if any(pre_ + p not in own for p, _ in mod.named_parameters()):
+            continue  # other parametrised modules (a norm) would see sharded activations
+        # the smallest such module: not one whose child already qualifies with the same leaves
+        blocks.append(TPBlock(fqn, [l.fqn for l in ins], out.fqn, out.out_bytes, ins[0].in_bytes,
+                              _head_counts(mod)))
+    # keep the innermost block for a given set of leaves
+    by_leaves = {}
+    for b in sorted(blocks, key=lambda b: -len(b.fqn)):
+        by_leaves.setdefault((tuple(b.ins), b.out), b)
+    blocks = sorted(by_leaves.values(), key=lambda b: b.fqn)
+    # a leaf belongs to at most one block
+    used, keep = set(), []
+    for b in blocks:
+        ls = set(b.ins) | {b.out}
+        if ls & used:
+            continue
+        used |= ls
+        keep.append(b)
+    out_bytes = sum(_nbytes(t) for t in outs)
+    return Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
+                    sum(_nbytes(t) for t in tensors), out_bytes)

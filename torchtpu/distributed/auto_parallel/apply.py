@@ -1,0 +1,288 @@
+"""``Plan.apply``: shard a model by a plan with PyTorch's own parallelism APIs.
+
+Order: tensor parallel first (``parallelize_module`` over ``mesh["tp"]``: ColwiseParallel /
+RowwiseParallel per unit), then FSDP2 (``fully_shard`` over ``mesh["dp"]`` on every repeated
+layer and on the root, the replicated-over-dp parameters passed as ``ignored_params``), then,
+for a model built on "meta", ``to_empty`` + its own initialisation, then the gradient hooks of
+the replicated-over-dp parameters (an average over dp, what DDP does).
+
+The calling convention of the original module is kept: every rank passes the same global batch.
+A forward pre-hook gives each dp rank its slice of every tensor input whose first dimension is
+the batch; a forward hook gathers each output back to the global batch (an all-gather over dp;
+a 0-dim floating output, such as a loss the model computes itself, is averaged over dp), so
+every rank gets the same outputs and computes the same loss. In backward, the gather returns
+each rank its slice of the (identical) gradient times dp, the scalar average passes it through:
+together with FSDP's / the hooks' average over dp this gives exactly the one-process gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .analysis import namer
+
+
+class _GatherBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n, rank):
+        ctx.n, ctx.rank = n, rank
+        out = x.new_empty((x.shape[0] * n,) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.n)[ctx.rank] * ctx.n, None, None, None
+
+
+class _MeanScalar(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, n):
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out / n
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+def _batch_hooks(model: nn.Module, dp: int, rank: int, group) -> None:
+    state = {}
+
+    def split(mod, args, kwargs):
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not leaves or leaves[0].dim() == 0:
+            return None
+        b = leaves[0].shape[0]
+        if b % dp:
+            raise ValueError(f"auto_parallelize: the batch size {b} of the first input is not "
+                             f"divisible by the plan's data-parallel degree {dp}")
+        state["local"] = b // dp
+
+        def cut(t):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == b:
+                return t.chunk(dp)[rank]
+            return t
+
+        return pytree.tree_map(cut, (args, kwargs))
+
+    def gather(mod, args, kwargs, out):
+        local = state.get("local")
+
+        def join(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dim() == 0:
+                if t.is_floating_point():
+                    return _MeanScalar.apply(t, group, dp)
+                return t
+            if t.shape[0] != local:
+                return t
+            if t.requires_grad:
+                return _GatherBatch.apply(t, group, dp, rank)
+            out_ = t.new_empty((t.shape[0] * dp,) + tuple(t.shape[1:]))
+            dist.all_gather_into_tensor(out_, t.contiguous(), group=group)
+            return out_
+
+        return pytree.tree_map(join, out)
+
+    model.register_forward_pre_hook(split, with_kwargs=True, prepend=True)
+    model.register_forward_hook(gather, with_kwargs=True)
+
+
+def _check_same_plan(plan) -> None:
+    """Every rank must apply the same plan (a plan searched on each rank could differ if, say,
+    the memory budgets differed): compare with rank 0's."""
+    mine = [plan.decisions()]
+    ref = list(mine)
+    dist.broadcast_object_list(ref, src=0)
+    if ref[0] != mine[0]:
+        raise RuntimeError(f"Plan.apply: rank {dist.get_rank()}'s plan differs from rank 0's "
+                           f"(search once and Plan.load the saved plan on every rank)")
+
+
+def _tp_plan(plan, model: nn.Module, gn) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    res = {}
+    for fqn, _ in model.named_modules():
+        u = plan.units.get(gn(fqn))
+        if u is None or u["choice"] == "none":
+            continue
+        pre = f"{fqn}." if fqn else ""
+        if u["kind"] == "block":
+            for i in u["ins"]:
+                res[pre + i] = ColwiseParallel()
+            res[pre + u["out"]] = RowwiseParallel()
+        elif u["kind"] == "linear":
+            res[fqn] = ColwiseParallel(output_layouts=Replicate())
+        else:
+            res[fqn] = RowwiseParallel(input_layouts=Replicate())
+    return res
+
+
+def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    gn = namer(model)
+    names = {n for n, _ in model.named_parameters()}
+    missing = sorted(n for n in names if gn(n) not in plan.groups)
+    if missing:
+        raise ValueError(f"Plan.apply: the plan has no decision for parameter(s) {missing[:5]} "
+                         f"(was it made for another model?)")
+    n = plan.world_size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if n > 1 and world != n:
+        raise RuntimeError(f"Plan.apply: the plan is for {n} processes but the default process "
+                           f"group has {world} (call dist.init_process_group first)")
+    if mesh is not None and mesh.size() != n:
+        raise ValueError(f"Plan.apply: the mesh has {mesh.size()} devices, the plan {n}")
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if n == 1:
+        if on_meta:
+            model.to_empty(device=device)
+            _initialise(model)
+            return model
+        return model.to(device)
+    _check_same_plan(plan)
+    dims, shape = [], []
+    for name, size in (("dp", plan.dp), ("tp", plan.tp)):
+        if size > 1:
+            dims.append(name)
+            shape.append(size)
+    if mesh is not None and tuple(mesh.mesh_dim_names or ()) == tuple(dims) \
+            and tuple(mesh.shape) == tuple(shape):
+        full = mesh
+    else:
+        full = init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(dims))
+    if not on_meta:
+        model.to(device)
+    if plan.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_plan = _tp_plan(plan, model, gn)
+        if tp_plan:
+            parallelize_module(model, full["tp"], tp_plan)
+    _replicate_rest(model, full["tp"] if plan.tp > 1 else full["dp"], plan, gn)
+    replicated = []
+    if plan.dp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = full["dp"]
+        repl = {p for n_, p in model.named_parameters()
+                if plan.groups[gn(n_)]["dp"] == "replicate"}
+        sharded_any = any(p not in repl for p in model.parameters())
+        if sharded_any:
+            for fqn, mod in model.named_modules():
+                if fqn and isinstance(_parent(model, fqn), (nn.ModuleList, nn.ModuleDict)):
+                    own = set(mod.parameters())
+                    if own - repl:
+                        fully_shard(mod, mesh=dp_mesh, ignored_params=own & repl or None)
+            fully_shard(model, mesh=dp_mesh, ignored_params=repl or None)
+        replicated = [p for p in model.parameters() if p in repl]
+    if on_meta:
+        model.to_empty(device=device)
+        _initialise(model)
+        _sync_replicated(model)
+    if plan.dp > 1:
+        dp_mesh = full["dp"]
+        _batch_hooks(model, plan.dp, dp_mesh.get_local_rank(), dp_mesh.get_group())
+        _average_grads(replicated, dp_mesh.get_group(), plan.dp)
+    return model
+
+
+def _replicate_rest(model: nn.Module, mesh, plan, gn) -> None:
+    """Every parameter that tensor parallelism left a plain tensor and FSDP will not shard
+    becomes a DTensor replicated on ``mesh`` (the tp mesh, or the dp mesh without tp), with
+    its module's tensor inputs entering as replicated DTensors and its outputs leaving as
+    local tensors: an optimizer's foreach ops cannot mix plain tensors and DTensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    fsdp_owned = plan.tp == 1  # on a dp-only mesh FSDP turns its groups into DTensors itself
+    for fqn, mod in list(model.named_modules()):
+        own = [(n_, p) for n_, p in mod.named_parameters(recurse=False)
+               if not isinstance(p, DTensor)
+               and not (fsdp_owned and plan.groups[gn(f"{fqn}.{n_}" if fqn else n_)]
+                        ["dp"] == "fsdp")]
+        if not own:
+            continue
+        if any(True for c in mod.children() for _ in c.parameters()):
+            raise NotImplementedError(
+                f"Plan.apply: module {fqn or '<root>'} ({type(mod).__name__}) holds replicated "
+                f"parameters directly and has parametrised submodules: not supported yet")
+        for n_, p in own:
+            mod.register_parameter(n_, nn.Parameter(
+                DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
+                requires_grad=p.requires_grad))
+        mod.register_forward_pre_hook(_to_replicated(mesh), with_kwargs=True)
+        mod.register_forward_hook(_to_local)
+
+
+def _to_replicated(mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def hook(mod, args, kwargs):
+        def conv(t):
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+            return t
+
+        return pytree.tree_map(conv, (args, kwargs))
+
+    return hook
+
+
+def _to_local(mod, args, out):
+    from torch.distributed.tensor import DTensor
+
+    return pytree.tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, out)
+
+
+def _parent(model, fqn):
+    parent, _, _ = fqn.rpartition(".")
+    return model.get_submodule(parent)
+
+
+def _initialise(model: nn.Module) -> None:
+    """A model built on meta is initialised by its own code: ``init_weights()`` (TorchTitan) or
+    every module's ``reset_parameters()``."""
+    with torch.no_grad():
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+            return
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+def _sync_replicated(model: nn.Module) -> None:
+    """After initialising on every rank, what is replicated over a mesh dim takes the values of
+    that dim's first rank (as DDP broadcasts rank 0's parameters). DTensor's random ops agree
+    replicas already (its RNG tracker; seen with ranks seeded apart); this also covers an
+    initialiser that writes the local tensors some other way."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if not isinstance(p, DTensor):
+                continue
+            for dim, place in enumerate(p.placements):
+                if isinstance(place, Replicate) and p.device_mesh.size(dim) > 1:
+                    group = p.device_mesh.get_group(dim)
+                    dist.broadcast(p._local_tensor, src=dist.get_global_rank(group, 0),
+                                   group=group)
+
+
+def _average_grads(params, group, n) -> None:
+    def hook(p):
+        g = p.grad
+        local = g._local_tensor if hasattr(g, "_local_tensor") else g
+        dist.all_reduce(local, group=group)
+        local.div_(n)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)

@@ -1,0 +1,158 @@
+"""The cost model: per device, per training step, for one mesh factorisation (dp, tp).
+
+Compute: the model's forward + backward FLOPs (``FlopCounterMode``), split over dp (the batch)
+and, inside a sharded unit, over tp, against the device's peak times its efficiency.
+Communication: ring collectives per mesh axis, alpha-beta: an all-gather or reduce-scatter of
+``S`` bytes over ``n`` devices sends ``(n-1)/n * S`` bytes in ``n-1`` steps, an all-reduce twice
+that. FSDP: all-gather in forward and again in backward, reduce-scatter of the gradients; DDP:
+one all-reduce of the gradients; a TP block: an all-reduce of its output in forward and of its
+input's gradient in backward; a colwise head: an all-gather of its output and an all-reduce of
+its input's gradient; a rowwise embedding: an all-reduce of its output. No overlap of
+communication with compute is assumed (an upper bound).
+Memory: parameters + gradients + optimizer state (``optimizer_states`` copies of each
+parameter) of the local shard, plus for FSDP one layer's unsharded copy, plus the activations
+autograd saves (split over dp, and over tp inside a sharded unit except the replicated input of
+its colwise layers), plus the inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .analysis import Analysis
+from .devices import DeviceSpec
+from .space import params_of, tp_ok
+
+
+def ring(kind: str, nbytes: float, n: int, spec: DeviceSpec):
+    """(bytes sent per device, seconds) of one collective over an axis of n devices."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    k = 2 if kind == "all_reduce" else 1
+    sent = k * (n - 1) / n * nbytes
+    return sent, k * (n - 1) * spec.latency + sent / spec.axis_bandwidth
+
+
+@dataclass
+class Costs:
+    """Linear coefficients of one factorisation. Options: ``unit_opts[u]`` -> {opt: Term};
+    ``group_opts[g]`` -> {(tp opt of its unit, dp opt): Term}; plus a constant Term."""
+    dp: int
+    tp: int
+    unit_opts: dict = field(default_factory=dict)
+    group_opts: dict = field(default_factory=dict)
+    owner: dict = field(default_factory=dict)  # group -> unit name or None
+    const: "Term" = None
+
+
+@dataclass
+class Term:
+    compute: float = 0.0  # seconds
+    comm: float = 0.0  # seconds
+    memory: float = 0.0  # bytes
+    dp_bytes: float = 0.0  # bytes sent per device on the dp axis
+    tp_bytes: float = 0.0
+
+    @property
+    def time(self) -> float:
+        return self.compute + self.comm
+
+    def __add__(self, o):
+        return Term(self.compute + o.compute, self.comm + o.comm, self.memory + o.memory,
+                    self.dp_bytes + o.dp_bytes, self.tp_bytes + o.tp_bytes)
+
+
+def _subtree(d: dict, fqn: str) -> float:
+    if not fqn:
+        return sum(d.values())
+    return sum(v for k, v in d.items() if k == fqn or k.startswith(fqn + "."))
+
+
+def _flops(an: Analysis, fqn: str) -> float:
+    return an.flops.get(fqn, 0)
+
+
+def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: DeviceSpec,
+          optimizer_states: int) -> Costs:
+    fp32 = any(size == 4 for _, size in an.params.values())
+    sec_per_flop = (spec.fp32_slowdown if fp32 else 1.0) / (spec.peak_flops * spec.efficiency)
+    c = Costs(dp, tp)
+    unit_flops = 0.0
+    unit_saved = 0.0
+    for u in units:
+        flops = sum(_flops(an, f) for f in u.instances)
+        saved = sum(_subtree(an.saved, f) for f in u.instances)
+        unit_flops += flops
+        unit_saved += saved
+        opts = {"none": Term(flops / dp * sec_per_flop, memory=saved / dp)}
+        if tp_ok(u, tp, modules, an):
+            t = Term(0.0)
+            if u.kind == "block":
+                for f in u.instances:
+                    blk = next(b for b in an.blocks if b.fqn == f)
+                    repl = sum(_subtree(an.saved, x) for x in blk.ins)
+                    sh = _subtree(an.saved, f) - repl
+                    t.memory += (repl + sh / tp) / dp
+                    for nbytes in (blk.out_act_bytes, blk.in_act_bytes):
+                        b, s = ring("all_reduce", nbytes / dp, tp, spec)
+                        t.tp_bytes += b
+                        t.comm += s
+            else:
+                for f in u.instances:
+                    leaf = an.leaves[f]
+                    t.memory += _subtree(an.saved, f) / dp  # its input stays replicated
+                    colls = ([("all_gather", leaf.out_bytes), ("all_reduce", leaf.in_bytes)]
+                             if u.kind == "linear" else [("all_reduce", leaf.out_bytes)])
+                    for kind, nbytes in colls:
+                        b, s = ring(kind, nbytes / dp, tp, spec)
+                        t.tp_bytes += b
+                        t.comm += s
+            t.compute = flops / dp / tp * sec_per_flop
+            opts[u.option] = t
+        c.unit_opts[u.name] = opts
+    owned = {}
+    for u in units:
+        for g, rel in params_of(u, an).items():
+            owned.setdefault(g, (u, rel))
+    for g, names in an.groups.items():
+        u, rel = owned.get(g, (None, None))
+        c.owner[g] = u.name if u is not None else None
+        tp_opts = list(c.unit_opts[u.name]) if u is not None else ["none"]
+        per = {}
+        nbytes = sum(_numel(an.params[n][0]) * an.params[n][1] for n in names)
+        for t in tp_opts:
+            local = nbytes / (tp if t != "none" and u.param_tp(rel) != "Replicate" else 1)
+            per_inst = local / max(len(names), 1)
+            repl_b, repl_s = ring("all_reduce", local, dp, spec)
+            per[(t, "replicate")] = Term(memory=local * (2 + optimizer_states), dp_bytes=repl_b,
+                                         comm=repl_s)
+            if dp > 1:
+                ag_b, ag_s = ring("all_gather", per_inst, dp, spec)
+                rs_b, rs_s = ring("reduce_scatter", per_inst, dp, spec)
+                k = len(names)
+                per[(t, "fsdp")] = Term(memory=local * (2 + optimizer_states) / dp + per_inst,
+                                        dp_bytes=k * (2 * ag_b + rs_b),
+                                        comm=k * (2 * ag_s + rs_s))
+        c.group_opts[g] = per
+    rest_flops = max(_flops(an, "") - unit_flops, 0.0)
+    rest_saved = max(sum(an.saved.values()) - unit_saved, 0.0)
+    c.const = Term(rest_flops / dp * sec_per_flop, memory=rest_saved / dp + an.input_bytes)
+    return c
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def evaluate(c: Costs, unit_choice: dict, group_choice: dict) -> Term:
+    """The predicted Term of one assignment (unit -> tp opt, group -> dp opt)."""
+    tot = c.const
+    for u, opt in unit_choice.items():
+        tot = tot + c.unit_opts[u][opt]
+    for g, d in group_choice.items():
+        owner = c.owner[g]
+        t = unit_choice[owner] if owner is not None else "none"
+        tot = tot + c.group_opts[g][(t, d)]
+    return tot

@@ -1,0 +1,147 @@
+"""``Plan``: a parallel plan found by ``auto_parallelize`` (or written by hand): readable,
+saved as JSON, loaded, applied to a model, translated to TorchTitan's config."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .space import Unit
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+@dataclass
+class Plan:
+    dp: int
+    tp: int
+    device: str
+    units: dict  # unit name -> {"kind", "ins", "out", "option", "choice"}
+    groups: dict  # parameter group -> {"dp": "fsdp"|"replicate", "tp": placement}
+    predicted: dict = field(default_factory=dict)  # step_time_s, memory_bytes, dp/tp bytes...
+    compiled: dict = field(default_factory=dict)  # XLA's figures (verify.py), if verified
+    why: list = field(default_factory=list)  # lines explaining the choice
+    search: dict = field(default_factory=dict)  # solver / verification wall time, candidates
+
+    # ---- building ----
+
+    @classmethod
+    def from_choice(cls, dp, tp, device, units, unit_choice, group_choice, owner, term):
+        ud = {}
+        for u in units:
+            ud[u.name] = {"kind": u.kind, "ins": u.ins, "out": u.out, "option": u.option,
+                          "choice": unit_choice.get(u.name, "none")}
+        gd = {}
+        by_name = {u.name: u for u in units}
+        for g, d in group_choice.items():
+            o = owner.get(g)
+            place = "Replicate"
+            if o is not None and ud[o]["choice"] != "none":
+                u = by_name[o]
+                place = u.param_tp(g[len(o) + 1:] if o else g)
+            gd[g] = {"dp": d if dp > 1 else "replicate", "tp": place, "unit": o}
+        return cls(dp, tp, device, ud, gd, predicted=_term_dict(term))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def unit_objects(self) -> list:
+        return [Unit(n, u["kind"], [], list(u["ins"]), u["out"], u["option"])
+                for n, u in self.units.items()]
+
+    # ---- reading ----
+
+    def __str__(self) -> str:
+        lines = [f"Plan for {self.world_size} devices: mesh dp={self.dp} x tp={self.tp} "
+                 f"(cost model: {self.device})"]
+        p = self.predicted
+        if p:
+            lines.append(f"  predicted per device: step {p['step_time_s'] * 1e3:.3f} ms "
+                         f"(compute {p['compute_s'] * 1e3:.3f}, comm {p['comm_s'] * 1e3:.3f}), "
+                         f"memory {_mib(p['memory_bytes'])}, collectives dp "
+                         f"{_mib(p['dp_bytes'])} + tp {_mib(p['tp_bytes'])}")
+        c = self.compiled
+        if c:
+            lines.append(f"  compiled by XLA ({c['devices']} devices): memory "
+                         f"{_mib(c['memory_bytes'])}, collectives {_mib(c['collective_bytes'])} "
+                         f"{c['collectives']}, {c['flops']:.3g} FLOPs/device"
+                         + (f"; UNPREDICTED: {c['unpredicted']}" if c.get("unpredicted") else ""))
+        tp_units = [n or "<root>" for n, u in self.units.items() if u["choice"] != "none"]
+        if tp_units:
+            lines.append("  tensor parallel: " + ", ".join(
+                f"{n} ({self.units[n if n != '<root>' else '']['choice']})" for n in tp_units))
+        lines.append("  parameters:")
+        w = max((len(g) for g in self.groups), default=10)
+        for g, d in self.groups.items():
+            dp = "Shard(0)" if d["dp"] == "fsdp" else "Replicate"
+            lines.append(f"    {g:<{w}}  dp: {dp:<9} tp: {d['tp']}")
+        for line in self.why:
+            lines.append("  " + line)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    # ---- JSON ----
+
+    def to_dict(self) -> dict:
+        return {"version": 1, "dp": self.dp, "tp": self.tp, "device": self.device,
+                "units": self.units, "groups": self.groups, "predicted": self.predicted,
+                "compiled": self.compiled, "why": self.why, "search": self.search}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if d.get("version") != 1:
+            raise ValueError(f"Plan.load: unknown plan version {d.get('version')!r}")
+        return cls(d["dp"], d["tp"], d["device"], d["units"], d["groups"], d["predicted"],
+                   d["compiled"], d["why"], d["search"])
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)  # model order: diffable
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def decisions(self) -> dict:
+        """The placements alone (what apply() uses), for comparing plans."""
+        return {"dp": self.dp, "tp": self.tp,
+                "units": {n: u["choice"] for n, u in self.units.items()},
+                "groups": {g: (d["dp"], d["tp"]) for g, d in self.groups.items()}}
+
+    # ---- using ----
+
+    def apply(self, model, mesh=None, device="tpu"):
+        """Shard ``model`` in place by this plan (TP through ``parallelize_module``, FSDP
+        through ``fully_shard``, replicated parameters' gradients averaged over dp) and return
+        it; see ``apply.py``."""
+        from .apply import apply_plan
+
+        return apply_plan(self, model, mesh, device)
+
+    def to_torchtitan(self) -> dict:
+        """TorchTitan's ``parallelism`` settings for this plan, where one exists: data
+        parallel shard/replicate degrees and the tensor parallel degree. TorchTitan's own TP
+        plan for llama3 shards attention, MLP, embedding and head all together; a plan that
+        shards only some of them, or keeps some parameters replicated under FSDP, has no exact
+        TorchTitan equivalent (``exact`` is False then)."""
+        dps = {d["dp"] for d in self.groups.values()}
+        fsdp = self.dp > 1 and dps == {"fsdp"}
+        ddp = self.dp > 1 and dps == {"replicate"}
+        tp_all = all(u["choice"] != "none" for u in self.units.values())
+        tp_none = all(u["choice"] == "none" for u in self.units.values())
+        exact = (self.dp == 1 or fsdp or ddp) and (self.tp == 1 or tp_all) and \
+            (self.tp > 1 or tp_none)
+        return {"parallelism": {"data_parallel_shard_degree": self.dp if fsdp else 1,
+                                "data_parallel_replicate_degree": self.dp if ddp else 1,
+                                "tensor_parallel_degree": self.tp,
+                                "enable_sequence_parallel": False},
+                "exact": exact}
+
+
+def _term_dict(t) -> dict:
+    return {"step_time_s": t.time, "compute_s": t.compute, "comm_s": t.comm,
+            "memory_bytes": t.memory, "dp_bytes": t.dp_bytes, "tp_bytes": t.tp_bytes}
