@@ -15,11 +15,12 @@ import torch.optim._muon as _t_muon
 
 from ..runtime.metrics import count
 from . import program as _program
+from . import update as _update
 
 __all__ = ["adam", "adamw", "sgd", "muon"]
 
 
-def _run(rule, static, params, grads, states, lr) -> bool:
+def _run(rule, hyper, params, grads, states) -> bool:
     """Run one program for these lists; False (nothing done) when they cannot be one."""
     if torch.compiler.is_compiling():
         count("optim_fallbacks", op="compiling")
@@ -30,9 +31,9 @@ def _run(rule, static, params, grads, states, lr) -> bool:
         if why is not None:
             count("optim_fallbacks", op=why)
             return False
-    static = tuple(sorted(static.items()))
+    traced, static = _update.split(rule, hyper)
     entries = [_program.Entry(p, g, st, rule, static, 0) for p, g, st in zip(params, grads, states)]
-    _program.run(_program.Plan(entries, [lr]))
+    _program.run(_program.Plan(entries, [traced]))
     return True
 
 
@@ -44,10 +45,10 @@ def _adam(decoupled, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, stat
         if amsgrad:
             st["max_exp_avg_sq"] = max_exp_avg_sqs[i]
         states.append(st)
-    static = dict(beta1=float(beta1), beta2=float(beta2), eps=eps, weight_decay=weight_decay,
-                  amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 amsgrad=amsgrad, maximize=maximize, decoupled=decoupled)
     with torch.no_grad():
-        return _run("adam", static, params, grads, states, lr)
+        return _run("adam", hyper, params, grads, states)
 
 
 def adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False,
@@ -74,12 +75,12 @@ def sgd(params, d_p_list, momentum_buffer_list, *, weight_decay, momentum, lr, d
         nesterov, maximize=False) -> None:
     """``torch.optim.sgd.sgd`` as one program: a ``None`` in ``momentum_buffer_list`` (a first
     step) is replaced by the new buffer, as torch.optim's functional does."""
-    static = dict(momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                  nesterov=nesterov, maximize=maximize)
+    hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                 nesterov=nesterov, maximize=maximize)
     states = [{} if momentum == 0 or b is None else {"momentum_buffer": b}
               for b in (momentum_buffer_list if momentum != 0 else [None] * len(params))]
     with torch.no_grad():
-        done = _run("sgd", static, params, d_p_list, states, lr)
+        done = _run("sgd", hyper, params, d_p_list, states)
     if not done:
         _t_sgd.sgd(params, d_p_list, momentum_buffer_list, foreach=False,
                    weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
@@ -96,12 +97,12 @@ def muon(params, grads, muon_momentum_bufs, *, lr, weight_decay, momentum, neste
     for g in grads:
         if g.ndim != 2:
             raise ValueError("Param gradient must be a 2D matrix")
-    static = dict(weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                  ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                  adjust_lr_fn=adjust_lr_fn)
+    hyper = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                 ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                 adjust_lr_fn=adjust_lr_fn)
     states = [{"momentum_buffer": b} for b in muon_momentum_bufs]
     with torch.no_grad():
-        done = _run("muon", static, params, grads, states, lr)
+        done = _run("muon", hyper, params, grads, states)
     if not done:
         _t_muon.muon(params, grads, muon_momentum_bufs, lr=lr, weight_decay=weight_decay,
                      momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,

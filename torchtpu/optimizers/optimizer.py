@@ -16,10 +16,7 @@ import torch
 
 from ..runtime.metrics import count
 from . import program as _program
-
-
-def _f(x):
-    return float(x) if isinstance(x, torch.Tensor) else x
+from . import update as _update
 
 
 def _zeros_like(p):
@@ -31,27 +28,37 @@ class _OneProgramStep:
 
     _rule: str = ""
 
-    def _static(self, group) -> dict:  # the rule's static hyperparameters
+    def _hyper(self, group) -> dict:  # the rule's hyperparameters (update.py's names)
         raise NotImplementedError
 
     def _init_state(self, p, group, state) -> None:  # torch.optim's lazy state initialisation
         raise NotImplementedError
 
-    def _entry(self, p, group, lr_index) -> _program.Entry:
-        """``p``'s Entry (its state initialised as torch.optim initialises it)."""
+    def _has_state(self, group) -> bool:  # False: torch.optim keeps no state for the group
+        return True
+
+    def _traced(self, group) -> dict:
+        """The group's hyperparameters that the program takes as arguments."""
+        return _update.split(self._rule, self._hyper(group))[0]
+
+    def _entry(self, p, group, index) -> _program.Entry:
+        """``p``'s Entry (its state initialised as torch.optim initialises it); ``index``: its
+        group's position in the plan's ``scalars``."""
+        static = _update.split(self._rule, self._hyper(group))[1]
+        if not self._has_state(group):
+            return _program.Entry(p, p.grad, {}, self._rule, static, index)
         state = self.state[p]
         self._init_state(p, group, state)
         step = state.get("step")
         if isinstance(step, torch.Tensor) and step.device != p.device:
             state["step"] = step.to(p.device, torch.float32)  # loaded from a CPU state_dict
-        return _program.Entry(p, p.grad, state, self._rule,
-                              tuple(sorted(self._static(group).items())), lr_index)
+        return _program.Entry(p, p.grad, state, self._rule, static, index)
 
     def _plan(self):
         """(Plan, None) for this step, or (None, why it cannot be one program)."""
         if torch.compiler.is_compiling():
             return None, "compiling"
-        entries, lrs = [], []
+        entries, scalars = [], []
         index = None
         for group in self.param_groups:
             if group.get("differentiable"):
@@ -65,14 +72,14 @@ class _OneProgramStep:
                 why = _program.fallback_reason(p, index) or _program.fallback_reason(p.grad, index)
                 if why is not None:
                     return None, why
-            lrs.append(group["lr"])
-            entries.extend(self._entry(p, group, len(lrs) - 1) for p in params)
+            scalars.append(self._traced(group))
+            entries.extend(self._entry(p, group, len(scalars) - 1) for p in params)
         for e in entries:
             for t in e.state.values():
                 why = _program.fallback_reason(t, index)
                 if why is not None:
                     return None, why
-        return _program.Plan(entries, lrs), None
+        return _program.Plan(entries, scalars), None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -98,9 +105,9 @@ class Adam(_OneProgramStep, torch.optim.Adam):
     _rule = "adam"
     _torch_class = torch.optim.Adam
 
-    def _static(self, group):
+    def _hyper(self, group):
         beta1, beta2 = group["betas"]
-        return dict(beta1=_f(beta1), beta2=_f(beta2), eps=group["eps"],
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
                     maximize=group["maximize"],
                     decoupled=bool(group.get("decoupled_weight_decay", False)))
@@ -119,8 +126,8 @@ class AdamW(Adam, torch.optim.AdamW):
 
     _torch_class = torch.optim.AdamW
 
-    def _static(self, group):
-        return dict(super()._static(group),
+    def _hyper(self, group):
+        return dict(super()._hyper(group),
                     decoupled=bool(group.get("decoupled_weight_decay", True)))
 
 
@@ -131,10 +138,13 @@ class SGD(_OneProgramStep, torch.optim.SGD):
     _rule = "sgd"
     _torch_class = torch.optim.SGD
 
-    def _static(self, group):
-        return dict(momentum=group["momentum"], dampening=group["dampening"],
+    def _hyper(self, group):
+        return dict(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
                     weight_decay=group["weight_decay"], nesterov=group["nesterov"],
                     maximize=group["maximize"])
+
+    def _has_state(self, group):
+        return group["momentum"] != 0
 
     def _init_state(self, p, group, state):
         # torch.optim's first buffer is the gradient itself; with no dampening that equals
@@ -153,8 +163,8 @@ class Muon(_OneProgramStep, torch.optim.Muon):
     _rule = "muon"
     _torch_class = torch.optim.Muon
 
-    def _static(self, group):
-        return dict(weight_decay=group["weight_decay"], momentum=group["momentum"],
+    def _hyper(self, group):
+        return dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
                     nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
                     eps=group["eps"], ns_steps=group["ns_steps"],
                     adjust_lr_fn=group["adjust_lr_fn"])

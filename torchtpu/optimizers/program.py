@@ -1,12 +1,13 @@
 """One XLA program for a whole optimizer step, its parameters and state donated.
 
 A step is a ``Plan``: one ``Entry`` per parameter that has a gradient (its rule, the rule's
-static hyperparameters, which learning rate it reads) and the learning rates. ``apply`` is the
+static hyperparameters, which group it belongs to) and each group's traced hyperparameters
+(the learning rate; Adam's betas, which OneCycleLR and CyclicLR cycle). ``apply`` is the
 pure JAX function of the plan (also what ``SingleTraceTrainer`` appends to its traced training
 step); ``run`` calls it as one program on the tensors' storage arrays and writes the new
 values back. A Program is cached per plan *structure* (rules, static hyperparameters, which
 state exists, which arrays are donated); shapes select executables inside it, and the learning
-rates and step counts are traced arguments, so a scheduler never recompiles.
+rates, betas and step counts are traced arguments, so a scheduler never recompiles.
 
 Donation: a parameter's or state tensor's old array is donated when nothing but its storage
 holds it (the reference-count test of ``eager/executor.py``); XLA then writes the update into
@@ -31,38 +32,52 @@ from . import update as _update
 @dataclasses.dataclass
 class Entry:
     """One parameter's update: ``param``/``grad`` tensors, ``state`` {name: tensor} (names the
-    rule creates are absent), ``rule`` (a key of ``update.RULES``), ``static`` (its
-    hyperparameters, sorted (name, value) pairs) and ``lr`` (index into the plan's rates)."""
+    rule creates are absent), ``rule`` (a key of ``update.RULES``), ``static`` (its static
+    hyperparameters, sorted (name, value) pairs) and ``group`` (index into the plan's
+    ``scalars``: the traced hyperparameters)."""
     param: torch.Tensor
     grad: torch.Tensor
     state: dict
     rule: str
     static: tuple
-    lr: int
+    group: int
 
     def structure(self):
         # the tensors' shapes too: a storage array may hold its tensor reshaped (a gradient
         # summed with keepdim), read and written in the array's own shape
-        return (self.rule, self.static, tuple(self.state), self.lr, tuple(self.param.shape),
+        return (self.rule, self.static, tuple(self.state), self.group, tuple(self.param.shape),
                 tuple(tuple(t.shape) for t in self.state.values()))
 
 
 class Plan:
-    def __init__(self, entries, lrs):
+    """``entries``, and ``scalars``: per group a dict of its traced hyperparameters (numbers
+    or one-element tensors)."""
+
+    def __init__(self, entries, scalars):
         self.entries = entries
-        self.lrs = lrs
+        self.scalars = scalars
 
     def structure(self) -> tuple:
-        return tuple(e.structure() for e in self.entries), len(self.lrs)
+        return (tuple(e.structure() for e in self.entries),
+                tuple(tuple(sorted(s)) for s in self.scalars))
+
+    def scalar_values(self) -> list:
+        """The traced hyperparameters as the program's arguments (``apply``'s ``scalars``)."""
+        return [scalar_value(s[k], k in _update.PAIRS) for s in self.scalars for k in sorted(s)]
 
 
-def apply(structure, params, grads, states, lrs):
+def apply(structure, params, grads, states, scalars):
     """The pure update: new params and new state dicts (jax arrays) for the plan ``structure``
-    (``Plan.structure()``); ``states``: per entry a dict of its state arrays."""
-    entries, _ = structure
+    (``Plan.structure()``); ``states``: per entry a dict of its state arrays; ``scalars``: the
+    traced hyperparameters, flat (``Plan.scalar_values()``)."""
+    entries, names = structure
+    groups, k = [], 0
+    for ks in names:
+        groups.append(dict(zip(ks, scalars[k:k + len(ks)])))
+        k += len(ks)
     new_params, new_states = [], []
-    for (rule, static, _names, lr_i, *_shapes), p, g, st in zip(entries, params, grads, states):
-        new_p, new_st = _update.RULES[rule](p, g, st, lrs[lr_i], **dict(static))
+    for (rule, static, _names, gi, *_shapes), p, g, st in zip(entries, params, grads, states):
+        new_p, new_st = _update.RULES[rule](p, g, st, **groups[gi], **dict(static))
         new_params.append(new_p)
         new_states.append(new_st)
     return new_params, new_states
@@ -102,12 +117,19 @@ def sole(flat, positions):
 _PROGRAMS: dict = {}
 
 
-def _scalar(v):
-    """A learning rate as a traced 0-d float32 argument."""
+def n_scalars(structure) -> int:
+    return sum(len(ks) for ks in structure[1])
+
+
+def scalar_value(v, pair=False):
+    """A hyperparameter as a traced float32 argument: 0-d (a learning rate), or with ``pair``
+    the pair (v, 1 - v) computed in double precision (Adam's betas, see lowering/optim.py)."""
     if isinstance(v, torch.Tensor):
-        if v.device.type != "cpu":
+        if v.device.type != "cpu" and not pair:
             return _copy.value_of(v).reshape(()).astype(np.float32)
         v = v.item()
+    if pair:
+        return np.asarray((v, 1 - v), np.float32)
     return np.asarray(v, np.float32)
 
 
@@ -115,7 +137,7 @@ def _program(structure, n_entries, donate):
     key = (structure, donate)
     prog = _PROGRAMS.get(key)
     if prog is None:
-        n_lr = structure[1]
+        n_lr = n_scalars(structure)
 
         def optimizer_step(*flat):
             count("optim_traces")
@@ -155,7 +177,7 @@ def run(plan: Plan) -> None:
         for t in e.state.values():
             written.append(len(flat))
             flat.append(_buffer.buffer_of(t).array)
-    flat.extend(_scalar(v) for v in plan.lrs)
+    flat.extend(plan.scalar_values())
     donate = sole(flat, written)
     prog = _program(structure, len(plan.entries), donate)
     count("optim_programs")

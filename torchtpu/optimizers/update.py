@@ -1,10 +1,10 @@
 """The optimizers' update rules: pure JAX functions of one parameter, its gradient and its state.
 
-Each rule is ``rule(p, g, state, lr, **static) -> (new_p, new_state)`` on jax arrays: ``state``
-a dict of the parameter's state arrays (named as ``torch.optim`` names them in its state_dict;
-a name missing from it is created by the rule, as torch.optim creates it at the first step),
-``lr`` a traced 0-d float32 value (so a changing learning rate never recompiles) and the
-other hyperparameters static. AdamW and SGD are the lowerings of PyTorch's fused optimizer ops
+Each rule is ``rule(p, g, state, **hyperparameters) -> (new_p, new_state)`` on jax arrays:
+``state`` a dict of the parameter's state arrays (named as ``torch.optim`` names them in its
+state_dict; a name missing from it is created by the rule, as torch.optim creates it at the
+first step). The hyperparameters in ``TRACED[rule]`` arrive as traced 0-d float32 values (a
+scheduler changing them never recompiles); the others are static (the rule may branch on them). AdamW and SGD are the lowerings of PyTorch's fused optimizer ops
 (``lowering/optim.py``, called on one-element lists), so their math is the one table's; Muon has
 no aten op and is written here, following ``torch.optim.Muon``.
 """
@@ -19,7 +19,7 @@ from ..lowering.registry import aten, get
 _f32 = jnp.float32
 
 
-def adam(p, g, state, lr, *, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled):
+def adam(p, g, state, *, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled):
     """torch.optim.Adam / AdamW (``decoupled``): the state has ``step`` (incremented here),
     ``exp_avg``, ``exp_avg_sq`` and with amsgrad ``max_exp_avg_sq``."""
     step = state["step"] + 1
@@ -34,7 +34,7 @@ def adam(p, g, state, lr, *, beta1, beta2, eps, weight_decay, amsgrad, maximize,
     return new[0][0], out
 
 
-def sgd(p, g, state, lr, *, momentum, dampening, weight_decay, nesterov, maximize):
+def sgd(p, g, state, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
     """torch.optim.SGD: with momentum the state has ``momentum_buffer`` (the gradient itself
     at the first step, as torch.optim makes it)."""
     buf = state.get("momentum_buffer")
@@ -79,7 +79,7 @@ def lr_ratio(adjust_lr_fn, shape) -> float:
     return 1.0
 
 
-def muon(p, g, state, lr, *, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+def muon(p, g, state, *, lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
          adjust_lr_fn):
     """torch.optim.Muon: momentum (``momentum_buffer``), Newton-Schulz orthogonalisation of
     the (Nesterov) update, decoupled weight decay, the shape-adjusted learning rate."""
@@ -94,3 +94,11 @@ def muon(p, g, state, lr, *, weight_decay, momentum, nesterov, ns_coefficients, 
 
 
 RULES = {"adam": adam, "sgd": sgd, "muon": muon}
+TRACED = {"adam": ("lr", "beta1", "beta2"), "sgd": ("lr",), "muon": ("lr",)}
+PAIRS = ("beta1", "beta2")  # traced as (beta, 1 - beta), computed on the host in double
+
+
+def split(rule: str, hyper: dict) -> tuple[dict, tuple]:
+    """(traced, static) of a rule's hyperparameters ``hyper`` (static as sorted pairs)."""
+    traced = {k: v for k, v in hyper.items() if k in TRACED[rule]}
+    return traced, tuple(sorted((k, v) for k, v in hyper.items() if k not in TRACED[rule]))
