@@ -14,15 +14,18 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
   AdamW, and ``fused+opt`` / ``strict+opt`` with ``torch.tpu.optimizers.AdamW`` (its step one
   program).
 
-Prints the median ms per step (every timed repeat ends with ``torch.tpu.synchronize()``), the
-first-step time (trace + compile), and the device programs each step ran: Strict's per-op
+Prints the median ms per step, wall and process CPU time (every timed repeat ends with
+``torch.tpu.synchronize()``; the repeats go round the contenders so that a changing host load
+hits them alike), the first-step time (trace + compile), and the device programs each step ran: Strict's per-op
 programs, Fused's graphs, compiled graphs, and the optimizer's and trainer's programs (from
 ``torch.tpu.metrics()``). Target: trainer <= compiled, one program per step.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 import time
 
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile_step as cs  # noqa: E402  (the shared benchmark models)
-from common import Table, Timer, environment  # noqa: E402
+from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
 CONTENDERS = ("trainer", "compiled", "fused", "fused+opt", "strict", "strict+opt")
@@ -63,7 +66,8 @@ def build(name):
     return lambda: step(model, opt, idx, tgt)
 
 
-def bench(name, timer):
+def prepare(name):
+    """Build ``name``'s step, run it three times (trace, compile, warm); count its programs."""
     mode = MODES.get(name.split("+")[0], torch.tpu.EagerMode.DEFER_NEVER)
     with torch.tpu.set_eager_mode(mode):
         fn = build(name)
@@ -77,31 +81,60 @@ def bench(name, timer):
         before = programs()
         fn()
         torch.tpu.synchronize()
-        per_step = programs() - before
-        m = timer.measure(fn, sync=torch.tpu.synchronize)
-        return {"ms": m.median_s * 1e3, "first_s": first, "programs": per_step,
-                "loss": float(loss)}
+    return fn, mode, {"first_s": first, "programs": programs() - before,
+                      "loss": float(loss.detach())}
+
+
+def timed(fn, mode, steps):
+    """(wall, process CPU) seconds per step over ``steps`` steps ending with a synchronize."""
+    with torch.tpu.set_eager_mode(mode):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.tpu.synchronize()
+        return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
     ap.add_argument("--skip", default="", help="comma-separated contenders to leave out")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     names = [n for n in CONTENDERS if n not in skip]
-    timer = Timer(warmup=2, repeats=args.repeats, min_repeat_s=0.2)
     print(environment(), flush=True)
-    res = {}
+    prepared, res = {}, {}
     for n in names:
-        res[n] = bench(n, timer)
-        print(f"  {n}: {res[n]['ms']:.1f} ms/step, {res[n]['programs']} programs/step, "
-              f"first step {res[n]['first_s']:.1f} s, loss {res[n]['loss']:.4f}", flush=True)
-    table = Table(f"GPT training step, ms (median of {args.repeats} repeats)", names, unit="ms")
-    table.add("step", {n: res[n]["ms"] for n in names})
+        prepared[n] = prepare(n)
+        res[n] = prepared[n][2]
+        print(f"  {n}: {res[n]['programs']} programs/step, first step {res[n]['first_s']:.1f} s,"
+              f" loss {res[n]['loss']:.4f}", flush=True)
+    # the repeats go round the contenders, so a change in the host's load hits them alike
+    times = {n: [] for n in names}
+    gc.disable()
+    try:
+        for _ in range(args.repeats):
+            for n in names:
+                fn, mode, _ = prepared[n]
+                times[n].append(timed(fn, mode, args.steps))
+    finally:
+        gc.enable()
+    for n in names:
+        res[n]["ms"] = 1e3 * statistics.median(t[0] for t in times[n])
+        res[n]["cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[n])
+        walls = [t[0] for t in times[n]]
+        res[n]["spread"] = (max(walls) - min(walls)) / statistics.median(walls)
+    table = Table(f"GPT training step (median of {args.repeats} interleaved repeats of "
+                  f"{args.steps} steps)", names, unit="ms")
+    table.add("step, wall", {n: res[n]["ms"] for n in names})
+    table.add("step, process CPU", {n: res[n]["cpu_ms"] for n in names})
     table.add("programs/step", {n: res[n]["programs"] for n in names})
     table.add("first step (s)", {n: res[n]["first_s"] for n in names})
-    table.notes.append(timer.noise_note())
+    worst = max(res[n]["spread"] for n in names)
+    table.notes.append(f"noise: (max-min)/median of the wall times up to {100 * worst:.0f}%"
+                       + ("  (a loaded machine: the CPU-time row is the steadier one)"
+                          if worst > 0.3 else ""))
     table.notes.append(environment())
     table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]
