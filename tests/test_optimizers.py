@@ -570,3 +570,37 @@ def test_trainer_refuses_a_torch_optim_optimizer():
     with pytest.raises(TypeError, match="torch.tpu.optimizers"):
         opts.SingleTraceTrainer(model, lambda m, x: m(x).sum(),
                                 torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["fused", "compiled"])
+def test_optimizer_in_fused_mode_and_compiled_steps(mode):
+    """In Fused mode the step reads the pending gradients (a cut) and stays one program; in a
+    torch.compile'd training step it is torch.optim's step, traced into the graph."""
+    torch.tpu.reset_metrics()
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    tpu = copy.deepcopy(cpu).to(TPU)
+    oc = torch.optim.AdamW(cpu.parameters(), lr=1e-2, weight_decay=0.1)
+    ot = opts.AdamW(tpu.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def step(model, opt, x):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    tstep = step
+    if mode == "compiled":
+        torch._dynamo.reset()
+        tstep = torch.compile(step, backend="tpu")
+    g = torch.Generator().manual_seed(1)
+    eager = torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "fused" else torch.tpu.EagerMode.DEFER_NEVER
+    with torch.tpu.set_eager_mode(eager):
+        for _ in range(3):
+            x = torch.randn(5, 8, generator=g)
+            step(cpu, oc, x)
+            tstep(tpu, ot, x.to(TPU))
+    assert_params_close(cpu, tpu)
+    if mode == "fused":
+        assert counter("optim_programs") == 3 and counter("optim_fallbacks") == 0
+    else:
+        assert torch.tpu.metrics()["per_op"]["optim_fallbacks"].get("compiling", 0) > 0
