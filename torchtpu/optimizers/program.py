@@ -22,7 +22,8 @@ import torch
 
 from ..eager import copy as _copy
 from ..eager import views
-from ..eager.executor import DONATE, _SOLE, _probe
+from ..eager import executor as _executor
+from ..eager.executor import _SOLE, _probe
 from ..runtime import buffer as _buffer
 from ..runtime import program_cache
 from ..runtime.metrics import count
@@ -104,7 +105,7 @@ def fallback_reason(t: torch.Tensor, device_index=None):
 
 def sole(flat, positions):
     """The positions of ``flat`` whose arrays nothing but their storage (and ``flat``) holds."""
-    if not DONATE:
+    if not _executor.DONATE:  # TORCHTPU_DONATE=0
         return ()
     out = []
     for s in positions:

@@ -22,8 +22,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..compile import lower as _lower
-from ..compile.backend import _LazyDecompositions
 from ..eager import checks as _checks
 from ..eager import rng as _rng
 from ..runtime import buffer as _buffer
@@ -47,7 +45,11 @@ class _Traced:
     """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
 
     def __init__(self, module, batch):
+        # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
         from torch._functorch.aot_autograd import aot_export_module
+
+        from ..compile import lower as _lower
+        from ..compile.backend import _LazyDecompositions
 
         gm, sig = aot_export_module(module, tuple(batch), trace_joint=True,
                                     output_loss_index=0, decompositions=_LazyDecompositions())
