@@ -604,3 +604,19 @@ def test_optimizer_in_fused_mode_and_compiled_steps(mode):
         assert counter("optim_programs") == 3 and counter("optim_fallbacks") == 0
     else:
         assert torch.tpu.metrics()["per_op"]["optim_fallbacks"].get("compiling", 0) > 0
+
+
+def test_trainer_random_ops_draw_fresh_values_each_step():
+    """Dropout inside the traced step: a new mask each step (the generator's words are a
+    program argument), from torch.manual_seed's stream."""
+    def losses():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).to(TPU)
+        trainer = opts.SingleTraceTrainer(model, lambda m, x: m(x).abs().sum(),
+                                          opts.SGD(model.parameters(), lr=0.0))
+        x = torch.ones(4, 64, device=TPU)
+        return [trainer.step(x).item() for _ in range(3)]
+
+    first = losses()
+    assert len(set(first)) == 3, first
+    assert losses() == first
