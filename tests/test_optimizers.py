@@ -620,3 +620,22 @@ def test_trainer_random_ops_draw_fresh_values_each_step():
     first = losses()
     assert len(set(first)) == 3, first
     assert losses() == first
+
+
+def test_trainer_batch_views():
+    """Batches that are views (a window of a token stream, a transposed block) are read as
+    the views, not as their storages."""
+    torch.manual_seed(0)
+    cpu, tpu = pair(lambda: nn.Linear(6, 3))
+    oc = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    trainer = opts.SingleTraceTrainer(tpu, lambda m, x, y: F.mse_loss(m(x), y),
+                                      opts.SGD(tpu.parameters(), lr=0.1))
+    data, target = torch.randn(10, 8), torch.randn(3, 5)
+    x, y = data[2:7, 1:7], target.t()  # (5, 6) window, (5, 3) transposed
+    lt = trainer.step(data.to(TPU)[2:7, 1:7], target.to(TPU).t())
+    oc.zero_grad()
+    lc = F.mse_loss(cpu(x), y)
+    lc.backward()
+    oc.step()
+    torch.testing.assert_close(lt.cpu(), lc.detach())
+    assert_params_close(cpu, tpu)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..eager import checks as _checks
+from ..eager import copy as _copy
 from ..eager import rng as _rng
 from ..runtime import buffer as _buffer
 from ..runtime import program_cache
@@ -174,7 +175,7 @@ class SingleTraceTrainer:
         lr_slot = len(flat)
         flat.extend(plan.scalar_values())
         batch_slot = len(flat)
-        flat.extend(_buffer.buffer_of(t).array for t in batch)
+        flat.extend(_copy.value_of(t) for t in batch)  # a view's value, not its storage
         if traced.n_random:
             flat.append(np.stack([_rng.next_state(None) for _ in range(traced.n_random)]))
         updated = {id(e.param) for e in plan.entries} | {id(b) for _, b in traced.buffer_pos}
