@@ -25,6 +25,12 @@ from .distributed import register as _register_distributed  # noqa: E402
 
 _register_distributed()  # c10d backend "tpu_dist"; joins a cluster lazily
 
+import torch as _torch  # noqa: E402
+
+from . import optimizers as _optimizers  # noqa: E402
+
+_torch.tpu.optimizers = _optimizers  # torch.tpu.optimizers
+
 
 # torch.tpu.ops: the ops layer sits above the device layer (its ops register kernels for
 # "tpu"), so it is attached to torch.tpu here rather than imported by device/tpu_module.py

@@ -42,6 +42,16 @@ def _emit(outs, olds, new, skip):
         outs[k].append(n if skip is None else jnp.where(skip, o, n))
 
 
+def _beta(beta):
+    """(beta, 1 - beta) of an Adam beta: a Python float, or a traced float32 pair (beta,
+    1 - beta) that torch.tpu.optimizers computes on the host in double precision (so that a
+    scheduler cycling the betas, OneCycleLR's, neither recompiles nor rounds 1 - beta in
+    float32)."""
+    if hasattr(beta, "shape"):
+        return beta[0], beta[1]
+    return jnp.float32(beta), 1 - beta
+
+
 def _adam(adamw: bool):
     def fused_adam(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr,
                    beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale=None,
@@ -62,10 +72,11 @@ def _adam(adamw: bool):
                 else:
                     g = g + weight_decay * p
             step = _scalar(state_steps[i])
-            m = m0 + (g - m0) * (1 - beta1)
-            v = v0 * beta2 + g * g * (1 - beta2)
-            bias1 = 1 - jnp.power(jnp.float32(beta1), step)
-            bias2_sqrt = jnp.sqrt(1 - jnp.power(jnp.float32(beta2), step))
+            (b1, c1), (b2, c2) = _beta(beta1), _beta(beta2)
+            m = m0 + (g - m0) * c1
+            v = v0 * b2 + g * g * c2
+            bias1 = 1 - jnp.power(b1, step)
+            bias2_sqrt = jnp.sqrt(1 - jnp.power(b2, step))
             new = [p, g_out, m, v]
             if amsgrad:
                 vmax = jnp.maximum(max_exp_avg_sqs[i].astype(f32), v)

@@ -1,0 +1,146 @@
+"""The GPT training step with ``torch.tpu.optimizers.SingleTraceTrainer`` vs
+``torch.compile(backend="tpu")`` of the same step vs Fused eager vs Strict eager.
+
+    python benchmarks/single_trace.py [--repeats N] [--skip strict,fused]
+
+Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 layers, d_model
+256, seq 128, vocab 4096, batch 8, float32). Contenders, all in one process:
+
+- ``trainer``: ``SingleTraceTrainer(model, loss, torch.tpu.optimizers.AdamW)``: forward, loss,
+  backward and the AdamW update as one XLA program, parameters and state donated;
+- ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
+  ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
+- ``fused`` / ``strict``: the same step in the Fused / Strict eager modes, with torch.optim's
+  AdamW, and ``fused+opt`` / ``strict+opt`` with ``torch.tpu.optimizers.AdamW`` (its step one
+  program).
+
+Prints the median ms per step, wall and process CPU time (every timed repeat ends with
+``torch.tpu.synchronize()``; the repeats go round the contenders so that a changing host load
+hits them alike), the first-step time (trace + compile), and the device programs each step ran: Strict's per-op
+programs, Fused's graphs, compiled graphs, and the optimizer's and trainer's programs (from
+``torch.tpu.metrics()``). Target: trainer <= compiled, one program per step.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compile_step as cs  # noqa: E402  (the shared benchmark models)
+from common import Table, environment  # noqa: E402
+
+MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
+CONTENDERS = ("trainer", "compiled", "fused", "fused+opt", "strict", "strict+opt")
+
+
+def programs() -> int:
+    """Device programs run so far (each kind counts its calls)."""
+    c = torch.tpu.metrics()["counters"]
+    return sum(c.get(k, 0) for k in (
+        "eager_cache_hits", "eager_cache_misses",  # Strict: one program per op
+        "fused_graph_compiles", "fused_graph_cache_hits",  # Fused: one per graph run
+        "compile_cache_hits", "compile_cache_misses",  # compiled graphs called
+        "optim_programs", "trainer_programs"))
+
+
+def build(name):
+    torch.manual_seed(0)
+    model = cs.TinyGPT(**cs.GPT).to("tpu")
+    idx, tgt = cs.gpt_data("tpu")
+    ours = name == "trainer" or name.endswith("+opt")
+    opt = (torch.tpu.optimizers.AdamW(model.parameters(), lr=cs.LR) if ours
+           else torch.optim.AdamW(model.parameters(), lr=cs.LR, foreach=True))
+    if name == "trainer":
+        trainer = torch.tpu.optimizers.SingleTraceTrainer(model, cs.gpt_loss, opt)
+        return lambda: trainer.step(idx, tgt)
+    step = cs.make_step(cs.gpt_loss)
+    if name == "compiled":
+        torch._dynamo.reset()
+        step = torch.compile(step, backend="tpu")
+    return lambda: step(model, opt, idx, tgt)
+
+
+def prepare(name):
+    """Build ``name``'s step, run it three times (trace, compile, warm); count its programs."""
+    mode = MODES.get(name.split("+")[0], torch.tpu.EagerMode.DEFER_NEVER)
+    with torch.tpu.set_eager_mode(mode):
+        fn = build(name)
+        t0 = time.perf_counter()
+        loss = fn()
+        torch.tpu.synchronize()
+        first = time.perf_counter() - t0
+        for _ in range(2):
+            fn()
+        torch.tpu.synchronize()
+        before = programs()
+        fn()
+        torch.tpu.synchronize()
+    return fn, mode, {"first_s": first, "programs": programs() - before,
+                      "loss": float(loss.detach())}
+
+
+def timed(fn, mode, steps):
+    """(wall, process CPU) seconds per step over ``steps`` steps ending with a synchronize."""
+    with torch.tpu.set_eager_mode(mode):
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.tpu.synchronize()
+        return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
+    ap.add_argument("--skip", default="", help="comma-separated contenders to leave out")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    names = [n for n in CONTENDERS if n not in skip]
+    print(environment(), flush=True)
+    prepared, res = {}, {}
+    for n in names:
+        prepared[n] = prepare(n)
+        res[n] = prepared[n][2]
+        print(f"  {n}: {res[n]['programs']} programs/step, first step {res[n]['first_s']:.1f} s,"
+              f" loss {res[n]['loss']:.4f}", flush=True)
+    # the repeats go round the contenders, so a change in the host's load hits them alike
+    times = {n: [] for n in names}
+    gc.disable()
+    try:
+        for _ in range(args.repeats):
+            for n in names:
+                fn, mode, _ = prepared[n]
+                times[n].append(timed(fn, mode, args.steps))
+    finally:
+        gc.enable()
+    for n in names:
+        res[n]["ms"] = 1e3 * statistics.median(t[0] for t in times[n])
+        res[n]["cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[n])
+        walls = [t[0] for t in times[n]]
+        res[n]["spread"] = (max(walls) - min(walls)) / statistics.median(walls)
+    table = Table(f"GPT training step (median of {args.repeats} interleaved repeats of "
+                  f"{args.steps} steps)", names, unit="ms")
+    table.add("step, wall", {n: res[n]["ms"] for n in names})
+    table.add("step, process CPU", {n: res[n]["cpu_ms"] for n in names})
+    table.add("programs/step", {n: res[n]["programs"] for n in names})
+    table.add("first step (s)", {n: res[n]["first_s"] for n in names})
+    worst = max(res[n]["spread"] for n in names)
+    table.notes.append(f"noise: (max-min)/median of the wall times up to {100 * worst:.0f}%"
+                       + ("  (a loaded machine: the CPU-time row is the steadier one)"
+                          if worst > 0.3 else ""))
+    table.notes.append(environment())
+    table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer", "fused"),
+                                     ("fused+opt", "fused"), ("strict+opt", "strict")]
+                 if a in names and b in names])
+    return res
+
+
+if __name__ == "__main__":
+    main()

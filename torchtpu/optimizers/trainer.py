@@ -1,0 +1,254 @@
+"""``torch.tpu.optimizers.SingleTraceTrainer``: forward, loss, backward and the optimizer step of
+a training step traced once and run as one XLA program per step.
+
+How: ``aot_export_module(..., trace_joint=True)`` traces ``loss_fn(model, *batch)`` and its
+backward into one functional aten graph (gradients and BatchNorm's buffer updates are its
+outputs; PyTorch's decompositions for ops the lowering table lacks, as ``torch.compile(backend=
+"tpu")`` uses); ``compile/lower.py`` turns it into a JAX function with the one lowering table;
+``program.apply`` appends the optimizer's update rule (the same rules ``optimizer.step`` runs).
+The whole is one ``jax.jit`` whose parameters, optimizer state and mutated buffers are donated
+(when nothing else holds them), so a step holds one copy of them. The learning rates and step
+counts are arguments: a scheduler changing ``param_groups[i]["lr"]`` never recompiles. A new
+batch shape traces again (one program per shape), as does a change of the optimizer's static
+hyperparameters or of ``model.training``.
+
+The optimizer's state lives in the optimizer (``optimizer.state_dict()`` is torch.optim's, and
+``optimizer.step()`` can continue from it); the gradients stay inside the program (``p.grad``
+is not written).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..eager import checks as _checks
+from ..eager import copy as _copy
+from ..eager import rng as _rng
+from ..runtime import buffer as _buffer
+from ..runtime import program_cache
+from ..runtime.metrics import count
+from . import program as _program
+from .optimizer import _OneProgramStep
+
+
+class _Loss(nn.Module):
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return (self.loss_fn(self.model, *batch),)
+
+
+class _Traced:
+    """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
+
+    def __init__(self, module, batch):
+        # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
+        from torch._functorch.aot_autograd import aot_export_module
+
+        from ..compile import lower as _lower
+        from ..compile.backend import _LazyDecompositions
+
+        gm, sig = aot_export_module(module, tuple(batch), trace_joint=True,
+                                    output_loss_index=0, decompositions=_LazyDecompositions())
+        count("trainer_traces")
+        self.low = _lower.GraphLowering(gm, "trainer")
+        if self.low.mutated:
+            raise RuntimeError("SingleTraceTrainer: the exported training graph writes its "
+                               "inputs in place, which a functional graph should not")
+        named = dict(module.named_parameters(remove_duplicate=False))
+        named.update(module.named_buffers(remove_duplicate=False))
+        # the graph's inputs: parameters, buffers (each by name), then the batch
+        self.inputs = [named[n] for n in sig.parameters] + [named[n] for n in sig.buffers]
+        self.n_batch = len(sig.user_inputs)
+        outs = self.low.out_node.args[0]
+        out_names = [o.name if isinstance(o, torch.fx.Node) else None for o in outs]
+        self.n_out = len(out_names)
+        # the loss is the one user output (backward_signature.loss_output names the graph's
+        # first output, which is a buffer update when the model has BatchNorm)
+        self.loss_pos = out_names.index(sig.user_outputs[0])
+        grads = sig.backward_signature.gradients_to_parameters
+        self.grad_pos = {}  # id(param) -> output positions of its gradients (tied: several)
+        for j, name in enumerate(out_names):
+            if name in grads:
+                self.grad_pos.setdefault(id(named[grads[name]]), []).append(j)
+        self.buffer_pos = [(j, named[sig.buffers_to_mutate[name]])
+                           for j, name in enumerate(out_names)
+                           if name in sig.buffers_to_mutate]
+        self.fn = self.low.trace_fn(list(range(len(self.low.placeholders))), {}, None)
+        self.n_random = len(self.low.random_nodes)
+
+    def outputs(self, ph_arrays, rng):
+        """The graph's outputs, every position filled (None where PyTorch returns None)."""
+        args = list(ph_arrays) + ([rng] if self.n_random else [])
+        flat, _news, flags = self.fn(*args)
+        consts, _seq = self.low.const_outputs
+        full = []
+        for kind, v in consts:
+            if kind == "array":
+                full.append(flat[v])
+            elif kind == "input":
+                full.append(ph_arrays[v])
+            elif kind == "const":
+                full.append(v)
+            else:
+                raise RuntimeError(f"SingleTraceTrainer: graph output of kind {kind!r}")
+        return full, flags
+
+
+class SingleTraceTrainer:
+    """``trainer.step(*batch)`` runs ``loss = loss_fn(model, *batch)``, its backward and
+    ``optimizer``'s step as one XLA program and returns the loss (a 0-d "tpu" tensor).
+
+    ``optimizer``: a ``torch.tpu.optimizers`` optimizer (AdamW, Adam, SGD, Muon) over ``model``'s
+    parameters on "tpu"; its param groups, learning rates (schedulers work) and state are read
+    at every step.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn, optimizer):
+        if not isinstance(optimizer, _OneProgramStep):
+            raise TypeError("SingleTraceTrainer needs a torch.tpu.optimizers optimizer "
+                            f"(AdamW, Adam, SGD or Muon), got {type(optimizer).__name__}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self._module = _Loss(model, loss_fn)
+        self._traced: dict = {}
+        self._programs: dict = {}
+
+    # ---- one step ----
+
+    def _plan(self, traced):
+        """The optimizer's entries for the parameters the graph gives a gradient."""
+        opt = self.optimizer
+        entries, scalars = [], []
+        for group in opt.param_groups:
+            params = [p for p in group["params"] if id(p) in traced.grad_pos]
+            if not params:
+                continue
+            scalars.append(opt._traced(group))
+            entries.extend(opt._entry(p, group, len(scalars) - 1) for p in params)
+        known = {id(t) for t in traced.inputs}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in known:
+                    raise ValueError("SingleTraceTrainer: the optimizer has a parameter of "
+                                     f"shape {tuple(p.shape)} that the model does not")
+        return _program.Plan(entries, scalars)
+
+    def step(self, *batch) -> torch.Tensor:
+        for t in batch:
+            if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
+                raise TypeError("SingleTraceTrainer.step expects tensors on the 'tpu' device, "
+                                f"got {type(t).__name__}"
+                                + (f" on {t.device}" if isinstance(t, torch.Tensor) else ""))
+        key = (tuple((tuple(t.shape), t.dtype) for t in batch), self.model.training)
+        traced = self._traced.get(key)
+        if traced is None:
+            traced = self._traced[key] = _Traced(self._module, batch)
+        plan = self._plan(traced)
+        for t in [*traced.inputs, *(v for e in plan.entries for v in e.state.values())]:
+            why = _program.fallback_reason(t)
+            if why is not None:
+                raise RuntimeError(f"SingleTraceTrainer: a parameter, buffer or optimizer state "
+                                   f"tensor cannot be passed to one program ({why})")
+        return self._run(traced, plan, batch)
+
+    def _run(self, traced, plan, batch):
+        # flat arguments: each distinct tensor once (tied parameters are one Parameter), the
+        # optimizer states, the learning rates, the batch, the random words
+        slot = {}
+        flat, tensors = [], []
+        for t in traced.inputs:
+            if id(t) not in slot:
+                slot[id(t)] = len(flat)
+                flat.append(_buffer.buffer_of(t).array)
+                tensors.append(t)
+        n_inputs = len(flat)
+        state_slots = []
+        for e in plan.entries:
+            state_slots.append(len(flat))
+            flat.extend(_buffer.buffer_of(t).array for t in e.state.values())
+        lr_slot = len(flat)
+        flat.extend(plan.scalar_values())
+        batch_slot = len(flat)
+        flat.extend(_copy.value_of(t) for t in batch)  # a view's value, not its storage
+        if traced.n_random:
+            flat.append(np.stack([_rng.next_state(None) for _ in range(traced.n_random)]))
+        updated = {id(e.param) for e in plan.entries} | {id(b) for _, b in traced.buffer_pos}
+        written = [slot[id(t)] for t in tensors if id(t) in updated] + list(range(n_inputs,
+                                                                                  lr_slot))
+        donate = _program.sole(flat, written)
+        structure = plan.structure()
+        shapes = (tuple(tuple(t.shape) for t in tensors), tuple(tuple(t.shape) for t in batch))
+        pkey = (id(traced), structure, shapes, donate)
+        prog = self._programs.get(pkey)
+        if prog is None:
+            prog = self._programs[pkey] = self._program(traced, plan, tensors, slot, state_slots,
+                                                        lr_slot, batch, donate)
+        count("trainer_programs")
+        if donate:
+            count("trainer_donated_buffers", len(donate))
+        out = prog(*flat)
+        del flat
+        loss, flags, new_inputs, new_states = out
+        for ok, info in zip(flags, traced.low.check_info):
+            _checks.add(ok, *info)
+        for j, t in enumerate(tensors):
+            if new_inputs[j] is not None:
+                _buffer.buffer_of(t).array = new_inputs[j]
+        for e, st in zip(plan.entries, new_states):
+            for name, arr in st.items():
+                if name in e.state:
+                    _buffer.buffer_of(e.state[name]).array = arr
+                else:  # created by the rule (SGD's first buffer with dampening)
+                    e.state[name] = _buffer.wrap(arr)
+        self.optimizer._opt_called = True  # a scheduler's "step() before optimizer.step()" check
+        return _buffer.wrap(loss)
+
+    def _program(self, traced, plan, tensors, slot, state_slots, lr_slot, batch, donate):
+        structure = plan.structure()
+        n_lr = _program.n_scalars(structure)
+        batch_slot = lr_slot + n_lr
+        n_batch = len(batch)
+        t_shapes = [tuple(t.shape) for t in tensors]
+        ph_src = [slot[id(t)] for t in traced.inputs]
+        entry_slot = [slot[id(e.param)] for e in plan.entries]
+        entry_grads = [traced.grad_pos[id(e.param)] for e in plan.entries]
+        buffer_out = {slot[id(b)]: j for j, b in traced.buffer_pos}
+
+        def train_step(*flat):
+            count("trainer_program_traces")
+            vals = [flat[i].reshape(s) for i, s in enumerate(t_shapes)]
+            ph = [vals[i] for i in ph_src] + list(flat[batch_slot:batch_slot + n_batch])
+            rng = flat[batch_slot + n_batch] if traced.n_random else None
+            outs, flags = traced.outputs(ph, rng)
+            grads = []
+            for positions in entry_grads:
+                gs = [outs[j] for j in positions if outs[j] is not None]
+                g = gs[0]
+                for extra in gs[1:]:
+                    g = g + extra  # a tied parameter: autograd's accumulation
+                grads.append(g)
+            states = []
+            for (_r, _s, names, _lr, _shape, shapes), k in zip(structure[0], state_slots):
+                states.append({n: flat[k + j].reshape(s)
+                               for j, (n, s) in enumerate(zip(names, shapes))})
+            new_p, new_s = _program.apply(structure, [vals[i] for i in entry_slot], grads,
+                                          states, flat[lr_slot:lr_slot + n_lr])
+            new_inputs = [None] * len(tensors)
+            for i, p in zip(entry_slot, new_p):
+                new_inputs[i] = p.reshape(flat[i].shape)
+            for i, j in buffer_out.items():
+                new_inputs[i] = outs[j].astype(flat[i].dtype).reshape(flat[i].shape)
+            out_states = []
+            for (_r, _s, names, *_), k, st in zip(structure[0], state_slots, new_s):
+                olds = dict(zip(names, flat[k:k + len(names)]))
+                out_states.append({n: v.reshape(olds[n].shape) if n in olds else v
+                                   for n, v in st.items()})
+            return outs[traced.loss_pos], tuple(flags), new_inputs, out_states
+
+        return program_cache.Program("trainer", train_step, None, donate_argnums=donate)
