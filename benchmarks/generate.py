@@ -14,8 +14,10 @@ A tiny random-weight Llama built from a config (no downloads), greedy ``generate
 In-process: warm calls, the cases interleaved call by call, each call ending with
 ``torch.tpu.synchronize()``; medians of ``--repeats``, in ms per new token. Then the first
 ``generate`` of a second process sharing this run's compile cache (``TORCHTPU_CACHE_DIR``, a
-fresh folder the first process filled), against a fresh CPU process's first call; the children
-report what they compiled (``torch.tpu.metrics()``). Every "tpu" case's tokens are compared
+fresh folder the first process filled), and of later processes of the same command line (which
+load the working set the one before recorded ahead, runtime/working_set.py; and with that off),
+against a fresh CPU process's first call; the children report what they compiled and loaded
+(``torch.tpu.metrics()``). Every "tpu" case's tokens are compared
 with CPU greedy's. Per token it also prints the aten ops dispatched (a counting dispatch mode,
 Strict, outside the timed calls), the eager ops that ran as programs or were recorded
 (``eager_cache_hits/misses``, ``fused_ops_recorded``) and the XLA programs run (Programs called,
@@ -213,7 +215,7 @@ def in_process(cases, tokens, repeats, cache_dir):
               f"(target >= 1.5x)")
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"(cache folder {'fresh' if cache_dir else 'default'})")
-    return {"ms": ms, "same": same}
+    return {"ms": ms, "same": same, "expect": expect}
 
 
 def child(case, tokens):
@@ -235,47 +237,65 @@ def child(case, tokens):
     r()
     second = time.perf_counter() - t2
     c = torch.tpu.metrics()["counters"] if r.device == "tpu" else {}
-    keep = {k: v for k, v in c.items() if "compile" in k or "disk_cache" in k or "prefetch" in k
-            or k.endswith("_loads") or "traces" in k}
+    keep = {k: v for k, v in c.items() if "compile" in k or "disk_cache" in k or "traces" in k
+            or "working_set" in k or k.endswith("_loads")}
     print(json.dumps({"setup_s": setup, "first_s": first, "second_s": second,
                       "tokens": out.cpu().tolist(), "counters": keep}))
 
 
-def second_process(cases, tokens, runs, cache_dir):
+def _child_run(case, tokens, env):
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", case, "--tokens",
+                        str(tokens)], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"{case}: the child failed:\n{p.stderr[-3000:]}")
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def second_process(cases, tokens, runs, cache_dir, expect):
+    """Each case: the second process (its programs in the compile cache, loaded on demand),
+    then ``runs`` later processes of the same command line (which load the working set the
+    process before them recorded ahead, runtime/working_set.py), and as many with that off
+    (``TORCHTPU_WORKING_SET=0``), alternating."""
     env = dict(os.environ)
     if cache_dir:
         env["TORCHTPU_CACHE_DIR"] = cache_dir
+    off = dict(env, TORCHTPU_WORKING_SET="0")
     rows = {}
     for c in cases:
-        res = []
-        for _ in range(runs):
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", c,
-                                "--tokens", str(tokens)], env=env, capture_output=True,
-                               text=True)
-            if p.returncode != 0:
-                print(f"{c}: the child failed:\n{p.stderr[-3000:]}")
-                break
-            res.append(json.loads(p.stdout.strip().splitlines()[-1]))
-        if res:
-            rows[c] = res
-    print(f"\nFirst generate() of a second process ({runs} runs each, medians; the compile cache "
-          "filled by the run above)")
-    head = (f"{'case':<20}{'setup s':>9}{'first s':>9}{'x cpu(1t)':>11}{'x cpu':>8}"
-            f"{'second s':>10}  compiled/loaded in the first two calls")
+        second = _child_run(c, tokens, env)
+        later, later_off = [], []
+        for _ in range(runs if second else 0):
+            for out, e in ((later, env), (later_off, off)):
+                r = _child_run(c, tokens, e)
+                if r is not None:
+                    out.append(r)
+        if second:
+            rows[c] = (second, later, later_off)
+    print(f"\nFirst generate() of a new process sharing the compile cache filled above (s; later:"
+          f" median of {runs}; x: ratio to the CPU process's first call at 1 thread)")
+    head = (f"{'case':<20}{'setup':>7}{'2nd proc':>10}{'x':>7}{'later':>8}{'x':>7}"
+            f"{'later, no ws':>14}{'x':>7}{'warm call':>11}{'tok=CPU':>9}  what the later process"
+            " loaded or compiled in its first two calls")
     print(head)
     print("-" * len(head))
-    med = {c: {k: statistics.median(r[k] for r in res) for k in ("setup_s", "first_s",
-                                                                  "second_s")}
-           for c, res in rows.items()}
-    for c, m in med.items():
-        cnt = rows[c][-1]["counters"]
-        cpu1 = med.get("cpu_1thread", {}).get("first_s")
-        cpu = med.get("cpu", {}).get("first_s")
-        r1 = f"{m['first_s'] / cpu1:>10.1f}x" if cpu1 else f"{'-':>11}"
-        r0 = f"{m['first_s'] / cpu:>7.1f}x" if cpu else f"{'-':>8}"
-        what = ", ".join(f"{k}={v}" for k, v in sorted(cnt.items()))
-        print(f"{c:<20}{m['setup_s']:>9.2f}{m['first_s']:>9.3f}{r1}{r0}{m['second_s']:>10.3f}"
-              f"  {what}")
+    med = lambda rs, k: statistics.median(r[k] for r in rs) if rs else None
+    cpu1 = rows.get("cpu_1thread", (None,))[0]
+    cpu1 = cpu1["first_s"] if cpu1 else None
+    for c, (second, later, later_off) in rows.items():
+        cells = [f"{c:<20}", f"{second['setup_s']:>7.2f}"]
+        for v in (second["first_s"], med(later, "first_s"), med(later_off, "first_s")):
+            w = 10 if len(cells) == 2 else (8 if len(cells) == 4 else 14)
+            cells.append(f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}")
+            cells.append(f"{v / cpu1:>6.1f}x" if v is not None and cpu1 else f"{'-':>7}")
+        warm = med(later, "second_s")
+        cells.append(f"{warm:>11.3f}" if warm is not None else f"{'-':>11}")
+        ref = expect.get(CASES[c][1], expect.get("dynamic"))
+        ok = all(r["tokens"] == ref for r in [second] + later + later_off)
+        cells.append(f"{'yes' if ok else 'NO':>9}")
+        cnt = (later or [second])[-1]["counters"]
+        cells.append("  " + ", ".join(f"{k}={v}" for k, v in sorted(cnt.items())))
+        print("".join(cells))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
 
 
@@ -283,7 +303,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--second-runs", type=int, default=2)
+    ap.add_argument("--second-runs", type=int, default=2,
+                    help="later processes per case (with and without the working set each)")
     ap.add_argument("--no-second-process", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated tpu cases: strict,fused,static")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -299,9 +320,10 @@ def main():
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
-        in_process(cases, a.tokens, a.repeats, cache_dir)
+        res = in_process(cases, a.tokens, a.repeats, cache_dir)
         if not a.no_second_process:
-            second_process(cases[:2] + tpu_cases, a.tokens, a.second_runs, cache_dir)
+            second_process(cases[:2] + tpu_cases, a.tokens, a.second_runs, cache_dir,
+                           {k: v.tolist() for k, v in res["expect"].items()})
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
