@@ -727,4 +727,4 @@ def load_working_set() -> bool:
 
     jax.local_devices()
     _custom_calls._known()
-    return _working_set.start(_load_now)
+    return _working_set.start(_load_now, min(_working_set.MAX_ENTRIES, MAX_LIVE // 2))

@@ -5,9 +5,10 @@ each one on the critical path the first time an op needs it (~2-3 ms each on XLA
 Llama's ``generate`` uses ~380). So each process records its *working set*: the disk keys of
 the eager and Fused programs it loaded or compiled, in the order it first used them, written at
 exit to ``<cache folder>/working-sets/<name>`` where the name hashes the command line
-(``sys.orig_argv``, with the working folder) or ``TORCHTPU_WORKING_SET`` when set (``0`` turns this off). The next process
-with the same name starts, at the end of ``import torchtpu``, one background thread that loads those
-executables in that order while the process imports the rest of its code and builds its model;
+(``sys.orig_argv``, with the working folder) or ``TORCHTPU_WORKING_SET`` when set (``0`` turns
+this off). The next process with the same name starts, at the end of ``import torchtpu``, one
+background thread that loads those executables in that order (at most half of
+``program_cache.MAX_LIVE``) while the process imports the rest of its code and builds its model;
 a program's first call then takes the loaded executable (``<kind>_working_set_hits``) instead of
 reading it (or waits for the thread when it is loading that very one). Only entries still in
 the cache folder are loaded; what the process did not use this time is not recorded again, so
@@ -114,10 +115,11 @@ def recorded() -> bool:
     return path is not None and os.path.exists(path)
 
 
-def start(loader) -> bool:
+def start(loader, limit: int = MAX_ENTRIES) -> bool:
     """Load the working set recorded for this command line on a background thread; False when
     there is none (or the cache folder is off). ``loader(kind, key, device id, ahead)``: the disk
-    lookup (program_cache.load_working_set passes it)."""
+    lookup (program_cache.load_working_set passes it); ``limit``: at most that many (executables
+    loaded ahead hold their code's mappings before any Program tracks them)."""
     _loader[:] = [loader]
     if not recorded():
         return False
@@ -127,6 +129,8 @@ def start(loader) -> bool:
         with open(path) as f:
             for line in f:
                 parts = line.split()
+                if len(entries) >= limit:
+                    break
                 if len(parts) == 3 and os.path.exists(_disk._path(parts[1]) or ""):
                     entries.append((parts[0], parts[1], int(parts[2])))
     except (OSError, ValueError):
