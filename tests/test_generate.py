@@ -242,7 +242,7 @@ def _early_eos(cpu):
     return int(out[0, ids.shape[1] + 2])  # the first prompt's third new token
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("mode", ["strict", pytest.param("fused", marks=pytest.mark.slow)])
 def test_deferred_stop_check_keeps_cpu_tokens(models, mode):
     """On "tpu" generate() reads its stop flag one step late (transformers' DeferredStopCheck,
     otherwise "mps"-only): with an eos that ends a sequence early, with the returned cache
