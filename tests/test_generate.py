@@ -229,3 +229,82 @@ def test_continuous_batching_pads_and_compiles_on_tpu(models, monkeypatch):
         return sorted((o.prompt_ids, o.generated_tokens) for o in out.values())
 
     assert run(tpu) == run(cpu)
+
+
+# ---- the stop check read one step late (integrations/transformers.py) ----
+
+def _early_eos(cpu):
+    """An eos id that greedy decoding of the left-padded batch emits after a few tokens."""
+    ids, mask = prompt()
+    with torch.no_grad():
+        out = cpu.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)
+    return int(out[0, ids.shape[1] + 2])  # the first prompt's third new token
+
+
+@pytest.mark.parametrize("mode", ["strict", pytest.param("fused", marks=pytest.mark.slow)])
+def test_deferred_stop_check_keeps_cpu_tokens(models, mode):
+    """On "tpu" generate() reads its stop flag one step late (transformers' DeferredStopCheck,
+    otherwise "mps"-only): with an eos that ends a sequence early, with the returned cache
+    cropped back (return_dict_in_generate) and with a streamer, the tokens are CPU's; in Fused
+    mode a graph spans two tokens."""
+    from transformers.generation import utils as gen_utils
+
+    from torchtpu.integrations import STATUS
+
+    assert STATUS["transformers.generation.utils.DeferredStopCheck.__call__"] == "applied"
+    assert gen_utils.DeferredStopCheck.is_supported(TPU, None, False, is_assistant=False)
+    assert not gen_utils.DeferredStopCheck.is_supported(torch.device("cpu"), None, False,
+                                                        is_assistant=False)
+    cpu, tpu = models
+    eos = _early_eos(cpu)
+    eager = {"strict": torch.tpu.EagerMode.DEFER_NEVER,
+             "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}[mode]
+    for kw in (dict(max_new_tokens=8, eos_token_id=eos),  # the first sequence stops early
+               dict(max_new_tokens=8, eos_token_id=[eos, 1]),
+               dict(max_new_tokens=5, eos_token_id=eos, return_dict_in_generate=True)):
+        expect = generate(cpu, "cpu", do_sample=False, **kw)
+        with torch.tpu.set_eager_mode(eager):
+            got = generate(tpu, TPU, do_sample=False, **kw)
+        if kw.get("return_dict_in_generate"):
+            assert got.cache.get_seq_length() == expect.cache.get_seq_length()
+            got, expect = got.sequences.cpu(), expect.sequences
+        torch.testing.assert_close(got, expect)
+
+    class Collect(transformers.generation.BaseStreamer):
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen.append(value.tolist())
+
+        def end(self):
+            pass
+
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    streams = []
+    for model, dev in ((cpu, "cpu"), (tpu, TPU)):
+        s = Collect()
+        with torch.no_grad(), torch.tpu.set_eager_mode(eager):
+            model.generate(ids.to(dev), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           streamer=s)
+        streams.append(s.seen)
+    assert streams[0] == streams[1]
+
+    if mode == "fused":  # graphs cut by reads: about one per two tokens instead of per token
+        from torchtpu.integrations import transformers as integration
+
+        cuts = []
+        for defer in (False, True):
+            integration.DEFER_STOP_CHECK = defer
+            try:
+                with torch.no_grad(), torch.tpu.set_eager_mode(eager):
+                    tpu.generate(ids.to(TPU), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+                    torch.tpu.reset_metrics()
+                    tpu.generate(ids.to(TPU), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            finally:
+                integration.DEFER_STOP_CHECK = True
+            cuts.append(torch.tpu.metrics()["per_op"].get("fused_graph_cuts", {}).get("read", 0))
+        assert cuts[0] >= 12 and cuts[1] <= cuts[0] // 2 + 3, cuts

@@ -42,3 +42,7 @@ _tpu_module.ops = _ops
 from .integrations import install as _install_integrations  # noqa: E402
 
 _install_integrations()
+
+from .runtime.program_cache import load_working_set as _load_working_set  # noqa: E402
+
+_load_working_set()  # a warm start: the programs this command line used last time, ahead

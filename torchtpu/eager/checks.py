@@ -5,7 +5,8 @@ PyTorch checks such conditions on the host before a CPU kernel runs; checking th
 dispatch would need a host sync per op. Instead, a lowering with a ``check`` (registry.py)
 computes "inputs valid" inside the op's own XLA program, the flag joins a pending list, and the
 next host sync (``.item()``, ``.cpu()``, printing, ``torch.tpu.synchronize()``) reads all pending
-flags at once and raises for the first failed one, naming the op. As on CUDA, the error is
+flags at once (but those of a Fused graph not run yet) and raises for the first failed one,
+naming the op. As on CUDA, the error is
 reported at a later call than the op's; Debug mode (``TORCH_TPU_LAUNCH_BLOCKING=1``) checks right
 after each op, so the traceback points at the user's line.
 """
@@ -71,9 +72,18 @@ def raise_pending() -> None:
     """Read every pending flag (one transfer) and raise for the first failed check."""
     if not _pending:
         return
-    items = list(_pending)
-    _pending.clear()
-    # a Fused graph's flag is a pending buffer: reading it runs the graph (at a sync, it has run)
+    # A flag of a Fused graph not run yet stays pending: its op has not executed, so nothing
+    # has failed yet, and reading it would cut the graph (a read of an older value, such as
+    # generate()'s stop flag of the step before, would end every graph there). It is read at the
+    # first sync after its graph ran; ``synchronize`` runs it first, so it leaves none.
+    items = [it for it in _pending if isinstance(it[0], jax.Array) or not it[0].pending]
+    if len(items) == len(_pending):
+        _pending.clear()
+    else:
+        _pending[:] = [it for it in _pending if not (isinstance(it[0], jax.Array)
+                                                     or not it[0].pending)]
+    if not items:
+        return
     try:
         values = jax.device_get([ok if isinstance(ok, jax.Array) else ok.array
                                  for ok, *_ in items])

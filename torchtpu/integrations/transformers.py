@@ -252,7 +252,117 @@ def _static_cache(orig):
     return _prepare_static_cache
 
 
+# ---- generate() without a host sync per token ----
+# transformers' greedy/sampling loop asks ``bool(unfinished_sequences.max() == 0)`` after every
+# token: the host waits for the device each step and, in Fused mode, every recorded graph ends
+# at a token. Its ``DeferredStopCheck`` (enabled for "mps" only) reads that flag one step late
+# instead and undoes the one extra step it ran (``finish``; the returned cache is cropped). On
+# "tpu" the flag stays a device tensor until the next step reads it: in Strict mode the host
+# queues step t's programs before waiting for step t-1's flag; in Fused mode step t-1's flag was
+# sent to the device with the graph of the step before, so one graph spans two tokens. The tokens
+# are the same (the extra step is undone); streamed tokens arrive one step late, as on "mps".
+
+def _tpu_stop_check(self) -> bool:
+    return getattr(self, "_torchtpu_flag", False) is not False
+
+
+def _deferred_supported(orig):
+    fn = orig.__func__ if isinstance(orig, staticmethod) else orig
+
+    @functools.wraps(fn)
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        if getattr(device, "type", device) == "tpu" and DEFER_STOP_CHECK:
+            if is_assistant:
+                return False
+            return cache is None or cache.is_croppable or not cache_is_returned
+        return fn(device, cache, cache_is_returned, is_assistant)
+
+    return staticmethod(is_supported)
+
+
+def _deferred_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, input_ids, *args, **kwargs):
+        orig(self, input_ids, *args, **kwargs)
+        if input_ids.device.type == "tpu":
+            self._torchtpu_flag = None  # the last step's stop flag, on the device
+            self._torchtpu_tokens = None  # the last step's tokens (streamed one step late)
+
+    return __init__
+
+
+def _deferred_call(orig):
+    @functools.wraps(orig)
+    def __call__(self, unfinished_sequences, tokens, length):
+        if not _tpu_stop_check(self):
+            return orig(self, unfinished_sequences, tokens, length)
+        flag = unfinished_sequences.max() == 0
+        prev, self._torchtpu_flag = self._torchtpu_flag, flag
+        prev_tokens = self._torchtpu_tokens
+        if self.streamer is not None:
+            self._torchtpu_tokens = tokens.clone()
+        if prev is not None:
+            if self.streamer is not None:
+                self.streamer.put(prev_tokens.cpu())
+            self.stop_reported = bool(prev)
+        self.is_first_step = False
+        stopping = self.stop_reported or (self.max_length is not None
+                                          and length >= self.max_length)
+        if not stopping and self.cache is not None:
+            self.cache.crop(0)
+        return stopping
+
+    return __call__
+
+
+def _deferred_finish(orig):
+    @functools.wraps(orig)
+    def finish(self):
+        if not _tpu_stop_check(self):
+            return orig(self)
+        streamer, tokens = self.streamer, self._torchtpu_tokens
+        if streamer is not None and not self.stop_reported and tokens is not None:
+            streamer.put(tokens.cpu())  # the last token, not yet streamed
+        self.streamer = None  # transformers' own finish: the cache's rollback
+        try:
+            return orig(self)
+        finally:
+            self.streamer = streamer
+            self._torchtpu_flag = self._torchtpu_tokens = None
+
+    return finish
+
+
+DEFER_STOP_CHECK = os.environ.get("TORCHTPU_DEFER_STOP_CHECK", "1") != "0"
+
+
+def _patch_stop_check(mod) -> None:
+    cls = getattr(mod, "DeferredStopCheck", None)
+    if cls is None:
+        skipped(f"{mod.__name__}.DeferredStopCheck", "not found")
+        return
+    # the four methods are one change: all applied, or none
+    need = {"__init__": ("input_ids", "max_length", "cache", "cache_is_returned"),
+            "__call__": ("unfinished_sequences", "tokens", "length"), "finish": ()}
+    for name, params in need.items():
+        fn = inspect.getattr_static(cls, name, None)
+        have = set(inspect.signature(fn).parameters) if callable(fn) else set()
+        if fn is None or not set(params) <= have:
+            skipped(f"{mod.__name__}.DeferredStopCheck.{name}", "its signature changed")
+            return
+    for attr in ("stop_reported", "is_first_step", "max_length", "cache", "streamer"):
+        if attr not in inspect.getsource(cls):
+            skipped(f"{mod.__name__}.DeferredStopCheck", f"no {attr}")
+            return
+    patch(mod, "DeferredStopCheck.__init__", _deferred_init)
+    patch(mod, "DeferredStopCheck.__call__", _deferred_call)
+    patch(mod, "DeferredStopCheck.finish", _deferred_finish)
+    patch(mod, "DeferredStopCheck.is_supported", _deferred_supported,
+          params=("device", "cache", "cache_is_returned", "is_assistant"))
+
+
 def _patch_generation(mod) -> None:
+    _patch_stop_check(mod)
     if not hasattr(getattr(mod, "GenerationMixin", None), "_valid_auto_compile_criteria"):
         # bucketed_prefill asks it whether transformers would compile the decode step
         skipped(f"{mod.__name__}.GenerationMixin._prefill", "no _valid_auto_compile_criteria")

@@ -350,10 +350,16 @@ def as_strided(self, size, stride, storage_offset=None, *, layout=None):
 
 # ---- view ops (graph executors) and their *_copy twins (eager) ----
 
-@register(aten.view.default, aten._unsafe_view.default, aten.view_copy.default,
-          aten.reshape.default, aten._reshape_copy.default)
+@register(aten.view.default, aten.view_copy.default, aten.reshape.default,
+          aten._reshape_copy.default)
 def view(self, size):
     return self.reshape(_infer_size(size, self.size))
+
+
+# ``_unsafe_view`` (matmul's and reshape's last step) is a view without autograd's view
+# tracking: PyTorch's own kernel (CompositeExplicitAutograd) aliases the storage in eager, as on
+# CPU, so it runs no program; graphs reshape.
+register(aten._unsafe_view.default, graph_only=True)(view)
 
 
 @register(aten._reshape_alias.default, aten._reshape_alias_copy.default)

@@ -54,6 +54,7 @@ from . import custom_calls as _custom_calls
 from . import disk_cache as _disk
 from .inflight import note as _inflight_note
 from . import prefetch as _prefetch
+from . import working_set as _working_set
 from .ir_context import install as _install_ir_context
 from .metrics import count
 
@@ -93,7 +94,6 @@ def signature(flat) -> tuple:
 
 
 _MULTI = [False]  # several local devices (set at the first miss, when JAX is up)
-_MAX_FAILS = 3  # signature mismatches of the last executable before a Program stops trying it
 
 
 def _map_limit() -> int:
@@ -390,7 +390,7 @@ class Program:
 
     ``key``: the executor's cache key (made stable lazily; None: memory only)."""
 
-    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_fails", "_prev",
+    __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_prev",
                  "_pending", "_wasted", "_hits", "_quiet", "_then", "__weakref__")
 
     def __init__(self, kind: str, fn, key=None, **jit_kwargs):
@@ -400,8 +400,7 @@ class Program:
         self.jit_kwargs = jit_kwargs
         self.by_sig: dict = {}
         self._disk = None  # the stable key text, computed at the first miss ("" if none)
-        self._last = None  # the executable called last (one local device only)
-        self._fails = 0  # calls whose signature was not the last one's
+        self._last = None  # the only executable, while there is one (one local device only)
         self._prev = None  # the signatures of the latest misses (prefetch.py)
         self._pending = None  # {signature: [prefetch.Job, misses since]}: built ahead
         self._wasted = self._hits = 0  # predictions that went unused / were used
@@ -416,12 +415,13 @@ class Program:
             pass
 
     def __call__(self, *flat):
-        # The common case: the executable that ran last. Its C++ call checks the arguments'
+        # A Program with one executable calls it directly: its C++ call checks the arguments'
         # shapes and dtypes itself and raises TypeError before running on a mismatch, so no
-        # Python-side signature is built (that cost ~15 us per op). Several local devices:
-        # the signature names the device, so _lookup always. A mismatch is expensive (JAX's
-        # Python call path formats an error message: ~60 us), so a program whose signature
-        # keeps changing (an op on a growing KV cache) stops trying after _MAX_FAILS.
+        # Python-side signature is built. A mismatch is expensive (JAX's Python call path
+        # formats an error message: ~60 us), so from a Program's second signature on (an op on
+        # a growing KV cache, prefill and decode shapes) every call is a keyed lookup: the
+        # signature (~0.2 us per argument) into ``by_sig``, a dict, whatever the number of
+        # signatures. Several local devices: the signature names the device, so keyed always.
         c = self._last
         if c is not None:
             try:
@@ -429,23 +429,14 @@ class Program:
             except TypeError:
                 if any(isinstance(a, jax.core.Tracer) for a in flat):  # inside a trace
                     return jax.jit(self.fn, **self.jit_kwargs)(*flat)
-                self._fails += 1
-                if self._fails >= _MAX_FAILS:
-                    self._last = None
+                self._last = None
             else:
                 _inflight_note(out)  # synchronize waits for it even once it is freed
                 return out
-        out = self._lookup(flat)
+        c = self.by_sig.get(signature(flat))
+        out = self._miss(flat) if c is None else c(*flat)
         _inflight_note(out)
         return out
-
-    def _lookup(self, flat):
-        c = self.by_sig.get(signature(flat))
-        if c is None:
-            return self._miss(flat)
-        if not _MULTI[0] and self._fails < _MAX_FAILS:
-            self._last = c
-        return c(*flat)
 
     def _stable_key(self) -> str:
         if self._disk is None:
@@ -549,6 +540,7 @@ class Program:
             count(f"{kind}_classic_emitter_compiles")
         if dkey is not None:
             _store(kind, dkey[0], compiled, lowered, _custom_calls.targets(text()))
+            _working_set.note(kind, dkey[0], dkey[1])
         return compiled, ("xla", ms, opts)
 
     def _take_prefetched(self, sig):
@@ -628,7 +620,7 @@ class Program:
     def _remember(self, sig, compiled) -> None:
         c = self.by_sig[sig] = _fast(compiled)
         _track(self, sig)
-        self._last = None if _MULTI[0] or self._fails >= _MAX_FAILS else c
+        self._last = c if not _MULTI[0] and len(self.by_sig) == 1 else None
 
 
 def _prefetch_debug(e) -> None:
@@ -673,6 +665,20 @@ def _sig_elements(sig) -> int:
 
 
 def _load(kind: str, key: str, device_id: int):
+    """The executable stored under ``key``: loaded ahead (``working_set.py``) or now."""
+    compiled = _working_set.take(key)
+    if compiled is not None:
+        count(f"{kind}_disk_cache_hits")  # counted when used, as a load on demand is
+        count(f"{kind}_working_set_hits")
+    else:
+        compiled = _load_now(kind, key, device_id)
+    if compiled is not None:
+        _working_set.note(kind, key, device_id)
+    return compiled
+
+
+def _load_now(kind: str, key: str, device_id: int, ahead: bool = False):
+    """``ahead``: for the working-set thread (its hit is counted when a call takes it)."""
     cache = _disk
     body = cache._read(key, _MAGIC, kind)
     if body is None:
@@ -696,7 +702,8 @@ def _load(kind: str, key: str, device_id: int):
     except Exception as e:  # noqa: BLE001 - any bad entry is a miss, rebuilt
         cache._discard(cache._path(key), e, kind)
         return None
-    count(f"{kind}_disk_cache_hits")
+    if not ahead:
+        count(f"{kind}_disk_cache_hits")
     return compiled
 
 
@@ -717,3 +724,16 @@ def _store(kind: str, key: str, compiled, lowered, targets) -> None:
         return
     cache._write(key, _MAGIC, struct.pack("<Q", len(trees)), trees,
                  hashlib.sha256(payload).digest(), payload, kind=kind)
+
+
+def load_working_set() -> bool:
+    """Start loading this command line's recorded programs ahead (``working_set.py``); called
+    once ``import torchtpu`` has finished. What a load imports is imported here first: an
+    import on the loading thread while this one imports could meet a half-initialised module."""
+    if not _working_set.recorded():
+        return False
+    from jax.experimental.serialize_executable import deserialize_and_load  # noqa: F401
+
+    jax.local_devices()
+    _custom_calls._known()
+    return _working_set.start(_load_now, min(_working_set.MAX_ENTRIES, MAX_LIVE // 2))

@@ -1,0 +1,63 @@
+"""Warm starts (runtime/working_set.py): a process records the programs it used; the next run of
+the same command line loads them ahead on a background thread, compiles nothing, and loads
+only what it uses. Another command line sharing the cache folder loads nothing ahead."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, sys, torch
+from torchtpu.runtime import working_set
+a = torch.arange(12., device="tpu").reshape(3, 4)
+b = (a * 2.5 + 1).sin()
+c = (a @ b.t()).sum(dim=1)
+with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+    d = (b * 3 - 1).cos().sum()
+out = {"c": c.cpu().tolist(), "d": d.item()}
+for t in working_set._thread:
+    t.join()
+out["counters"] = torch.tpu.metrics()["counters"]
+out["left"] = len(working_set._ahead)  # loaded ahead, not used
+print(json.dumps(out))
+"""
+
+
+def _run(cache, script=SCRIPT, **env):
+    e = dict(os.environ, TORCHTPU_CACHE_DIR=str(cache), JAX_PLATFORMS="cpu")
+    e.pop("TORCHTPU_WORKING_SET", None)
+    e.update(env)
+    p = subprocess.run([sys.executable, "-c", script], env=e, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_a_later_process_loads_its_working_set_ahead(tmp_path):
+    cache = tmp_path / "cache"
+    cold = _run(cache)
+    c0 = cold["counters"]
+    assert c0.get("eager_xla_compiles", 0) > 3 and c0.get("fused_xla_compiles", 0) == 1
+    assert c0.get("working_set_loads", 0) == 0  # nothing recorded yet
+    sets = os.listdir(cache / "working-sets")
+    assert len(sets) == 1
+
+    warm = _run(cache)
+    w = warm["counters"]
+    assert (warm["c"], warm["d"]) == (cold["c"], cold["d"])
+    assert w.get("eager_xla_compiles", 0) == 0 and w.get("fused_xla_compiles", 0) == 0
+    used = w.get("eager_disk_cache_hits", 0) + w.get("fused_disk_cache_hits", 0)
+    assert used == c0["eager_xla_compiles"] + c0["fused_xla_compiles"]
+    taken = w.get("eager_working_set_hits", 0) + w.get("fused_working_set_hits", 0)
+    # every program was loaded ahead or, when a call needed it first, by that call; none twice
+    assert w.get("working_set_loads", 0) == taken and taken > 0
+    assert warm["left"] == 0  # loaded only what it used
+
+    other = _run(cache, SCRIPT.replace("2.5", "3.5"))  # another command line: its own set
+    assert other["counters"].get("working_set_loads", 0) == 0
+    off = _run(cache, TORCHTPU_WORKING_SET="0")
+    assert off["counters"].get("working_set_loads", 0) == 0
+    assert off["counters"].get("eager_xla_compiles", 0) == 0
+    assert len(os.listdir(cache / "working-sets")) == 2  # the first command line's, the other's
