@@ -35,6 +35,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from . import attention as _attn
 from . import buckets as _buckets
+from .platform import kv_storage_dtype
 
 logger = init_logger(__name__)
 PAD_SLOT_ID = -1
@@ -143,7 +144,8 @@ class TpuModelRunner(GPUModelRunner):
                     continue
                 shape = _attn.TpuPagedAttentionBackend.get_kv_cache_shape(
                     num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-                kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.device_tpu)
+                kv_caches[name] = torch.zeros(shape, dtype=kv_storage_dtype(spec.dtype),
+                                              device=self.device_tpu)
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
