@@ -184,6 +184,18 @@ def test_served_stream_keeps_the_offline_step_time():
 
 @needs_venv
 @pytest.mark.slow
+def test_server_survives_a_burst_with_dropped_and_malformed_requests():
+    """64 concurrent completions (half streamed), 8 streams dropped mid-way and 8 malformed
+    requests against a KV cache too small for them (vllm_scripts/burst.py): every valid answer
+    equals the request served alone (preempted ones recomputed), malformed ones get a 4xx, the
+    server stays healthy and the KV cache usage gauge returns to 0."""
+    out = run_script("burst.py", timeout=1500)
+    for what in ("burst outputs equal to each request alone OK", "KV blocks freed OK"):
+        assert what in out
+
+
+@needs_venv
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_tensor_parallel_2_matches_transformers(mode):
     """tensor_parallel_size=2: two worker processes over "tpu_dist" (vLLM's multiprocessing

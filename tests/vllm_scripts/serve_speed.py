@@ -21,18 +21,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import gc
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "tpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+from openai_server import openai_server  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
 
 SERVE_RATIO = 5.0  # served ITL p50 / offline decode step, at most
@@ -79,44 +77,12 @@ print(f"offline step bfloat16: {bf16 * 1e3:.2f} ms ({bf16 / f32:.1f}x float32), 
 assert bf16 <= BF16_RATIO * f32, f"a bf16 step costs {bf16 / f32:.1f}x a float32 step"
 print("bf16 step OK", flush=True)
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-log = open(os.path.join(tempfile.mkdtemp(), "server.log"), "w+")
-env = dict(os.environ)
-env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server as a user starts it: engine core apart
-cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-       "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-       "--max-model-len", "256", "--max-num-seqs", "16"]
-srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                       start_new_session=True)
-
-
-def tail():
-    log.flush()
-    log.seek(0)
-    return "\n".join(log.read().splitlines()[-60:])
-
-
-try:
-    t0 = time.perf_counter()
-    while True:
-        if srv.poll() is not None:
-            raise SystemExit(f"server exited with {srv.returncode}:\n{tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.perf_counter() - t0 > 600:
-            raise SystemExit(f"server not ready in 600 s:\n{tail()}")
-        time.sleep(0.5)
-    print(f"server ready in {time.perf_counter() - t0:.1f} s", flush=True)
-
+# the server as a user starts it (engine core in its own process), the issue's flags
+with openai_server(path, "--served-model-name", "tiny", "--max-model-len", "256",
+                   "--max-num-seqs", "16") as srv:
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=300)
 
     def stream(p):
         t = time.perf_counter()
@@ -143,14 +109,4 @@ try:
     assert itl <= SERVE_RATIO * f32, \
         f"a served token costs {itl / f32:.1f}x the offline step ({itl * 1e3:.1f} ms)"
     print("served ITL OK", flush=True)
-finally:
-    try:
-        os.killpg(srv.pid, signal.SIGTERM)
-        srv.wait(timeout=30)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        os.killpg(srv.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 print("ALL OK", flush=True)
