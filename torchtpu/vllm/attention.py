@@ -7,11 +7,12 @@ kernel). Each forward writes the step's keys and values with ``torch.tpu.ops.kv_
 written, not the cache) and attends with ``torch.tpu.ops.ragged_paged_attention``.
 
 The metadata is built on the host from vLLM's ``CommonAttentionMetadata`` (CPU tensors: this
-runner prepares inputs on the host) and sent to the device as a few int32 arrays of fixed
-shapes: ``slot_mapping`` padded to the step's token bucket (padding slots are -1: not written),
-and ``kv_lens`` / ``cu_q_lens`` / ``page_indices`` padded to ``max_num_seqs`` rows. Shapes
-therefore depend on the bucket only, and the metadata holds no Python numbers, so a compiled
-program serves every step of its bucket.
+runner prepares inputs on the host) as int32 arrays of fixed shapes: ``slot_mapping`` padded to
+the step's token bucket (padding slots are -1: not written), and ``kv_lens`` / ``cu_q_lens`` /
+``page_indices`` padded to ``max_num_seqs`` rows. The runner sends them with the step's token
+ids and positions as one int32 array (one host-to-device transfer a step; the fields are
+slices of it inside the compiled program). Shapes and offsets therefore depend on the bucket
+only, so a compiled program serves every step of its bucket.
 """
 from __future__ import annotations
 
@@ -75,12 +76,51 @@ class TpuPagedAttentionBackend(AttentionBackend):
 
 @dataclass
 class TpuPagedAttentionMetadata:
-    """Device tensors only (see the module docstring)."""
-    slot_mapping: torch.Tensor  # int32 [token bucket]
-    kv_lens: torch.Tensor  # int32 [max_num_seqs]
-    page_indices: torch.Tensor  # int32 [max_num_seqs, pages_per_seq]
-    cu_q_lens: torch.Tensor  # int32 [max_num_seqs + 1]
-    num_seqs: torch.Tensor  # int32 [1]
+    """The step's metadata: numpy arrays on the host (``host``, see ``host_metadata``) and,
+    once the runner has sent the step's inputs, one int32 device array ``packed`` holding
+    ``[prefix | slot_mapping (T) | kv_lens (S) | cu_q_lens (S + 1) | num_seqs (1) |
+    page_indices (S * pages_per_seq)]`` from offset ``base`` (the runner puts the step's token
+    ids and positions first: one transfer a step). The fields are slices of it, taken inside
+    the compiled program; the offsets depend on the token bucket only."""
+    host: dict
+    T: int  # token bucket
+    S: int  # max_num_seqs
+    pps: int  # pages per sequence
+    packed: torch.Tensor | None = None
+    base: int = 0
+
+    def _part(self, start: int, n: int) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("tpu attention metadata used before the step's inputs were "
+                               "sent to the device (TpuModelRunner._model_forward sends them)")
+        b = self.base + start
+        return self.packed[b:b + n]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:  # int32 [token bucket]
+        return self._part(0, self.T)
+
+    @property
+    def kv_lens(self) -> torch.Tensor:  # int32 [max_num_seqs]
+        return self._part(self.T, self.S)
+
+    @property
+    def cu_q_lens(self) -> torch.Tensor:  # int32 [max_num_seqs + 1]
+        return self._part(self.T + self.S, self.S + 1)
+
+    @property
+    def num_seqs(self) -> torch.Tensor:  # int32 [1]
+        return self._part(self.T + 2 * self.S + 1, 1)
+
+    @property
+    def page_indices(self) -> torch.Tensor:  # int32 [max_num_seqs, pages_per_seq]
+        return self._part(self.T + 2 * self.S + 2, self.S * self.pps).view(self.S, self.pps)
+
+    def host_parts(self) -> list[np.ndarray]:
+        """The host arrays in ``packed``'s order (after the prefix)."""
+        h = self.host
+        return [h["slot_mapping"], h["kv_lens"], h["cu_q_lens"], h["num_seqs"],
+                h["page_indices"].reshape(-1)]
 
 
 def host_metadata(num_tokens_padded: int, max_seqs: int, pages_per_seq: int,
@@ -102,9 +142,11 @@ def host_metadata(num_tokens_padded: int, max_seqs: int, pages_per_seq: int,
                 num_seqs=np.array([n], np.int32))
 
 
-def to_device(host: dict, device) -> TpuPagedAttentionMetadata:
-    return TpuPagedAttentionMetadata(**{k: torch.from_numpy(v).to(device)
-                                        for k, v in host.items()})
+def metadata(host: dict) -> TpuPagedAttentionMetadata:
+    """The step's metadata from ``host_metadata``'s arrays (sent to the device with the
+    step's token ids and positions by the runner)."""
+    S, pps = host["page_indices"].shape
+    return TpuPagedAttentionMetadata(host=host, T=len(host["slot_mapping"]), S=S, pps=pps)
 
 
 class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentionMetadata]):
@@ -127,7 +169,7 @@ class TpuPagedAttentionMetadataBuilder(AttentionMetadataBuilder[TpuPagedAttentio
             T, self.max_seqs, self.pages_per_seq,
             m.query_start_loc_cpu.numpy()[:n + 1], _np(m.seq_lens)[:n],
             _np(m.block_table_tensor)[:n], _np(m.slot_mapping)[:m.num_actual_tokens])
-        return to_device(host, self.device)
+        return metadata(host)
 
 
 def _np(t):

@@ -6,8 +6,9 @@ runner's bookkeeping and the sampler run on the host unchanged, and the model (w
 cache) lives on "tpu". What differs from the GPU runner:
 
 - a step's tokens are padded to a token bucket (``buckets.py``) and sent to the device with
-  the attention metadata (``attention.py``): a handful of host-to-device transfers of fixed
-  shapes;
+  their positions and the attention metadata (``attention.py``) as one int32 array of a fixed
+  shape per bucket (one host-to-device transfer; the compiled program slices it); a decode
+  step's sampled-row indices are a device constant per bucket pair (no transfer);
 - the model runs compiled with ``torch.compile(backend="tpu")``, one program per token bucket,
   all built (or loaded from the compile cache) at start-up by ``warm_up``; with
   ``enforce_eager=True`` it runs eagerly (Strict mode);
@@ -35,6 +36,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from . import attention as _attn
 from . import buckets as _buckets
+from .platform import kv_storage_dtype
 
 logger = init_logger(__name__)
 PAD_SLOT_ID = -1
@@ -52,6 +54,18 @@ class _Logits(torch.nn.Module):
         return self.fn(hidden_states)
 
 
+class _Step(torch.nn.Module):
+    """The model's forward on a step's packed inputs: token ids and positions are the first
+    ``2 * T`` int32 of ``packed`` (the attention metadata follows, see ``attention.py``)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, packed, T: int):
+        return self.model(input_ids=packed[:T], positions=packed[T:2 * T].to(torch.int64))
+
+
 class TpuModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         with _cuda_placeholders():
@@ -63,6 +77,7 @@ class TpuModelRunner(GPUModelRunner):
         self.token_buckets = _buckets.token_buckets(vllm_config)
         self.request_buckets = _buckets.request_buckets(vllm_config)
         self._pending_logits = None  # (request bucket, real rows) of the step being run
+        self._decode_rows: dict[tuple[int, int], torch.Tensor] = {}  # see _prepare_inputs
         self._host_buffers()
         _install_host_slot_mapping()
 
@@ -118,12 +133,12 @@ class TpuModelRunner(GPUModelRunner):
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, n)
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
-            self._forward = torch.compile(self.model, backend="tpu", fullgraph=True,
+            self._forward = torch.compile(_Step(self.model), backend="tpu", fullgraph=True,
                                           dynamic=False)
             self._compute_logits = torch.compile(self._logits, backend="tpu", fullgraph=True,
                                                  dynamic=False)
         else:
-            self._forward = self.model
+            self._forward = _Step(self.model)
             self._compute_logits = self._logits
         self.model.compute_logits = _LogitsHook(self, self.model.compute_logits)
 
@@ -143,7 +158,8 @@ class TpuModelRunner(GPUModelRunner):
                     continue
                 shape = _attn.TpuPagedAttentionBackend.get_kv_cache_shape(
                     num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-                kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=self.device_tpu)
+                kv_caches[name] = torch.zeros(shape, dtype=kv_storage_dtype(spec.dtype),
+                                              device=self.device_tpu)
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
@@ -171,9 +187,19 @@ class TpuModelRunner(GPUModelRunner):
                                                                     num_scheduled_tokens)
         n = int(logits_indices.shape[0])
         R = _buckets.pick(self.request_buckets, n)
-        idx = np.zeros(R, np.int64)
-        idx[:n] = logits_indices.numpy()
+        T = _buckets.pick(self.token_buckets, max(1, int(np.sum(num_scheduled_tokens))))
         self._pending_logits = (R, n)
+        # rows past n are padding (their logits are dropped); filled with min(i, T - 1), the
+        # indices of a decode step (one token per request: rows 0..n-1) are the same for every
+        # step of a (request, token) bucket pair: kept on the device, no transfer
+        idx = np.minimum(np.arange(R, dtype=np.int64), T - 1)
+        host = logits_indices.numpy()
+        if np.array_equal(host, idx[:n]):
+            dev = self._decode_rows.get((R, T))
+            if dev is None:
+                dev = self._decode_rows[(R, T)] = torch.from_numpy(idx).to(self.device_tpu)
+            return dev, spec, max_sampled
+        idx[:n] = host
         return torch.from_numpy(idx).to(self.device_tpu), spec, max_sampled
 
     @contextmanager
@@ -216,8 +242,33 @@ class TpuModelRunner(GPUModelRunner):
         if intermediate_tensors is not None or inputs_embeds is not None or model_kwargs:
             raise NotImplementedError("pipeline parallelism, input embeddings and multimodal "
                                       "inputs are not supported on 'tpu' yet")
-        return self._forward(input_ids=input_ids.to(self.device_tpu),
-                             positions=positions.to(self.device_tpu))
+        if positions.dim() != 1:
+            raise NotImplementedError("multi-dimensional positions (M-RoPE) are not supported "
+                                      "on 'tpu' yet")
+        return self._forward(self._send_inputs(input_ids, positions), int(input_ids.shape[0]))
+
+    def _send_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step's token ids, positions and attention metadata in one int32 host-to-device
+        transfer; each attention metadata of the step refers to it (``attention.py``)."""
+        from vllm.forward_context import get_forward_context
+
+        attn = get_forward_context().attn_metadata
+        mds = list({id(m): m for m in (attn.values() if isinstance(attn, dict) else [])
+                    if isinstance(m, _attn.TpuPagedAttentionMetadata)}.values())
+        T = int(input_ids.shape[0])
+        parts = [input_ids.numpy(), positions.numpy()]
+        if mds:
+            parts += mds[0].host_parts()
+        packed = torch.from_numpy(np.concatenate(
+            [np.asarray(p, np.int32).reshape(-1) for p in parts])).to(self.device_tpu)
+        for i, md in enumerate(mds):
+            if i == 0:
+                md.packed, md.base = packed, 2 * T
+            else:  # another KV cache group's metadata (not used today: one group)
+                md.packed = torch.from_numpy(np.concatenate(md.host_parts())).to(
+                    self.device_tpu)
+                md.base = 0
+        return packed
 
 
     # ---- start-up: every bucket compiled (or loaded) once ----
@@ -250,7 +301,7 @@ class TpuModelRunner(GPUModelRunner):
         host = _attn.host_metadata(T, max_seqs, pps, np.zeros(1, np.int32),
                                    np.zeros(0, np.int32), np.zeros((0, pps), np.int32),
                                    np.zeros(0, np.int32))
-        return _attn.to_device(host, self.device_tpu)
+        return _attn.metadata(host)
 
     @torch.inference_mode()  # as the worker runs steps (Dynamo guards on the grad mode)
     def warm_up(self) -> float:

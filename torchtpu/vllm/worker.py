@@ -10,6 +10,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from .model_runner import TpuModelRunner
+from .platform import kv_storage_dtype
 
 logger = init_logger(__name__)
 
@@ -42,9 +43,20 @@ class TpuWorker(Worker):
         return nullcontext()
 
     def determine_available_memory(self) -> int:
-        """Bytes for the KV cache: the explicit size where one is set (always on the CPU
-        platform), else ``gpu_memory_utilization`` of the device's memory minus what is
-        allocated now (the weights)."""
+        """Bytes for the KV cache as vLLM counts them (pages of the model's KV dtype): the
+        explicit size where one is set (always on the CPU platform), else
+        ``gpu_memory_utilization`` of the device's memory minus what is allocated now (the
+        weights); scaled down where the cache is stored wider (``kv_storage_dtype``)."""
+        return int(self._cache_bytes() * self._kv_itemsize(False) / self._kv_itemsize(True))
+
+    def _kv_itemsize(self, stored: bool) -> int:
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+        cd = self.cache_config.cache_dtype
+        dtype = self.model_config.dtype if cd == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cd]
+        return (kv_storage_dtype(dtype) if stored else dtype).itemsize
+
+    def _cache_bytes(self) -> int:
         explicit = self.cache_config.kv_cache_memory_bytes
         if explicit is not None:
             logger.info("KV cache: %.2f GiB (explicit size)", explicit / (1 << 30))
