@@ -65,6 +65,9 @@ def register() -> None:
     from . import functional
 
     functional.install()  # _c10d_functional kernels on "tpu" and their graph lowerings
+    from . import tpu_ops
+
+    tpu_ops.install()  # graph lowerings of torch.tpu.ops' collectives
     from . import ddp
 
     ddp.install()  # DDP find_unused_parameters / static_graph: C++ pinned hooks on demand
