@@ -1,5 +1,5 @@
 """``torch.tpu.ops``: optimization_barrier, max_pool, all_gather_dim, reduce_scatter_dim,
-ragged_all_to_all: Strict, Fused and compiled against PyTorch CPU (and, for the collectives,
+ragged_all_to_all, send/recv: Strict, Fused and compiled against PyTorch CPU (and, for the collectives,
 their definitions composed from ordinary collectives on CPU/gloo: tests/dist_scripts/
 tpu_ops_check.py on 2 ranks)."""
 from __future__ import annotations
@@ -163,5 +163,6 @@ def test_collectives_fake_kernels_and_group_of_one():
 
 def test_collective_ops_two_ranks():
     """Strict, Fused and compiled (forward, and backward through aot_autograd) on 2 ranks of
-    tpu_dist, each against the definition run with ordinary collectives on CPU/gloo."""
+    tpu_dist, each against the definition run with ordinary collectives on CPU/gloo; send/recv
+    eager and in compiled graphs that differ between the ranks (MPMD)."""
     ok(*torchrun("tpu_ops_check.py", timeout=400))

@@ -189,6 +189,51 @@ def compiled(c):
     ok(f"compiled (lowered: {sorted(low.items())})")
 
 
+def p2p(c):
+    """send/recv: eager (tpu and CPU/gloo), and compiled where the two ranks run different
+    programs (MPMD): rank 0 computes and sends, rank 1 receives and computes; then the reverse
+    direction, the sender's token unused."""
+    g, gl, dev = c.group, c.gloo, c.dev
+    assert c.n == 2
+    x = inp(0, (3, 4), 31)
+    if c.rank == 0:
+        tops.send(x.to(dev) * 2, 1, g)
+        tops.send(x * 2, 1, gl)  # the same op on CPU tensors over gloo
+    else:
+        close(tops.recv(torch.empty(3, 4, device=dev), 0, g), x * 2, "eager recv")
+        close(tops.recv(torch.empty(3, 4), 0, gl), x * 2, "cpu recv")
+    ok("send/recv (strict)")
+    torch._dynamo.reset()
+    before = dict(torch.tpu.metrics()["per_op"].get("compile_collectives", {}))
+
+    def stage0(x):
+        tops.send(torch.tanh(x) * 3, 1, g)  # the token is dropped
+        return tops.recv(torch.empty_like(x), 1, g) + 1
+
+    def stage1(buf):
+        h = tops.recv(buf, 0, g)
+        tops.send(h * h, 0, g)
+        return h - 1
+
+    if c.rank == 0:
+        out = torch.compile(stage0, backend="tpu", fullgraph=True)(x.to(dev))
+        close(out, (torch.tanh(x) * 3) ** 2 + 1, "compiled send then recv")
+    else:
+        out = torch.compile(stage1, backend="tpu", fullgraph=True)(torch.empty(3, 4, device=dev))
+        close(out, torch.tanh(x) * 3 - 1, "compiled recv then send")
+    m = torch.tpu.metrics()["per_op"]
+    low = {k: v - before.get(k, 0) for k, v in m.get("compile_collectives", {}).items()}
+    assert low.get("tpu::send.default", 0) > 0 and low.get("tpu::recv.default", 0) > 0, low
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        if c.rank == 0:
+            tops.send(x.to(dev) + 5, 1, g)
+        else:
+            r = (tops.recv(torch.empty(3, 4, device=dev), 0, g) * 2).cpu()
+    if c.rank == 1:
+        close(r, (x + 5) * 2, "fused recv")
+    ok("send/recv (compiled MPMD, fused)")
+
+
 class Ctx:
     pass
 
@@ -196,7 +241,7 @@ class Ctx:
 def main():
     import sys
 
-    parts = sys.argv[1:] or ["strict", "fused", "compiled"]
+    parts = sys.argv[1:] or ["strict", "fused", "compiled", "p2p"]
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     c = Ctx()
     c.rank, c.n = dist.get_rank(), dist.get_world_size()

@@ -14,6 +14,7 @@ from jax import lax
 
 from ..lowering import registry
 from ..ops import collectives as _ops_collectives  # noqa: F401  (defines torch.ops.tpu.*)
+from ..ops import p2p as _ops_p2p  # noqa: F401
 from .functional import _axis, _mesh_fact, _op, _scatter
 
 
@@ -57,8 +58,38 @@ def _ragged_all_to_all(input, output, input_offsets, send_sizes, output_offsets,
     return output.at[dst].set(chunks.reshape((n * rows,) + input.shape[1:]), mode="drop")
 
 
+def _peer(group_name, peer, what):
+    from .functional import group_of
+
+    pg = group_of(group_name)
+    me = pg.rank()
+    if not 0 <= peer < pg.size() or peer == me:
+        raise ValueError(f"tpu {what}: invalid peer rank {peer} for rank {me} of a group of "
+                         f"size {pg.size()}")
+    return me
+
+
+def _send(x, dst, group_name):
+    ax, _ = _axis(group_name)
+    me = _peer(group_name, dst, "send")
+    moved = lax.ppermute(x, ax, [(me, dst)])
+    # the token is a slice of the transfer's result (zeros here: this rank receives nothing),
+    # so XLA keeps the transfer (an optimization barrier's unused operand, or a zero-size
+    # token, it drops); the executor returns effectful ops' results from the program even
+    # when the graph drops them (lower.py)
+    return moved.reshape(-1)[:1]
+
+
+def _recv(buffer, src, group_name):
+    ax, _ = _axis(group_name)
+    me = _peer(group_name, src, "recv")
+    # the buffer is an operand (its values go nowhere: this rank sends nothing), so the
+    # transfer waits for what the buffer waits for (the effect token's order, lower.py)
+    return lax.ppermute(buffer, ax, [(src, me)])
+
+
 _LOWERINGS = [("all_gather_dim", _all_gather_dim), ("reduce_scatter_dim", _reduce_scatter_dim),
-              ("ragged_all_to_all", _ragged_all_to_all)]
+              ("ragged_all_to_all", _ragged_all_to_all), ("send", _send), ("recv", _recv)]
 
 
 def install() -> None:
