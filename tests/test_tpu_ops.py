@@ -124,9 +124,14 @@ def test_optimization_barrier_in_the_program():
     assert "optimization_barrier" in text
 
 
+def test_topology_aware_mesh_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        torch.tpu.topology_aware_mesh((1,))
+
+
 def test_collectives_fake_kernels_and_group_of_one():
     """One process: the ops over a world of one (identities), eager and compiled; fake
-    kernels' shapes; argument errors."""
+    kernels' shapes; argument errors; topology_aware_mesh of one rank."""
     dist.init_process_group("tpu_dist", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -155,6 +160,8 @@ def test_collectives_fake_kernels_and_group_of_one():
             tops.reduce_scatter_dim(args[0], 0, "bor")
         with pytest.raises(IndexError, match="all_gather_dim: dim 2 is out of range"):
             tops.all_gather_dim(args[0], 2)
+        m = torch.tpu.topology_aware_mesh(1, ["dp"])
+        assert m.mesh.tolist() == [0] and m.mesh_dim_names == ("dp",)
         with pytest.raises(RuntimeError, match="ragged_all_to_all: rows"):
             tops.ragged_all_to_all(args[0], args[1], args[2], args[3], args[2] + 5, args[5])
     finally:

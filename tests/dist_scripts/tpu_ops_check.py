@@ -234,6 +234,25 @@ def p2p(c):
     ok("send/recv (compiled MPMD, fused)")
 
 
+def mesh(c):
+    """torch.tpu.topology_aware_mesh: the CPU platform's trivial order; a 2-D mesh's groups
+    carry the ops."""
+    m = torch.tpu.topology_aware_mesh((c.n,), ("dp",))
+    assert m.mesh.tolist() == list(range(c.n)) and m.mesh_dim_names == ("dp",)
+    assert m.device_type == "tpu"
+    m2 = torch.tpu.topology_aware_mesh((1, c.n), ("pp", "tp"))
+    assert m2.mesh.tolist() == [list(range(c.n))]
+    x = inp(c.rank, (2, 3), 41)
+    close(tops.all_gather_dim(x.to(c.dev), 1, m2["tp"]), ref_gather(x, 1, c.gloo),
+          "all_gather_dim over a mesh dim")
+    try:
+        torch.tpu.topology_aware_mesh((c.n + 1,))
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert "mesh_shape" in str(e)
+    ok("topology_aware_mesh")
+
+
 class Ctx:
     pass
 
@@ -241,7 +260,7 @@ class Ctx:
 def main():
     import sys
 
-    parts = sys.argv[1:] or ["strict", "fused", "compiled", "p2p"]
+    parts = sys.argv[1:] or ["strict", "fused", "compiled", "p2p", "mesh"]
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     c = Ctx()
     c.rank, c.n = dist.get_rank(), dist.get_world_size()
