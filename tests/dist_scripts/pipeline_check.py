@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import pipelining as pp
 
-D, BATCH, LAYERS_PER_STAGE = 16, 16, 2
+D, BATCH, LAYERS_PER_STAGE = 16, 24, 2
 SINGLE = {"GPipe": pp.ScheduleGPipe, "1F1B": pp.Schedule1F1B}
 MULTI = {"Interleaved1F1B": pp.ScheduleInterleaved1F1B, "LoopedBFS": pp.ScheduleLoopedBFS,
          "InterleavedZeroBubble": pp.ScheduleInterleavedZeroBubble,

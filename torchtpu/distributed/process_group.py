@@ -651,10 +651,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
             peers = sorted({p for _, p, _, w in self._p2p if work is None or w is work})
             if not peers:
                 return
-            for peer in peers:
-                self._p2p_round(peer)
+            moved = sum(self._p2p_round(peer) for peer in peers)
+            if not moved:
+                # what we wait for needs a peer that waits for something else: progress our
+                # other posted transfers (a send NCCL would deliver without our wait)
+                for peer in sorted({p for _, p, _, _ in self._p2p} - set(peers)):
+                    self._p2p_round(peer)
 
-    def _p2p_round(self, peer: int) -> None:
+    def _p2p_round(self, peer: int) -> int:
+        """One round with ``peer``; returns how many transfers moved."""
         me = self.rank()
         lo = min(me, peer)
         mine_up = me == lo  # my sends travel up (lo -> hi), my receives come down
@@ -662,9 +667,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
         up = [(k, t, w) for k, t, w in ops if (k == "send") == mine_up]
         down = [(k, t, w) for k, t, w in ops if (k == "send") != mine_up]
         pair = self._pair_mesh(lo, max(me, peer))
-        theirs = self._p2p_exchange(pair, mine_up, up, down)
+        others = sum(1 for op in self._p2p if op[1] != peer)
+        theirs, their_others = self._p2p_exchange(pair, mine_up, up, down, others)
         k_up, k_down = min(len(up), len(theirs[0])), min(len(down), len(theirs[1]))
         if not (k_up or k_down):
+            if others or their_others:
+                return 0  # a transfer with a third rank may unblock one of us
             self._p2p = [op for op in self._p2p if op[1] != peer]
             raise RuntimeError(
                 f"{self._where('send/recv', self._seq + 1)}: deadlock with rank {peer}: this "
@@ -701,8 +709,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         for w in {id(w): w for _, _, w in moved}.values():
             if not any(op[3] is w for op in self._p2p):
                 w._flush = None  # all of its transfers ran
+        return len(moved)
 
-    def _p2p_exchange(self, pair, mine_up: bool, up, down):
+    def _p2p_exchange(self, pair, mine_up: bool, up, down, others: int):
         """The peer's posted transfers ([lo -> hi codes], [hi -> lo codes]; each code
         ``_p2p_code``: dtype, shape), for ours: a small program over the pair, read on the
         host. Up to ``_P2P_SEEN`` transfers per direction are described (more are moved in
@@ -714,18 +723,25 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 rows[i, :len(c)] = c
             return np.concatenate([[len(codes)], rows.reshape(-1)])
 
-        mine = jax.device_put(np.concatenate([enc(up), enc(down)]), self._dev)
+        mine = jax.device_put(np.concatenate([enc(up), enc(down), [others]]), self._dev)
         blank = jax.device_put(np.zeros(mine.shape, np.int64), self._dev)
         count("dist_p2p_rounds")
-        outs = pair.run("p2p", (1, 1), [mine, blank] if mine_up else [blank, mine])
-        got = np.asarray(outs[1] if mine_up else outs[0])
+        # bounded by the watchdog like a collective (the peer may never come to the round)
+        token = watchdog.start(self, "send/recv (round)", self._seq + 1, self._timeout)
+        try:
+            outs = pair.run("p2p", (1, 1), [mine, blank] if mine_up else [blank, mine])
+            got = np.asarray(outs[1] if mine_up else outs[0])
+        finally:
+            watchdog.finish(token, [])
+        their_others = int(got[-1])
+        got = got[:-1]
         half = got.size // 2
         res = []
         for part in (got[:half], got[half:]):
             n = int(part[0])
             rows = part[1:].reshape(_P2P_SEEN, _CODE_LEN)
             res.append([_trim(rows[i]) for i in range(n)])
-        return res
+        return res, their_others
 
     def _pair_mesh(self, lo: int, hi: int) -> GroupMesh:
         key = ("pair", lo, hi)
