@@ -10,6 +10,8 @@
 - ``"torch"``: trains a model of litert_models.py on "tpu" in this process and converts it
   two ways: ``to_litert(exported_program_to_stablehlo(ep))`` (from the "tpu" model) and
   ``litert_torch.convert`` of the model still on "tpu"; runs each in the interpreter.
+- ``"exported"``: ``to_litert`` of a ``torch.export.ExportedProgram`` against ``to_litert`` of
+  its ``exported_program_to_stablehlo`` (bytes and outputs), for a "tpu" and a CPU model.
 Results go to ``JOB["result"]`` (npz); the test compares them with PyTorch on CPU.
 """
 from __future__ import annotations
@@ -260,12 +262,43 @@ def torch_mode(job):
     _save(job["result"], arrays, meta)
 
 
+def exported_mode(job):
+    """``to_litert`` of a ``torch.export.ExportedProgram`` against ``to_litert`` of its
+    ``exported_program_to_stablehlo``: a model trained on "tpu" and a CPU one."""
+    import torch
+
+    import litert_models
+    import torchtpu  # noqa: F401
+    from torchtpu.export import exported_program_to_stablehlo, to_litert
+
+    arrays, meta = {}, {}
+    for dev in ("tpu", "cpu"):
+        model, args, _ = litert_models.trained("mlp", device=dev, steps=2)
+        ep = torch.export.export(model, tuple(a.to(dev) for a in args))
+        p_ep = os.path.join(job["workdir"], f"{dev}_ep.tflite")
+        p_sh = os.path.join(job["workdir"], f"{dev}_stablehlo.tflite")
+        assert to_litert(ep, p_ep) == p_ep
+        prog = exported_program_to_stablehlo(ep)
+        to_litert(prog, p_sh)
+        with open(p_ep, "rb") as f, open(p_sh, "rb") as g:
+            same = f.read() == g.read()
+        feeds = dict(zip(prog.input_names, (a.numpy() for a in args)))
+        (key,) = prog.output_names[:prog.n_user_outputs]
+        arrays[f"{dev}/ep"] = run_signature(p_ep, feeds)[key]
+        arrays[f"{dev}/stablehlo"] = run_signature(p_sh, feeds)[key]
+        with torch.no_grad():
+            arrays[f"{dev}/ref"] = model.to("cpu")(*args).numpy()
+        meta[dev] = {"same_bytes": same,
+                     "ops": sorted({o["op_name"] for o in _op_details(p_ep)})}
+    _save(job["result"], arrays, meta)
+
+
 def main():
     _quiet()
     with open(sys.argv[1]) as f:
         job = json.load(f)
     sys.path.insert(0, HERE)
-    {"saved": saved_mode, "torch": torch_mode}[job["mode"]](job)
+    {"saved": saved_mode, "torch": torch_mode, "exported": exported_mode}[job["mode"]](job)
     print("litert_runner: ok")
 
 

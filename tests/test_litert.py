@@ -176,6 +176,22 @@ def test_to_litert_from_saved_dir(name, tmp_path):
         assert meta[name]["qops"] == ["FULLY_CONNECTED"] * 15
 
 
+def test_to_litert_of_an_exported_program(tmp_path):
+    """``to_litert(torch.export.export(m, args), path)`` (was: TypeError) writes the same model
+    as ``to_litert(exported_program_to_stablehlo(ep), path)``: the same flatbuffer bytes, the
+    same outputs in the interpreter, those of PyTorch CPU; for a model trained on "tpu" and for
+    a CPU model exported with CPU inputs."""
+    arrays, meta = _run({"mode": "exported"}, tmp_path, timeout=300)
+    for dev in ("tpu", "cpu"):
+        assert meta[dev]["same_bytes"], meta
+        assert meta[dev]["ops"] and "FULLY_CONNECTED" in meta[dev]["ops"], meta
+        ref = torch.from_numpy(arrays[f"{dev}/ref"])
+        for way in ("ep", "stablehlo"):
+            torch.testing.assert_close(torch.from_numpy(arrays[f"{dev}/{way}"]), ref)
+        assert torch.equal(torch.from_numpy(arrays[f"{dev}/ep"]),
+                           torch.from_numpy(arrays[f"{dev}/stablehlo"]))
+
+
 def _check_torch_mode(name, arrays, meta):
     assert meta["params_device"] == "tpu"
     n = sum(1 for k in arrays if k.startswith("ref/out"))
@@ -280,6 +296,7 @@ def test_errors_without_converter_and_bad_arguments(tmp_path, monkeypatch):
         to_litert(prog, tmp_path / "m.tflite", quantize="int4")
     with pytest.raises(FileNotFoundError, match="not a saved torch.tpu.export program"):
         to_litert(str(tmp_path), tmp_path / "m.tflite")
-    with pytest.raises(TypeError, match="to_litert expects a torch.tpu.export program"):
+    with pytest.raises(TypeError, match="to_litert expects a torch.export ExportedProgram, a "
+                       "torch.tpu.export program"):
         to_litert(model, tmp_path / "m.tflite")
     assert not (tmp_path / "m.tflite").exists()

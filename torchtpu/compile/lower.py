@@ -22,6 +22,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import ml_dtypes
 import numpy as np
 import torch
@@ -148,6 +149,7 @@ class GraphLowering:
         self.random_nodes = []
         self.mutated = []  # placeholder indices whose value the graph overwrites
         self._checks_acc = None  # while tracing: the checked ops' flags (eager/checks.py)
+        self._effect_outs: list = []  # while tracing: effectful ops' results (kept)
         self.check_info = ()
         self.fallback_ops = set()
         for n in gm.graph.nodes:
@@ -196,12 +198,14 @@ class GraphLowering:
         (registry ``meta["mesh"]``; see spmd.py)."""
         facts = set()
         for n in self.gm.graph.nodes:
-            low = registry.get(n.target) if n.op == "call_function" \
-                and isinstance(n.target, OpOverload) else None
+            target, args = (n.target, n.args) if n.op == "call_function" else (None, ())
+            if target is _WITH_EFFECTS:  # an effectful op (send/recv): (token, op, *args)
+                target, args = args[1], args[2:]
+            low = registry.get(target) if isinstance(target, OpOverload) else None
             spec = low.meta.get("mesh") if low is not None else None
             if spec is None:
                 continue
-            fact = spec[1](_arg_by_name(n, spec[0]))
+            fact = spec[1](_schema_arg(target, args, n.kwargs, spec[0]))
             if fact is not None:
                 facts.add((fact[0], tuple(fact[1]), fact[2]))
         if len(facts) > 1:
@@ -295,6 +299,7 @@ class GraphLowering:
                 env[self.placeholders[i]] = v
             rng = flat[n_arr] if has_rng else None
             mutated_vals = {}
+            lowering._effect_outs = []
             for n in nodes:
                 if n.op == "placeholder":
                     continue
@@ -334,6 +339,10 @@ class GraphLowering:
                     flat_outs.append(v)
                 else:
                     const_outs.append(("const", v))
+            # effectful ops' results, after the graph's (no const_outs entry: the runtime
+            # never reads them)
+            flat_outs.extend(lowering._effect_outs)
+            lowering._effect_outs = []
             lowering.const_outputs = (const_outs, isinstance(outs, (list, tuple)))
             lowering.check_info = tuple(info for _, info in checks)
             lowering._checks_acc = None
@@ -354,7 +363,16 @@ class GraphLowering:
                 # an op with side effects (_linalg_check_errors), ordered by a token: the
                 # token passes through; the op's results follow it, as with_effects returns
                 token, op, *rest = args
-                out = self._call(n, op, tuple(rest), kwargs, rng)
+                # the token orders the effects in the program too: the op's array arguments
+                # wait for it, the next token waits for the op's results (an optimization
+                # barrier each: XLA may not reorder two sends/recvs that share no data)
+                token, rest = _after(token, tuple(rest))
+                out = self._call(n, op, rest, kwargs, rng)
+                token, out = _after(token, out)
+                # its results leave the program even if the graph drops them, so that XLA
+                # keeps the effect (a send whose token nothing reads)
+                self._effect_outs.extend(
+                    o for o in (out if isinstance(out, tuple) else (out,)) if _is_array(o))
                 return (token, *out) if isinstance(out, tuple) else (token, out)
             if isinstance(target, torch._ops.HigherOrderOperator):
                 hop = hops.get(target)  # subgraph arguments are GraphModules (get_attr)
@@ -495,14 +513,31 @@ class GraphLowering:
         return jax.tree_util.tree_unflatten(out_tree, list(res))
 
 
+def _after(token, tree):
+    """(token, tree) behind one optimization barrier over the token and the tree's arrays."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_array)
+    idx = [i for i, v in enumerate(leaves) if _is_array(v)]
+    if not _is_array(token) or not idx:
+        return token, tree
+    token, arrays = lax.optimization_barrier((token, [leaves[i] for i in idx]))
+    for i, a in zip(idx, arrays):
+        leaves[i] = a
+    return token, jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def _arg_by_name(n, name):
     """The FX argument of node ``n`` bound to schema argument ``name`` (None if absent)."""
-    for i, a in enumerate(n.target._schema.arguments):
+    return _schema_arg(n.target, n.args, n.kwargs, name)
+
+
+def _schema_arg(op, args, kwargs, name):
+    """The argument bound to schema argument ``name`` in a call of ``op`` (None if absent)."""
+    for i, a in enumerate(op._schema.arguments):
         if a.name == name:
-            if a.name in n.kwargs:
-                return n.kwargs[a.name]
-            if not a.kwarg_only and i < len(n.args):
-                return n.args[i]
+            if a.name in kwargs:
+                return kwargs[a.name]
+            if not a.kwarg_only and i < len(args):
+                return args[i]
             return None
     return None
 

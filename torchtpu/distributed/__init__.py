@@ -54,6 +54,7 @@ def register() -> None:
     if _done[0]:
         return
     _done[0] = True
+    import torch
     import torch.distributed as dist
 
     from . import bootstrap
@@ -65,12 +66,18 @@ def register() -> None:
     from . import functional
 
     functional.install()  # _c10d_functional kernels on "tpu" and their graph lowerings
+    from . import tpu_ops
+
+    tpu_ops.install()  # graph lowerings of torch.tpu.ops' collectives
     from . import ddp
 
     ddp.install()  # DDP find_unused_parameters / static_graph: C++ pinned hooks on demand
     from . import groups
 
     groups.install()  # split_group, bound_device_id (DeviceMesh over a device-bound group)
+    from .mesh import topology_aware_mesh
+
+    torch.tpu.topology_aware_mesh = topology_aware_mesh  # TorchTPU's name
     for name in ("tpu", "tpu_dist"):  # the last one registered is the default for "tpu"
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])

@@ -99,6 +99,44 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+_P2P_SEEN = 8  # transfers per direction described in one send/recv round
+_CODE_LEN = 10  # a transfer's code: dtype index, ndim, up to 8 dims
+_P2P_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+               torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _p2p_code(t) -> tuple:
+    """(dtype index + 1, ndim, dims...) of a transfer's tensor (dims past 8: their product)."""
+    shape = list(t.shape)
+    if len(shape) > _CODE_LEN - 2:
+        shape = shape[:_CODE_LEN - 3] + [int(np.prod(shape[_CODE_LEN - 3:]))]
+    dt = _P2P_DTYPES.index(t.dtype) + 1 if t.dtype in _P2P_DTYPES else 99
+    return (dt, t.dim(), *[int(d) for d in shape])
+
+
+def _trim(row) -> tuple:
+    ndim = min(int(row[1]), _CODE_LEN - 2)
+    return tuple(int(v) for v in row[:2 + ndim])
+
+
+def _describe(code) -> str:
+    dt = _P2P_DTYPES[code[0] - 1] if 0 < code[0] <= len(_P2P_DTYPES) else "?"
+    return f"{str(dt).replace('torch.', '')}{list(code[2:])}"
+
+
+def _p2p_desc(up, down, mine_up, me, peer) -> str:
+    parts = [f"{k} {_describe(_p2p_code(t))}" for k, t, _ in up + down]
+    return "[" + ", ".join(parts) + "]" if parts else "nothing"
+
+
+def _p2p_desc_peer(theirs, mine_up, me, peer) -> str:
+    # the peer's up transfers are its recvs if I am lo (mine_up), its sends otherwise
+    kinds = ("recv", "send") if mine_up else ("send", "recv")
+    parts = [f"{kinds[j]} {_describe(c)}" for j in (0, 1) for c in theirs[j]]
+    return "[" + ", ".join(parts) + "]" if parts else "nothing"
+
+
 class Work(dist.Work):
     """A collective's handle: outputs are written; ``wait`` blocks until they are computed."""
 
@@ -114,7 +152,7 @@ class Work(dist.Work):
     def _run_deferred(self) -> None:
         if self._flush is not None:
             f, self._flush = self._flush, None
-            f()
+            f(self)
 
     def wait(self, timeout=None) -> bool:
         self._run_deferred()
@@ -597,33 +635,113 @@ class ProcessGroupTPU(dist.ProcessGroup):
             self._p2p.append((kind, peer, t, work))
         return work
 
-    def _flush_p2p(self) -> None:
-        """Run every deferred send/recv: per peer, in increasing (lo, hi) pair order (the same
-        order on every rank, so no cycle can deadlock), one program moving all of the pair's
-        tensors in both directions."""
-        if not self._p2p:
-            return
-        pending, self._p2p = self._p2p, []
+    def _flush_p2p(self, work=None) -> None:
+        """Run deferred sends/recvs: those of ``work`` (the Work being waited on) until they
+        are done, or (``work`` None: before a collective, at shutdown) every pending one.
+
+        Per peer, in increasing (lo, hi) pair order (the same on every rank, so no cycle can
+        deadlock), rounds: the two ends first exchange how many transfers each has posted in
+        each direction (lo -> hi, hi -> lo), then one program moves the first ``min`` of each
+        direction, in posting order (the k-th send to a peer meets that peer's k-th receive
+        from us, as with NCCL). The two ends may batch differently (a pipeline schedule posts
+        four sends and four receives on one rank while its peer posts one of each and waits):
+        what is left waits for the next round. A round where neither direction can move while
+        both ends wait is a deadlock: a clear error on both, not a hang."""
+        while self._p2p:
+            peers = sorted({p for _, p, _, w in self._p2p if work is None or w is work})
+            if not peers:
+                return
+            moved = sum(self._p2p_round(peer) for peer in peers)
+            if not moved:
+                # what we wait for needs a peer that waits for something else: progress our
+                # other posted transfers (a send NCCL would deliver without our wait)
+                for peer in sorted({p for _, p, _, _ in self._p2p} - set(peers)):
+                    self._p2p_round(peer)
+
+    def _p2p_round(self, peer: int) -> int:
+        """One round with ``peer``; returns how many transfers moved."""
         me = self.rank()
-        for peer in sorted({p for _, p, _, _ in pending}):
-            ops = [(k, t, w) for k, p, t, w in pending if p == peer]
-            lo = min(me, peer)
-            mine_up = me == lo  # my sends travel up (lo -> hi), my receives come down
-            up = [(k, t, w) for k, t, w in ops if (k == "send") == mine_up]
-            down = [(k, t, w) for k, t, w in ops if (k == "send") != mine_up]
-            pair = self._pair_mesh(lo, max(me, peer))
+        lo = min(me, peer)
+        mine_up = me == lo  # my sends travel up (lo -> hi), my receives come down
+        ops = [(k, t, w) for k, p, t, w in self._p2p if p == peer]
+        up = [(k, t, w) for k, t, w in ops if (k == "send") == mine_up]
+        down = [(k, t, w) for k, t, w in ops if (k == "send") != mine_up]
+        pair = self._pair_mesh(lo, max(me, peer))
+        others = sum(1 for op in self._p2p if op[1] != peer)
+        theirs, their_others = self._p2p_exchange(pair, mine_up, up, down, others)
+        k_up, k_down = min(len(up), len(theirs[0])), min(len(down), len(theirs[1]))
+        if not (k_up or k_down):
+            if others or their_others:
+                return 0  # a transfer with a third rank may unblock one of us
+            self._p2p = [op for op in self._p2p if op[1] != peer]
+            raise RuntimeError(
+                f"{self._where('send/recv', self._seq + 1)}: deadlock with rank {peer}: this "
+                f"rank waits on {_p2p_desc(up, down, mine_up, me, peer)}; rank {peer} on "
+                f"{_p2p_desc_peer(theirs, mine_up, me, peer)}: no send meets a recv")
+        # the peer's k-th transfer of a direction must move what ours does (a pipeline stage
+        # built for another shape, a rank running another program): a clear error on both
+        # ends before anything moves, instead of an abort in the transport
+        for mine, other in ((up[:k_up], theirs[0]), (down[:k_down], theirs[1])):
+            for (k, t, _), d in zip(mine, other):
+                if _p2p_code(t) != d:
+                    self._p2p = [op for op in self._p2p if op[1] != peer]
+                    raise RuntimeError(
+                        f"{self._where('send/recv', self._seq + 1)}: the transfer does not "
+                        f"match rank {peer}'s: this rank's {k} "
+                        f"{_describe(_p2p_code(t))} {'to' if k == 'send' else 'from'} rank "
+                        f"{peer}, rank {peer}'s {'recv' if k == 'send' else 'send'} "
+                        f"{_describe(d)}. This rank posted "
+                        f"{_p2p_desc(up, down, mine_up, me, peer)}; rank {peer} "
+                        f"{_p2p_desc_peer(theirs, mine_up, me, peer)}")
+        moved = up[:k_up] + down[:k_down]
+        done_ids = {id(t) for _, t, _ in moved}
+        self._p2p = [op for op in self._p2p if not (op[1] == peer and id(op[2]) in done_ids)]
 
-            def run(up=up, down=down, pair=pair):
-                outs = pair.run("p2p", (len(up), len(down)),
-                                self._blocks([t for _, t, _ in up + down]))
-                return [(t, o) for (k, t, _), o in zip(up + down, outs) if k == "recv"]
+        def run(moved=moved, pair=pair):
+            outs = pair.run("p2p", (k_up, k_down), self._blocks([t for _, t, _ in moved]))
+            return [(t, o) for (k, t, _), o in zip(moved, outs) if k == "recv"]
 
-            sig = (lo, peer, [(k, tuple(t.shape), str(t.dtype)) for k, t, _ in up + down])
-            done = self._collective("send/recv", [t for _, t, _ in ops], [], run, sig)
-            for _, _, w in ops:
-                w._arrays += done._arrays
-                w._seq = done._seq
-                w._flush = None
+        sig = (lo, peer, [(k, tuple(t.shape), str(t.dtype)) for k, t, _ in moved])
+        done = self._collective("send/recv", [t for _, t, _ in moved], [], run, sig)
+        for _, _, w in moved:
+            w._arrays += done._arrays
+            w._seq = done._seq
+        for w in {id(w): w for _, _, w in moved}.values():
+            if not any(op[3] is w for op in self._p2p):
+                w._flush = None  # all of its transfers ran
+        return len(moved)
+
+    def _p2p_exchange(self, pair, mine_up: bool, up, down, others: int):
+        """The peer's posted transfers ([lo -> hi codes], [hi -> lo codes]; each code
+        ``_p2p_code``: dtype, shape), for ours: a small program over the pair, read on the
+        host. Up to ``_P2P_SEEN`` transfers per direction are described (more are moved in
+        later rounds)."""
+        def enc(ops):
+            codes = [_p2p_code(t) for _, t, _ in ops[:_P2P_SEEN]]
+            rows = np.zeros((_P2P_SEEN, _CODE_LEN), np.int64)
+            for i, c in enumerate(codes):
+                rows[i, :len(c)] = c
+            return np.concatenate([[len(codes)], rows.reshape(-1)])
+
+        mine = jax.device_put(np.concatenate([enc(up), enc(down), [others]]), self._dev)
+        blank = jax.device_put(np.zeros(mine.shape, np.int64), self._dev)
+        count("dist_p2p_rounds")
+        # bounded by the watchdog like a collective (the peer may never come to the round)
+        token = watchdog.start(self, "send/recv (round)", self._seq + 1, self._timeout)
+        try:
+            outs = pair.run("p2p", (1, 1), [mine, blank] if mine_up else [blank, mine])
+            got = np.asarray(outs[1] if mine_up else outs[0])
+        finally:
+            watchdog.finish(token, [])
+        their_others = int(got[-1])
+        got = got[:-1]
+        half = got.size // 2
+        res = []
+        for part in (got[:half], got[half:]):
+            n = int(part[0])
+            rows = part[1:].reshape(_P2P_SEEN, _CODE_LEN)
+            res.append([_trim(rows[i]) for i in range(n)])
+        return res, their_others
 
     def _pair_mesh(self, lo: int, hi: int) -> GroupMesh:
         key = ("pair", lo, hi)

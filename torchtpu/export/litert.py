@@ -1,7 +1,8 @@
 """``torch.tpu.export`` programs -> LiteRT flatbuffers (``.tflite``) with litert-converter.
 
-``to_litert(program_or_saved_dir, path, quantize=None)`` takes the StableHLO that
-``exported_program_to_stablehlo`` made (a ``StableHLOGraphModule``, or the directory its
+``to_litert(program_or_saved_dir, path, quantize=None)`` takes a ``torch.export``
+``ExportedProgram`` (lowered first with ``exported_program_to_stablehlo``), or the StableHLO
+that ``exported_program_to_stablehlo`` made (a ``StableHLOGraphModule``, or the directory its
 ``save`` wrote), parses it into litert-converter's MLIR context (the StableHLO portable artifact
 ``jax.export`` serializes), makes the program's state (parameters, buffers) constants of the
 function, and runs the converter's StableHLO -> TFLite passes: the result is a model of native
@@ -57,11 +58,17 @@ def _parts(src):
     """(exported, meta, state arrays) of a StableHLOGraphModule or a saved directory."""
     if isinstance(src, (str, os.PathLike)):
         return _read_artifact(os.fspath(src))
+    if _is_exported_program(src):
+        # a torch.export program: lowered here as exported_program_to_stablehlo would (the
+        # caller holds torch already; a saved directory or a StableHLO program never needs it)
+        from .stablehlo import exported_program_to_stablehlo
+
+        src = exported_program_to_stablehlo(src)
     if not all(hasattr(src, a) for a in ("exported", "state", "state_names", "input_names",
                                          "output_names", "n_user_outputs")):
-        raise TypeError("to_litert expects a torch.tpu.export program "
-                        "(exported_program_to_stablehlo's result) or the directory its save() "
-                        f"wrote, got {type(src).__name__}")
+        raise TypeError("to_litert expects a torch.export ExportedProgram, a torch.tpu.export "
+                        "program (exported_program_to_stablehlo's result) or the directory its "
+                        f"save() wrote, got {type(src).__name__}")
     import jax
     import numpy as np
 
@@ -69,6 +76,15 @@ def _parts(src):
     meta = {"state_names": src.state_names, "input_names": src.input_names,
             "output_names": src.output_names, "n_user_outputs": src.n_user_outputs}
     return src.exported, meta, state
+
+
+def _is_exported_program(src) -> bool:
+    """``src`` is a ``torch.export.ExportedProgram``, checked without importing torch (a
+    program object exists only where torch was imported)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(src, torch.export.ExportedProgram)
 
 
 def _dense_attr(ir, a, mlir_type):
@@ -257,8 +273,10 @@ def to_litert(program_or_saved_dir, path, quantize=None, *, enable_x64=False,
               signature_name="serving_default", input_names=None, output_names=None):
     """Convert a ``torch.tpu.export`` program to a LiteRT model and write it to ``path``.
 
-    ``program_or_saved_dir``: ``exported_program_to_stablehlo``'s result, or the directory its
-    ``save`` wrote (read with JAX and numpy: no torch). The state becomes constants of the
+    ``program_or_saved_dir``: a ``torch.export.ExportedProgram`` (``torch.export.export(m,
+    args)``; lowered with ``exported_program_to_stablehlo``, the same program as that path),
+    ``exported_program_to_stablehlo``'s result, or the directory its ``save`` wrote (read with
+    JAX and numpy: no torch). The state becomes constants of the
     model; its one signature (``signature_name``) takes the program's tensor inputs and returns
     its outputs (then the new values of inputs the model writes in place), named as in the
     export unless ``input_names``/``output_names`` are given.

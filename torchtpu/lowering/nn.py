@@ -960,3 +960,26 @@ def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, paddi
     _, vjp = jax.vjp(f, input, grid)
     gi, gg = vjp(grad_output.astype(input.dtype))
     return (gi if output_mask[0] else None), gg
+
+
+# ---------------------------------------------------------------- max pooling without indices
+# (torch.tpu.ops.max_pool: ops/pooling.py registers these for torch.ops.tpu.max_pool{,_backward})
+
+def max_pool_values(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Max over each window of the last ``len(kernel_size)`` dims: the values only, no index
+    computation (a NaN in a window gives NaN, as PyTorch's max pooling does)."""
+    nd = len(kernel_size)
+    k = _tup(kernel_size, nd)
+    s = _tup(stride, nd) if stride else k
+    p, d = _tup(padding, nd), _tup(dilation, nd)
+    wins = _windows(x.shape[-nd:], k, s, p, d, ceil_mode)
+    return jnp.max(_slice_windows(x, wins, s, d, p, _neg_inf(x.dtype)), axis=-1)
+
+
+def max_pool_grad(grad_output, x, kernel_size, stride=(), padding=0, dilation=1,
+                  ceil_mode=False):
+    """The gradient of ``max_pool_values``: each window's gradient goes to the tap PyTorch's
+    max pooling picks (the first maximum, or the last NaN)."""
+    nd = len(kernel_size)
+    _, idx = _max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+    return _scatter_plane(grad_output, idx, x.shape, nd)
