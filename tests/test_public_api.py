@@ -29,14 +29,16 @@ TORCH_TPU = {
     "EagerMode", "get_eager_mode", "set_eager_mode", "Precision", "precision", "metrics",
     "reset_metrics", "peak_flops",
     # submodules
-    "amp", "compiler", "export", "ops", "pallas", "profiler",
+    "amp", "compiler", "export", "ops", "optimizers", "pallas", "profiler",
+    "topology_aware_mesh",
 }
 TORCH_TPU_PROPERTIES = {"eager_mode", "enable_cpu_fallback"}
-TORCH_TPU_COMING = {"optimizers", "topology_aware_mesh"}
+TORCH_TPU_COMING: set = set()
 
-TORCH_TPU_OPS = {"kv_cache_update_", "ragged_dot", "ragged_paged_attention", "splash_sdpa"}
-TORCH_TPU_OPS_COMING = {"optimization_barrier", "all_gather_dim", "reduce_scatter_dim",
-                        "ragged_all_to_all", "send", "recv", "max_pool"}
+TORCH_TPU_OPS = {"kv_cache_update_", "ragged_dot", "ragged_paged_attention", "splash_sdpa",
+                 "optimization_barrier", "all_gather_dim", "reduce_scatter_dim",
+                 "ragged_all_to_all", "send", "recv", "max_pool"}
+TORCH_TPU_OPS_COMING: set = set()
 
 # torch.tpu's submodules: what each shows (its __all__, where it has one)
 SUBMODULES = {
@@ -46,22 +48,25 @@ SUBMODULES = {
     "profiler": {"TpuProfilerConfig", "get_config", "metrics_region", "profile", "set_config",
                  "tensorboard_trace_handler", "trace"},
     "pallas": {"NAMESPACE", "jax_op"},
+    "optimizers": {"Adam", "AdamW", "Muon", "SGD", "SingleTraceTrainer", "functional"},
     "export": {"ExportError", "StableHLOExportOptions", "StableHLOGraphModule", "export_function",
                "exported_program_to_stablehlo", "load", "to_litert"},
 }
 # the export package's modules (torch.tpu.export.stablehlo / .litert / .artifact)
-SUBMODULE_MODULES = {"export": {"artifact", "litert", "stablehlo"}}
+SUBMODULE_MODULES = {"export": {"artifact", "litert", "stablehlo"},
+                     "optimizers": {"optimizer", "program", "trainer", "update"}}
 
 # every __all__ of torchtpu's packages: (names, names still coming)
 ALL = {
     "torchtpu": ({"__version__"}, set()),
     "torchtpu.compile": ({"compiler", "register_backend"}, set()),
-    "torchtpu.distributed": ({"register"}, {"auto_parallelize", "Plan"}),
+    "torchtpu.distributed": ({"register", "auto_parallelize", "Plan"}, set()),
     "torchtpu.export": (SUBMODULES["export"], set()),
     "torchtpu.integrations": ({"STATUS", "bind", "install", "patch", "skipped",
                                "tpu_is_accelerator", "when_imported"}, set()),
     "torchtpu.ops": (TORCH_TPU_OPS, TORCH_TPU_OPS_COMING),
     "torchtpu.pallas": (SUBMODULES["pallas"], set()),
+    "torchtpu.optimizers": (SUBMODULES["optimizers"], set()),
     "torchtpu.profiler": (SUBMODULES["profiler"], set()),
     "torchtpu.device.amp": (SUBMODULES["amp"], set()),
     "torchtpu.compile.compiler": (SUBMODULES["compiler"], set()),

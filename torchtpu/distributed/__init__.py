@@ -6,7 +6,7 @@ collective is a cached SPMD XLA program over a mesh of the group's devices (``co
 registers the backend and the lazy-bootstrap hook; nothing joins a cluster until
 ``init_process_group`` or the first device use in a job with ``WORLD_SIZE`` > 1.
 """
-__all__ = ["register"]
+__all__ = ["register", "auto_parallelize", "Plan"]  # the last two: imported on first use
 
 _done = [False]
 

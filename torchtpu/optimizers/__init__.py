@@ -7,7 +7,6 @@
 - ``SingleTraceTrainer``: forward, loss, backward and the optimizer step traced once into one
   program per training step (trainer.py).
 """
-from __future__ import annotations
 
 from . import functional
 from .optimizer import SGD, Adam, AdamW, Muon
