@@ -12,7 +12,8 @@ on "tpu" TorchTitan's compiled FlexAttention runs through torch.compile's defaul
 sends tpu graphs to the tpu compiler (the flex_attention HOP lowering); on CPU, where
 FlexAttention has no backward, the reference is PyTorch's eager FlexAttention (its math
 implementation). Rank 0 writes {"loss": [...], "grad_norm": [...], ...} to OUT_JSON, with
-``run_facts`` (experts per rank; on "tpu" the collectives called and any CPU fallbacks).
+``run_facts`` (experts per rank; on "tpu" the collectives called and any CPU fallbacks). With
+pipeline parallelism the last rank (it holds the last stage, which computes the loss) writes it.
 Other TorchTitan models are named by the overrides (``--module deepseek_v3 --config
 deepseek_v3_debugmodel``: the MoE debug model).
 """
@@ -85,6 +86,9 @@ if DEVICE == "cpu":
     no_triton = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(no_triton)
     no_triton.install()
+    # TorchTitan 0.3.0's pipeline schedules pass pre-split microbatches, which torch 2.13's
+    # step() does not take: the same adaptation "tpu" gets from the integration
+    no_triton.schedules_take_microbatches()
     import torchtitan.tools.utils as tt_utils
 
     import types
@@ -231,7 +235,10 @@ def main():
     trainer.train()
     rec.update(run_facts(trainer))
     trainer.close()
-    if int(os.environ["RANK"]) == 0:
+    # the logged loss lives on the last pipeline stage (the first stage logs -1): with pipeline
+    # parallelism the last rank writes (TorchTitan's mesh puts "pp" outermost)
+    writer = int(os.environ["WORLD_SIZE"]) - 1 if trainer.parallel_dims.pp_enabled else 0
+    if int(os.environ["RANK"]) == writer:
         with open(OUT, "w") as f:
             json.dump(rec, f)
     if torch.distributed.is_initialized():

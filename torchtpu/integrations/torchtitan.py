@@ -19,6 +19,19 @@ own module loads.
 Its MoE combine is a custom op, ``torchtitan::deterministic_scatter_add``: once
 ``torchtitan.ops.scatter_add`` is imported, compiled graphs get a lowering for it
 (``_lower_scatter_add``).
+
+CUDA graphs: TorchTitan captures its forward/backward in a CUDA graph unless
+``--training.disable_cuda_graphs`` is given, and its config check refuses pipeline parallelism
+(and expert parallelism's all-to-all dispatcher) while they are on. Off NVIDIA CUDA its
+``wrap_with_cuda_graph`` already runs the step eagerly, so on "tpu" they do nothing: the check
+sees ``disable_cuda_graphs`` set whenever TorchTitan's device is "tpu" (``_no_cuda_graphs``),
+and ``--parallelism.pipeline_parallel_degree`` works without the flag.
+
+Pipeline parallelism: TorchTitan 0.3.0 hands its schedule microbatches it split itself
+(``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, a newer PyTorch's signature);
+torch 2.13's ``step`` takes only the whole batch and would pass those lists to the model as
+keyword arguments (on CPU too). ``schedules_take_microbatches`` lets ``step`` take them, running
+the schedule's own ``_step_microbatches`` on them, when the installed ``step`` lacks them.
 """
 from __future__ import annotations
 
@@ -102,6 +115,80 @@ def _lower_scatter_add(module) -> None:
         deterministic_scatter_add)
 
 
+TRAINER = "torchtitan.trainer"
+_MB_KEYS = ("arg_mbs", "kwarg_mbs", "target_mbs")
+
+
+def schedules_take_microbatches() -> None:
+    """``PipelineScheduleSingle.step`` / ``PipelineScheduleMulti.step`` accept TorchTitan's
+    pre-split ``arg_mbs``, ``kwarg_mbs`` and ``target_mbs`` (what the newer PyTorch TorchTitan
+    0.3.0 targets does): the same preamble as ``step`` (stages' ``has_backward``, runtime states
+    cleared), then ``_step_microbatches`` on the given lists. Whole-batch calls are unchanged;
+    nothing is patched where ``step`` already takes them. Needs no torchtpu import (the CPU
+    reference of the tests applies it too)."""
+    import inspect
+
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        orig = cls.__dict__["step"]
+        if getattr(orig, "_torchtpu", False) or "arg_mbs" in inspect.signature(orig).parameters:
+            continue
+
+        def make(orig):
+            def step(self, *args, target=None, losses=None, return_outputs=True,
+                     loss_kwargs=None, **kwargs):
+                if not any(k in kwargs for k in _MB_KEYS):
+                    return orig(self, *args, target=target, losses=losses,
+                                return_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                                **kwargs)
+                if args or target is not None or set(kwargs) - set(_MB_KEYS):
+                    raise TypeError("step() takes either the whole batch (args, target, "
+                                    "kwargs) or microbatches (arg_mbs, kwarg_mbs, target_mbs), "
+                                    "not both")
+                if self._has_backward and not torch.is_grad_enabled():
+                    raise RuntimeError("step() requires gradients to be enabled for backward "
+                                       "computation; it should not be used under "
+                                       "torch.no_grad() context. Please call eval() instead.")
+                stages = getattr(self, "_stages", None) or [self._stage]
+                for stage in stages:
+                    stage.has_backward = self._has_backward
+                    stage.clear_runtime_states()
+                self._step_microbatches(kwargs.get("arg_mbs"), kwargs.get("kwarg_mbs"),
+                                        kwargs.get("target_mbs"), losses, return_outputs,
+                                        loss_kwargs=loss_kwargs)
+                for stage in stages:
+                    if stage.is_last and return_outputs:
+                        return self._merge_outputs(stage.output_chunks)
+                return None
+
+            step._torchtpu = True
+            step.__doc__ = orig.__doc__
+            return step
+
+        cls.step = make(orig)
+
+
+def _no_cuda_graphs(module) -> None:
+    """``Trainer.Config._validate_cuda_graphs`` (run when the config is built and again by the
+    trainer) first sets ``training.disable_cuda_graphs`` when TorchTitan's device is "tpu"."""
+    from .hooks import patch
+
+    def make(orig):
+        def _validate_cuda_graphs(self):
+            from torchtitan.tools import utils
+
+            if utils.device_type == "tpu":
+                self.training.disable_cuda_graphs = True
+            return orig(self)
+
+        return _validate_cuda_graphs
+
+    patch(module, "Trainer.Config._validate_cuda_graphs", make, params=("self",))
+    schedules_take_microbatches()
+
+
 def install() -> None:
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
@@ -109,3 +196,4 @@ def install() -> None:
         from .hooks import when_imported
 
         when_imported(SCATTER_ADD, _lower_scatter_add)
+        when_imported(TRAINER, _no_cuda_graphs)
