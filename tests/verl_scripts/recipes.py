@@ -28,6 +28,19 @@ def sft(python, setup, out, nproc=1, steps=3, extra=()):
             *extra]
 
 
+def ppo_update(python, setup, out, result, extra=()):
+    """``ppo_update.py``: one GRPO actor update on a fixed batch by VeRL's own actor code, in
+    float32, with the GRPO recipe's learning rate and micro batch; the engine is built by the SFT
+    trainer's config (the overrides of ``sft``), the result written to ``result`` as JSON."""
+    args = sft(python, setup, out, steps=1)
+    overrides = {a.split("=", 1)[0]: a for a in args[args.index("verl.trainer.sft_trainer") + 1:]}
+    overrides.update({"optim.lr": "optim.lr=3e-3",
+                      "data.micro_batch_size_per_gpu": "data.micro_batch_size_per_gpu=16"})
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            "--nproc_per_node=1", os.path.join(HERE, "ppo_update.py"), str(result),
+            *overrides.values(), *FP32, *extra]
+
+
 def grpo(python, setup, out, nproc=1, steps=4, batch=8, n=4, extra=()):
     """``python -m verl.trainer.main_ppo`` with GRPO: FSDP2 actor and reference on "tpu", the
     rollout served by vLLM on "tpu" (hybrid engine: weights synchronised to it every step),
