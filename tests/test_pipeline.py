@@ -29,12 +29,10 @@ def test_pipeline_every_schedule_two_ranks():
 
 @pytest.mark.slow
 def test_pipeline_four_ranks():
-    """4 ranks: GPipe and 1F1B (4 stages), ZBVZeroBubble and DualPipeV (a V of 8 stages).
-    Not here: Interleaved1F1B, LoopedBFS and InterleavedZeroBubble on 4 ranks stall in
-    tpu_dist's send/recv rounds (a rank waits in a round with a peer that is in a round with
-    a third; the watchdog ends it after the group's timeout) - see docs/ARCHITECTURE.md."""
-    ok(*torchrun("pipeline_check.py", "GPipe", "1F1B", "ZBVZeroBubble", "DualPipeV",
-                 "--timeout", "300", nproc=4, timeout=900))
+    """4 ranks, every schedule: GPipe and 1F1B (4 stages), the looped ones (8 stages: a rank
+    waits on a peer that waits on a third; sends complete when buffered, as NCCL's do),
+    ZBVZeroBubble and DualPipeV (a V of 8 stages)."""
+    ok(*torchrun("pipeline_check.py", *ALL, "--timeout", "300", nproc=4, timeout=900))
 
 
 @pytest.mark.slow

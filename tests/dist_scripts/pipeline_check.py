@@ -115,19 +115,32 @@ def run(name, world, rank, dev, k, compiled, seed, n_micro):
 
 def mismatch(rank, dev):
     """Ranks whose programs disagree (a stage built for another width; both waiting to
-    receive): a clear error on both ranks naming both sides' transfers, before anything moves;
-    the group stays usable."""
+    receive): a clear error on both ranks naming both sides' transfers (the receiver at its
+    wait; the sender, whose send completed when it was buffered, at its next send/recv call
+    after the receiver found it); the group stays usable."""
     peer = 1 - rank
-    w = dist.isend(torch.ones(4, D, device=dev), 1) if rank == 0 else \
-        dist.irecv(torch.empty(4, D + 1, device=dev), 0)
-    try:
-        w.wait()
-        raise AssertionError("no error")
-    except RuntimeError as e:
+
+    def check(e):
         msg = str(e)
         assert "does not match rank" in msg, msg
         assert f"float32[4, {D}]" in msg and f"float32[4, {D + 1}]" in msg, msg
         assert f"rank {peer}" in msg, msg
+
+    if rank == 0:
+        dist.isend(torch.ones(4, D, device=dev), 1).wait()  # buffered: completes at once
+    else:
+        try:
+            dist.irecv(torch.empty(4, D + 1, device=dev), 0).wait()
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            check(e)
+    dist.barrier()
+    if rank == 0:
+        try:
+            dist.irecv(torch.empty(3, device=dev), 1)
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            check(e)
     w = dist.irecv(torch.empty(3, device=dev), peer)
     try:
         w.wait()

@@ -186,15 +186,6 @@ def _body(kind, n, static):
         return lambda *xs: tuple(bc(x) for x in xs)
     if kind == "alltoall":  # operand (n*C, ...): chunk j goes to rank j; received in rank order
         return lambda *xs: tuple(lax.all_to_all(x, AX, 0, 0, tiled=True) for x in xs)
-    if kind == "p2p":  # static: (k_up, k_down) on a 2-device mesh (lo, hi)
-        k_up, k_down = static
-
-        def pp(*xs):
-            up = [lax.ppermute(x, AX, [(0, 1)]) for x in xs[:k_up]]
-            down = [lax.ppermute(x, AX, [(1, 0)]) for x in xs[k_up:k_up + k_down]]
-            return tuple(up + down)
-
-        return pp
     raise ValueError(f"unknown collective program {kind!r}")
 
 

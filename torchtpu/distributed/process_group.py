@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,6 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-_P2P_SEEN = 8  # transfers per direction described in one send/recv round
 _CODE_LEN = 10  # a transfer's code: dtype index, ndim, up to 8 dims
 _P2P_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
@@ -123,18 +123,6 @@ def _trim(row) -> tuple:
 def _describe(code) -> str:
     dt = _P2P_DTYPES[code[0] - 1] if 0 < code[0] <= len(_P2P_DTYPES) else "?"
     return f"{str(dt).replace('torch.', '')}{list(code[2:])}"
-
-
-def _p2p_desc(up, down, mine_up, me, peer) -> str:
-    parts = [f"{k} {_describe(_p2p_code(t))}" for k, t, _ in up + down]
-    return "[" + ", ".join(parts) + "]" if parts else "nothing"
-
-
-def _p2p_desc_peer(theirs, mine_up, me, peer) -> str:
-    # the peer's up transfers are its recvs if I am lo (mine_up), its sends otherwise
-    kinds = ("recv", "send") if mine_up else ("send", "recv")
-    parts = [f"{kinds[j]} {_describe(c)}" for j in (0, 1) for c in theirs[j]]
-    return "[" + ", ".join(parts) + "]" if parts else "nothing"
 
 
 class Work(dist.Work):
@@ -206,7 +194,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._gname = group_id
         self._desc = ""
         self._seq = 0
-        self._p2p: list = []  # deferred (kind, peer, tensor, work)
+        self._p2p: list = []  # posted receives: (src, index, tensor, work)
+        self._p2p_next: dict = {}  # ("send"|"recv", peer) -> index of the next transfer
+        self._p2p_err_seen = ""
+        self._p2p_tok = 0
         devs = [bootstrap.rank_device(r) for r in self._global_ranks]
         self._gm = GroupMesh(devs, rank)
         self._dev = self._gm.local
@@ -265,8 +256,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
     # ---- the one path every collective takes ----
     def _collective(self, coll: str, inputs, outputs, run, sig=()):
         """Check, launch ``run()`` (returns [(tensor, array)] writes), write, make the Work."""
-        if coll != "send/recv":
-            self._flush_p2p()
         self._seq += 1
         seq = self._seq
         if self._checked:
@@ -614,146 +603,159 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         self.barrier().wait()
 
-    # ---- point to point: deferred, paired by peer at the first wait ----
+    # ---- point to point: sends buffered at once, receives matched at their wait ----
     def send(self, tensors, dst: int, tag: int = 0):
-        return self._defer("send", dst, tensors)
+        self._check_peer("send", dst)
+        self._p2p_errors()
+        for t in tensors:
+            self._post_send(t, dst)
+        return Work(self, "send/recv", 0, tensors, [], flush=self._p2p_errors)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        return self._defer("recv", src, tensors)
+        self._check_peer("recv", src)
+        self._p2p_errors()
+        work = Work(self, "send/recv", 0, tensors, [], flush=self._flush_p2p)
+        for t in tensors:
+            n = self._p2p_next.get(("recv", src), 0)
+            self._p2p_next[("recv", src)] = n + 1
+            self._p2p.append((src, n, t, work))
+        return work
 
     def recv_anysource(self, tensors, tag: int = 0):
         # as ProcessGroupNCCL (NotImplementedError): an XLA program names both ends of a transfer
         raise NotImplementedError("tpu_dist does not support recvAnysource (recv without src=), "
                                   "as NCCL does not: XLA programs name both ends of a transfer")
 
-    def _defer(self, kind, peer, tensors):
+    def _check_peer(self, kind, peer) -> None:
         if not 0 <= peer < self.size() or peer == self.rank():
             raise ValueError(f"tpu_dist {kind}: invalid peer rank {peer} for rank "
                              f"{self.rank()} of a group of size {self.size()}")
-        work = Work(self, "send/recv", 0, tensors, [], flush=self._flush_p2p)
-        for t in tensors:
-            self._p2p.append((kind, peer, t, work))
-        return work
+        if self._store is None:
+            raise RuntimeError(f"tpu_dist {kind}: this process group has no c10d store "
+                               "(send/recv buffer their transfers in it)")
+
+    def _key(self, *parts) -> str:
+        return "tpu_p2p/" + "/".join(str(p) for p in parts)
+
+    def _post_send(self, t, dst: int) -> None:
+        """Buffer a send in the group's store at once (as NCCL, a posted send needs no wait
+        from its receiver): (dtype, shape) code, then the bytes. The k-th send to a rank is
+        that rank's k-th receive from us."""
+        n = self._p2p_next.get(("send", dst), 0)
+        self._p2p_next[("send", dst)] = n + 1
+        data = np.asarray(_block(t, self._dev)).tobytes()
+        code = np.zeros(_CODE_LEN, np.int64)
+        c = _p2p_code(t)
+        code[:len(c)] = c
+        count("dist_calls", op="send/recv")
+        count("dist_bytes", len(data), op="send/recv")
+        self._store.set(self._key(self.rank(), dst, n), code.tobytes() + data)
+
+    def _p2p_errors(self, work=None) -> None:
+        """Raise what a receiver reported about one of this rank's sends (a shape mismatch is
+        found at the receive; the send itself completed when it was buffered)."""
+        key = self._key("err", self.rank())
+        if not self._store.check([key]):
+            return
+        v = self._store.get(key).decode()
+        if v != self._p2p_err_seen:
+            self._p2p_err_seen = v
+            raise RuntimeError(f"{self._where('send/recv', self._seq)}: "
+                               + v.split("\n", 1)[1])
 
     def _flush_p2p(self, work=None) -> None:
-        """Run deferred sends/recvs: those of ``work`` (the Work being waited on) until they
-        are done, or (``work`` None: before a collective, at shutdown) every pending one.
+        """Complete ``work``'s receives (every pending one when ``work`` is None): each waits
+        for its send in the store, polling. A receive whose send differs in dtype or shape is a
+        RuntimeError here and at the sender's next send/recv wait, naming both sides; two ranks
+        each waiting on a receive the other has not sent is a deadlock error on both; anything
+        else that stalls is bounded by the group's timeout (the watchdog)."""
+        mine = [op for op in self._p2p if work is None or op[3] is work]
+        for op in mine:
+            src, n, t, w = op
+            self._p2p = [o for o in self._p2p if o is not op]
+            try:
+                self._recv_one(src, n, t)
+            except BaseException:
+                self._p2p = [o for o in self._p2p if o[3] is not w]
+                w._flush = None
+                raise
+        if work is not None:
+            work._flush = None
+        self._p2p_errors()  # after the receives: they are done either way
 
-        Per peer, in increasing (lo, hi) pair order (the same on every rank, so no cycle can
-        deadlock), rounds: the two ends first exchange how many transfers each has posted in
-        each direction (lo -> hi, hi -> lo), then one program moves the first ``min`` of each
-        direction, in posting order (the k-th send to a peer meets that peer's k-th receive
-        from us, as with NCCL). The two ends may batch differently (a pipeline schedule posts
-        four sends and four receives on one rank while its peer posts one of each and waits):
-        what is left waits for the next round. A round where neither direction can move while
-        both ends wait is a deadlock: a clear error on both, not a hang."""
-        while self._p2p:
-            peers = sorted({p for _, p, _, w in self._p2p if work is None or w is work})
-            if not peers:
-                return
-            moved = sum(self._p2p_round(peer) for peer in peers)
-            if not moved:
-                # what we wait for needs a peer that waits for something else: progress our
-                # other posted transfers (a send NCCL would deliver without our wait)
-                for peer in sorted({p for _, p, _, _ in self._p2p} - set(peers)):
-                    self._p2p_round(peer)
+    def _recv_one(self, src: int, n: int, t) -> None:
+        me, store = self.rank(), self._store
+        key = self._key(src, me, n)
+        desc = f"recv {_describe(_p2p_code(t))} from rank {src}"
+        if not store.check([key]):
+            self._p2p_block(src, n, key, desc)
+        raw = store.get(key)
+        store.delete_key(key)
+        code = _trim(np.frombuffer(raw[:_CODE_LEN * 8], np.int64))
+        if code != _p2p_code(t):
+            msg = (f"the transfer does not match rank {{peer}}'s: this rank's {{mine}}, rank "
+                   f"{{peer}}'s {{theirs}} (transfer {n} from rank {src} to rank {me})")
+            store.set(self._key("err", src), f"{me}:{n}:{time.monotonic_ns()}\n" + msg.format(
+                peer=me, mine=f"send {_describe(code)} to rank {me}",
+                theirs=f"recv {_describe(_p2p_code(t))}"))
+            raise RuntimeError(f"{self._where('send/recv', self._seq)}: " + msg.format(
+                peer=src, mine=desc, theirs=f"send {_describe(code)}"))
+        arr = np.frombuffer(raw[_CODE_LEN * 8:], np.dtype(to_jax(t.dtype)))
+        _write(t, jax.device_put(arr.reshape(tuple(t.shape)), self._dev))
 
-    def _p2p_round(self, peer: int) -> int:
-        """One round with ``peer``; returns how many transfers moved."""
-        me = self.rank()
-        lo = min(me, peer)
-        mine_up = me == lo  # my sends travel up (lo -> hi), my receives come down
-        ops = [(k, t, w) for k, p, t, w in self._p2p if p == peer]
-        up = [(k, t, w) for k, t, w in ops if (k == "send") == mine_up]
-        down = [(k, t, w) for k, t, w in ops if (k == "send") != mine_up]
-        pair = self._pair_mesh(lo, max(me, peer))
-        others = sum(1 for op in self._p2p if op[1] != peer)
-        theirs, their_others = self._p2p_exchange(pair, mine_up, up, down, others)
-        k_up, k_down = min(len(up), len(theirs[0])), min(len(down), len(theirs[1]))
-        if not (k_up or k_down):
-            if others or their_others:
-                return 0  # a transfer with a third rank may unblock one of us
-            self._p2p = [op for op in self._p2p if op[1] != peer]
-            raise RuntimeError(
-                f"{self._where('send/recv', self._seq + 1)}: deadlock with rank {peer}: this "
-                f"rank waits on {_p2p_desc(up, down, mine_up, me, peer)}; rank {peer} on "
-                f"{_p2p_desc_peer(theirs, mine_up, me, peer)}: no send meets a recv")
-        # the peer's k-th transfer of a direction must move what ours does (a pipeline stage
-        # built for another shape, a rank running another program): a clear error on both
-        # ends before anything moves, instead of an abort in the transport
-        for mine, other in ((up[:k_up], theirs[0]), (down[:k_down], theirs[1])):
-            for (k, t, _), d in zip(mine, other):
-                if _p2p_code(t) != d:
-                    self._p2p = [op for op in self._p2p if op[1] != peer]
-                    raise RuntimeError(
-                        f"{self._where('send/recv', self._seq + 1)}: the transfer does not "
-                        f"match rank {peer}'s: this rank's {k} "
-                        f"{_describe(_p2p_code(t))} {'to' if k == 'send' else 'from'} rank "
-                        f"{peer}, rank {peer}'s {'recv' if k == 'send' else 'send'} "
-                        f"{_describe(d)}. This rank posted "
-                        f"{_p2p_desc(up, down, mine_up, me, peer)}; rank {peer} "
-                        f"{_p2p_desc_peer(theirs, mine_up, me, peer)}")
-        moved = up[:k_up] + down[:k_down]
-        done_ids = {id(t) for _, t, _ in moved}
-        self._p2p = [op for op in self._p2p if not (op[1] == peer and id(op[2]) in done_ids)]
-
-        def run(moved=moved, pair=pair):
-            outs = pair.run("p2p", (k_up, k_down), self._blocks([t for _, t, _ in moved]))
-            return [(t, o) for (k, t, _), o in zip(moved, outs) if k == "recv"]
-
-        sig = (lo, peer, [(k, tuple(t.shape), str(t.dtype)) for k, t, _ in moved])
-        done = self._collective("send/recv", [t for _, t, _ in moved], [], run, sig)
-        for _, _, w in moved:
-            w._arrays += done._arrays
-            w._seq = done._seq
-        for w in {id(w): w for _, _, w in moved}.values():
-            if not any(op[3] is w for op in self._p2p):
-                w._flush = None  # all of its transfers ran
-        return len(moved)
-
-    def _p2p_exchange(self, pair, mine_up: bool, up, down, others: int):
-        """The peer's posted transfers ([lo -> hi codes], [hi -> lo codes]; each code
-        ``_p2p_code``: dtype, shape), for ours: a small program over the pair, read on the
-        host. Up to ``_P2P_SEEN`` transfers per direction are described (more are moved in
-        later rounds)."""
-        def enc(ops):
-            codes = [_p2p_code(t) for _, t, _ in ops[:_P2P_SEEN]]
-            rows = np.zeros((_P2P_SEEN, _CODE_LEN), np.int64)
-            for i, c in enumerate(codes):
-                rows[i, :len(c)] = c
-            return np.concatenate([[len(codes)], rows.reshape(-1)])
-
-        mine = jax.device_put(np.concatenate([enc(up), enc(down), [others]]), self._dev)
-        blank = jax.device_put(np.zeros(mine.shape, np.int64), self._dev)
-        count("dist_p2p_rounds")
-        # bounded by the watchdog like a collective (the peer may never come to the round)
-        token = watchdog.start(self, "send/recv (round)", self._seq + 1, self._timeout)
+    def _p2p_block(self, src: int, n: int, key: str, desc: str) -> None:
+        """Wait for ``key`` (the n-th send from ``src``). This rank's wait is published
+        (``wait/<rank>``: src, n, a token); a peer that waits on this rank for a send this rank
+        has not posted while this rank waits on it is a deadlock: both raise (the one that sees
+        it first marks the other's token)."""
+        me, store = self.rank(), self._store
+        self._p2p_tok += 1
+        tok = f"{self._p2p_tok}"
+        store.set(self._key("wait", me), f"{src} {n} {tok}")
+        count("dist_p2p_waits")
+        token = watchdog.start(self, "send/recv", self._seq, self._timeout)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = 0.0005
         try:
-            outs = pair.run("p2p", (1, 1), [mine, blank] if mine_up else [blank, mine])
-            got = np.asarray(outs[1] if mine_up else outs[0])
+            while not store.check([key]):
+                dead = None
+                dl = self._key("deadlock", me)
+                if store.check([dl]) and store.get(dl).decode() == tok:
+                    dead = "marked"
+                pk = self._key("wait", src)
+                if dead is None and store.check([pk]):
+                    parts = store.get(pk).decode().split()
+                    if len(parts) == 3 and int(parts[0]) == me and \
+                            self._p2p_next.get(("send", src), 0) <= int(parts[1]):
+                        # the peer waits for a send this rank has not posted; it is a
+                        # deadlock only if what this rank waits for is still missing now
+                        # (the peer cannot send it while it waits)
+                        if store.check([key]):
+                            return
+                        store.set(self._key("deadlock", src), parts[2])
+                        dead = (f"its transfer {parts[1]}; this rank sent "
+                                f"{self._p2p_next.get(('send', src), 0)}")
+                if dead:
+                    if store.check([key]):
+                        return  # it came after all
+                    raise RuntimeError(
+                        f"{self._where('send/recv', self._seq)}: deadlock with rank {src}: "
+                        f"this rank waits on {desc} (transfer {n}); rank {src} waits on a "
+                        f"recv from this rank that this rank has not sent ({dead}): no send "
+                        f"meets a recv")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{self._where('send/recv', self._seq)}: timed out after "
+                        f"{self._timeout} waiting on {desc} (transfer {n})")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
         finally:
+            store.set(self._key("wait", me), "idle")
             watchdog.finish(token, [])
-        their_others = int(got[-1])
-        got = got[:-1]
-        half = got.size // 2
-        res = []
-        for part in (got[:half], got[half:]):
-            n = int(part[0])
-            rows = part[1:].reshape(_P2P_SEEN, _CODE_LEN)
-            res.append([_trim(rows[i]) for i in range(n)])
-        return res, their_others
-
-    def _pair_mesh(self, lo: int, hi: int) -> GroupMesh:
-        key = ("pair", lo, hi)
-        gm = self._zeros.get(key)
-        if gm is None:
-            devs = [self._gm.devices[lo], self._gm.devices[hi]]
-            gm = self._zeros[key] = GroupMesh(devs, 0 if self.rank() == lo else 1)
-        return gm
 
     # ---- lifecycle ----
     def shutdown(self) -> None:
-        self._flush_p2p()
+        self._p2p = []  # receives never waited on (their tensors were never read)
 
     def abort(self) -> None:
         self._p2p = []
