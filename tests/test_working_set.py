@@ -61,3 +61,29 @@ def test_a_later_process_loads_its_working_set_ahead(tmp_path):
     assert off["counters"].get("working_set_loads", 0) == 0
     assert off["counters"].get("eager_xla_compiles", 0) == 0
     assert len(os.listdir(cache / "working-sets")) == 2  # the first command line's, the other's
+
+
+IMPORT_ONLY = r"""
+import json, os, torch
+from jax._src import xla_bridge
+from torchtpu.runtime import working_set
+out = {"backend": bool(xla_bridge._backends), "thread": bool(working_set._thread),
+       "counters": dict(torch.tpu.metrics()["counters"])}
+if os.environ.get("WORLD_SIZE", "1") == "1":  # a rank of a job would join first: not here
+    torch.ones(2, device="tpu").add_(1).cpu()
+print(json.dumps(out))
+"""
+
+
+def test_a_multi_process_job_creates_no_backend_at_import(tmp_path):
+    """A rank of a torchrun job must create its backend only after the job joined one cluster:
+    loading its working set at import would create it first (rank 1 then found no device of
+    its own at the join: KeyError in rank_device). Recorded or not, the import leaves it alone."""
+    cache = tmp_path / "cache"
+    first = _run(cache, IMPORT_ONLY)
+    assert not first["backend"] and not first["thread"]
+    again = _run(cache, IMPORT_ONLY)  # the same command line: its working set is recorded
+    assert again["thread"] and again["backend"]  # single process: loaded ahead
+    rank = _run(cache, IMPORT_ONLY, WORLD_SIZE="2", RANK="1")
+    assert not rank["backend"] and not rank["thread"]
+    assert rank["counters"].get("working_set_skipped", 0) == 1

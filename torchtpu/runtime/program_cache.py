@@ -51,6 +51,7 @@ from jax._src.array import ArrayImpl as _ArrayImpl
 from jax.core import ShapedArray
 
 from . import custom_calls as _custom_calls
+from . import devices as _devices
 from . import disk_cache as _disk
 from .inflight import note as _inflight_note
 from . import prefetch as _prefetch
@@ -732,8 +733,14 @@ def load_working_set() -> bool:
     import on the loading thread while this one imports could meet a half-initialised module."""
     if not _working_set.recorded():
         return False
+    if _working_set.multi_process_job():
+        # loading creates the backend, which a multi-process job must create only after its
+        # processes joined one cluster (its first device use or init_process_group): created
+        # now, at import, rank r > 0 would find no device of rank r (KeyError at the join)
+        count("working_set_skipped", op="multi-process job")
+        return False
     from jax.experimental.serialize_executable import deserialize_and_load  # noqa: F401
 
-    jax.local_devices()
+    _devices.devices()  # through its hooks, as every other first device use
     _custom_calls._known()
     return _working_set.start(_load_now, min(_working_set.MAX_ENTRIES, MAX_LIVE // 2))

@@ -107,6 +107,16 @@ def _run(entries) -> None:
         done.set()
 
 
+def multi_process_job() -> bool:
+    """Whether this process is one of a multi-process job (torchrun's ``WORLD_SIZE`` > 1, or
+    an explicit coordinator): its backend may be created only once the job joined."""
+    try:
+        ws = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        ws = 1
+    return ws > 1 or bool(os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"))
+
+
 def recorded() -> bool:
     """Whether a working set was recorded for this command line (and may be loaded)."""
     if not ENABLED or _thread or _forked:
