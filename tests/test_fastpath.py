@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import torchtpu  # noqa: F401
+from torchtpu.coverage import _tensors  # every tensor of nested args, in order
 from torchtpu.eager import fastpath
 from torchtpu.runtime import inflight
 
@@ -71,18 +72,6 @@ def _same(a, b, path="out"):
             _same(x, y, f"{path}[{i}]")
         return
     assert a == b or (a != a and b != b), (path, a, b)
-
-
-def _tensors(x, out):
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, (list, tuple)):
-        for e in x:
-            _tensors(e, out)
-    elif isinstance(x, dict):
-        for e in x.values():
-            _tensors(e, out)
-    return out
 
 
 def _sharing(ins, outs):
