@@ -41,3 +41,12 @@ def test_pipeline_compiled_stages_two_ranks():
     backward: PyTorch refuses torch.compile'd stages for the zero-bubble ones)."""
     ok(*torchrun("pipeline_check.py", "--compile", "GPipe", "1F1B", "Interleaved1F1B",
                  "LoopedBFS", "--timeout", "300", timeout=900))
+
+
+def test_mpmd_check_two_ranks():
+    """Ranks whose programs' collectives differ (eager: another shape, another collective of
+    the same bytes; compiled: another shape) get a RuntimeError naming both ranks' programs on
+    both ranks within seconds, not a hang, and the group goes on; different programs whose
+    collectives agree (compiled on one rank, eager on the other) run
+    (tests/dist_scripts/mpmd_check.py)."""
+    ok(*torchrun("mpmd_check.py", timeout=300))

@@ -234,6 +234,43 @@ def p2p(c):
     ok("send/recv (compiled MPMD, fused)")
 
 
+def p2p_autograd(c):
+    """send/recv differentiate as pipeline stages pair them: rank 0 sends tanh(x @ w0) and
+    back-propagates through the token (its gradient comes back from rank 1), rank 1 receives
+    it and back-propagates its loss (the gradient goes back to rank 0); on tpu and on CPU over
+    gloo, against one CPU process computing the whole."""
+    g, gl, dev = c.group, c.gloo, c.dev
+    x, w0, w1 = inp(0, (3, 4), 51), inp(0, (4, 4), 52), inp(0, (4, 2), 53)
+    w0r, w1r = w0.clone().requires_grad_(), w1.clone().requires_grad_()
+    ((torch.tanh(x @ w0r) @ w1r) ** 2).sum().backward()
+    for group, d in ((g, dev), (gl, torch.device("cpu"))):
+        if c.rank == 0:
+            wt = w0.clone().to(d).requires_grad_()
+            tok = tops.send(torch.tanh(x.to(d) @ wt), 1, group)
+            assert tok.requires_grad
+            tok.sum().backward()
+            close(wt.grad, w0r.grad, f"{d.type} send backward: d_w0")
+        else:
+            wt = w1.clone().to(d).requires_grad_()
+            h = tops.recv(torch.empty(3, 4, device=d, requires_grad=True), 0, group)
+            assert h.requires_grad
+            ((h @ wt) ** 2).sum().backward()
+            close(wt.grad, w1r.grad, f"{d.type} recv backward: d_w1")
+    # compiled stages: aot_autograd puts the backward's recv/send in the backward graph
+    torch._dynamo.reset()
+    if c.rank == 0:
+        wt = w0.to(dev).requires_grad_()
+        f = torch.compile(lambda x, w: tops.send(torch.tanh(x @ w), 1, g), backend="tpu")
+        f(x.to(dev), wt).sum().backward()
+        close(wt.grad, w0r.grad, "compiled send backward: d_w0")
+    else:
+        wt = w1.to(dev).requires_grad_()
+        f = torch.compile(lambda b, w: ((tops.recv(b, 0, g) @ w) ** 2).sum(), backend="tpu")
+        f(torch.empty(3, 4, device=dev, requires_grad=True), wt).backward()
+        close(wt.grad, w1r.grad, "compiled recv backward: d_w1")
+    ok("send/recv autograd (tpu, CPU/gloo, compiled)")
+
+
 def mesh(c):
     """torch.tpu.topology_aware_mesh: the CPU platform's trivial order; a 2-D mesh's groups
     carry the ops."""
@@ -260,7 +297,7 @@ class Ctx:
 def main():
     import sys
 
-    parts = sys.argv[1:] or ["strict", "fused", "compiled", "p2p", "mesh"]
+    parts = sys.argv[1:] or ["strict", "fused", "compiled", "p2p", "p2p_autograd", "mesh"]
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     c = Ctx()
     c.rank, c.n = dist.get_rank(), dist.get_world_size()

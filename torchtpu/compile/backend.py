@@ -465,7 +465,8 @@ class CompiledGraph:
         count("xla_compiles")
         count("xla_compile_ms", int((time.perf_counter() - t1) * 1000))
         count("compile_ms", int((time.perf_counter() - t0) * 1000))
-        return _Entry(spmd.program(compiled), self._run.const_outputs, donate,
+        return _Entry(spmd.program(compiled, lowered, body.__name__), self._run.const_outputs,
+                      donate,
                       self._run.check_info)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..runtime import launches as _launches
 from ..runtime import sync as _sync
 
 
@@ -72,11 +73,22 @@ class SPMD:
         return jax.make_array_from_single_device_arrays(
             self._global_shape(a.shape), self.sharding, [a])
 
-    def program(self, compiled):
-        """The compiled program as a function of this process's local arrays."""
+    def program(self, compiled, lowered=None, name="compiled_spmd"):
+        """The compiled program as a function of this process's local arrays. Its first
+        launch lists its collectives (from ``lowered``) for the MPMD check
+        (``runtime/launches.py``)."""
         spmd = self
+        first = [lowered]
+
+        def describe():
+            return name, _launches.collectives_of(first[0])
 
         def call(*flat):
+            if first[0] is not None:
+                _launches.launch(spmd.devices, describe)
+                first[0] = None
+            else:
+                _launches.launch(spmd.devices)
             last = _sync.order_tokens.get(spmd.local)
             if last is None:
                 tok = spmd.enter(np.zeros((1,), np.uint32))

@@ -72,6 +72,9 @@ def register() -> None:
     from . import ddp
 
     ddp.install()  # DDP find_unused_parameters / static_graph: C++ pinned hooks on demand
+    from . import mpmd
+
+    mpmd.install()  # collectives compared across ranks before a program's first launch
     from . import groups
 
     groups.install()  # split_group, bound_device_id (DeviceMesh over a device-bound group)

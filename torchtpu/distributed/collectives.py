@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..runtime import devices as _devices
+from ..runtime import launches as _launches
 from ..runtime import sync as _sync
 from ..runtime.metrics import count
 
@@ -38,6 +39,7 @@ class GroupMesh:
         self.sharding = NamedSharding(self.mesh, P(AX))
         self.local = self.devices[me]
         self._local_list = jax.sharding.SingleDeviceSharding(self.local)._internal_device_list
+        self._launched: set = set()  # (kind, static, operand types) launched once (MPMD check)
 
     def enter(self, block):
         """The global array whose block on this process is ``block`` (no copy)."""
@@ -72,7 +74,16 @@ class GroupMesh:
             gtok = last[1]  # the previous program ran on this mesh: its token as is
         else:
             gtok = self.enter(last[1].addressable_shards[0].data)
-        outs = fn(gtok, *[self.enter(b) for b in blocks])
+        ins = [self.enter(b) for b in blocks]
+        key = (kind, static, tuple((b.shape, b.dtype) for b in blocks))
+        if key in self._launched:
+            _launches.launch(self.devices)
+        else:  # a new program: its collectives are checked with the other members' first
+            _launches.launch(self.devices, lambda: (
+                f"tpu_dist {kind}({', '.join(str(v) for v in static if v is not None)})",
+                _launches.collectives_of(fn.lower(gtok, *ins))))
+            self._launched.add(key)
+        outs = fn(gtok, *ins)
         _token[self.local] = (self, outs[0])
         return tuple(o.addressable_shards[0].data for o in outs[1:])
 

@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from ..eager import copy as _copy
 from ..runtime.dtypes import to_jax
+from ..runtime import launches as _launches
 from ..runtime import sync as _sync
 from ..runtime.metrics import count
-from . import bootstrap, watchdog
+from . import bootstrap, mpmd, watchdog
 from .collectives import GroupMesh, concat_rows, pack, split_rows, unpack
 
 _R = dist.ReduceOp.RedOpType
@@ -203,6 +204,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._dev = self._gm.local
         self._zeros: dict = {}
         self._checked = _check_enabled()  # read once, when the group is made
+        mpmd.note_group(self)
 
     # ---- identity ----
     @property
@@ -265,6 +267,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         token = watchdog.start(self, coll, seq, self._timeout)
         try:
             writes = run()
+        except _launches.Mismatch:  # the MPMD check: nothing ran, the group goes on
+            watchdog.finish(token, [])
+            raise
         except Exception as e:  # noqa: BLE001
             watchdog.finish(token, [])
             raise self._failure(coll, seq, e) from e

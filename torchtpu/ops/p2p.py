@@ -13,7 +13,13 @@ token). Eager (Strict, Fused, CPU tensors over gloo): ``dist.send`` / ``dist.rec
 group. In a compiled graph: the lowering ``distributed/tpu_ops.py`` registers, a
 ``lax.ppermute`` from the sender to the receiver in each rank's program (the two ranks run
 different programs, MPMD; their transfers must come in the same order on both, as with NCCL's
-blocking send/recv). Not differentiable (as ``dist.send`` / ``recv``).
+blocking send/recv).
+
+Differentiable, with the pairing of pipeline stages: ``recv``'s backward sends the gradient of
+its result back to ``src``; ``send``'s backward receives the gradient of ``x`` from ``dst``.
+The sender runs it by back-propagating through the token (``token.backward()``, or a loss
+that includes ``token.sum()``, which is zero). The buffer of ``recv`` gets no gradient; its
+result requires grad when the buffer does.
 """
 from __future__ import annotations
 
@@ -67,8 +73,35 @@ def _recv_eager(buffer, src, group_name):
     return out
 
 
+def _send_setup(ctx, inputs, output):
+    x, dst, group_name = inputs
+    ctx.peer, ctx.group_name = dst, group_name
+    ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+
+
+def _send_backward(ctx, grad_token):
+    # the gradient of what was sent comes back from the receiver (its recv's backward)
+    buf = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+    return _ops.recv(buf, ctx.peer, ctx.group_name), None, None
+
+
+def _recv_setup(ctx, inputs, output):
+    ctx.peer, ctx.group_name = inputs[1], inputs[2]
+
+
+def _recv_backward(ctx, grad):
+    # the received value's gradient goes back to its sender (its send's backward); the
+    # buffer's values were never read: no gradient
+    _ops.send(grad.contiguous(), ctx.peer, ctx.group_name)
+    return None, None, None
+
+
 _lib.impl("send", _send_eager, "CompositeExplicitAutograd")
 _lib.impl("recv", _recv_eager, "CompositeExplicitAutograd")
 for _name in ("send", "recv"):
     torch.library._register_effectful_op(f"tpu::{_name}",
                                          torch._library.effects.EffectType.ORDERED, lib=_lib)
+torch.library.register_autograd("tpu::send", _send_backward, setup_context=_send_setup,
+                                lib=_lib)
+torch.library.register_autograd("tpu::recv", _recv_backward, setup_context=_recv_setup,
+                                lib=_lib)

@@ -1,0 +1,97 @@
+"""Launches of programs that talk to other processes, and the MPMD check before a new one.
+
+Every program whose collectives span several processes' devices (an eager collective,
+``distributed/collectives.py``; a compiled graph with collectives, ``compile/spmd.py``) calls
+``launch(devices, describe)`` just before it runs. Per device tuple (a mesh, in its order) this
+counts launches; at a program's first launch (``describe`` given) its collectives are listed
+(``collectives_of``: kind, operand and result types, groups, reduction, in program order) and,
+when this process has not run that list on this mesh before, the hook that
+``distributed/mpmd.py`` installs compares it with every other member's at the same launch
+number, before anything reaches the transport. Ranks may run different programs (pipeline
+stages, MPMD); only their collectives over a shared mesh must agree.
+
+Why comparing at first launches suffices when programs agree: while every earlier launch on a
+mesh matched, the members ran the same collective lists in the same order, so a list new to
+one member is new to all of them at the same launch number.
+"""
+from __future__ import annotations
+
+import hashlib
+
+class Mismatch(RuntimeError):
+    """Ranks' collectives differ (raised before the launch: nothing reached the transport)."""
+
+
+hook = None  # fn(devices, n, name, records) -> None; raises when members disagree
+_meshes: dict = {}  # devices -> [launch count, lists of collectives already checked]
+
+COLLECTIVES = ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce_scatter",
+               "stablehlo.all_to_all", "stablehlo.collective_permute",
+               "stablehlo.collective_broadcast")
+_ATTRS = ("replica_groups", "source_target_pairs", "all_gather_dim", "scatter_dimension",
+          "split_dimension", "concat_dimension", "split_count")
+
+
+def launch(devices: tuple, describe=None) -> None:
+    """Count a launch over ``devices``; ``describe`` (a program's first launch): a function
+    returning (program name, its collectives) to check with the other members first."""
+    if hook is None or len(devices) < 2:
+        return
+    st = _meshes.get(devices)
+    if st is None:
+        st = _meshes[devices] = [0, set()]
+    if describe is not None:
+        name, records = describe()
+        if records:
+            fp = hashlib.sha256(repr(records).encode()).digest()
+            if fp not in st[1]:
+                hook(devices, st[0], name, records)  # raises before the launch is counted
+                st[1].add(fp)
+    st[0] += 1
+
+
+def _short(t: str) -> str:
+    """``tensor<2x3xf32>`` -> ``f32[2,3]``."""
+    if t.startswith("tensor<") and t.endswith(">"):
+        parts = t[7:-1].split("x")
+        return f"{parts[-1]}[{','.join(parts[:-1])}]"
+    return t
+
+
+def _attr(v: str) -> str:
+    return v.split(" : ")[0].replace("dense<", "").rstrip(">") if "dense<" in v else \
+        v.split(" : ")[0]
+
+
+def collectives_of(lowered) -> list:
+    """The collectives of a lowered JAX program (``jax.stages.Lowered``), in program order:
+    (kind, operand types, result types, attributes, reduction ops) as short strings."""
+    out: list = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    o = o.operation
+                    if o.name in COLLECTIVES:
+                        a = o.attributes
+                        attrs = tuple(f"{n}={_attr(str(a[n]))}" for n in _ATTRS if n in a)
+                        body = tuple(x.operation.name.replace("stablehlo.", "")
+                                     for r in o.regions for b in r.blocks
+                                     for x in b.operations
+                                     if x.operation.name != "stablehlo.return")
+                        out.append((o.name.replace("stablehlo.", ""),
+                                    tuple(_short(str(v.type)) for v in o.operands),
+                                    tuple(_short(str(v.type)) for v in o.results),
+                                    attrs, body))
+                    walk(o)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    return out
+
+
+def describe(record) -> str:
+    """One collective as text: ``all_reduce(add) f32[4] -> f32[4] replica_groups=[[0, 1]]``."""
+    kind, ins, outs, attrs, body = record
+    red = f"({','.join(body)})" if body else ""
+    return f"{kind}{red} {','.join(ins)} -> {','.join(outs)} {' '.join(attrs)}".strip()
