@@ -47,6 +47,7 @@ def test_mpmd_check_two_ranks():
     """Ranks whose programs' collectives differ (eager: another shape, another collective of
     the same bytes; compiled: another shape) get a RuntimeError naming both ranks' programs on
     both ranks within seconds, not a hang, and the group goes on; different programs whose
-    collectives agree (compiled on one rank, eager on the other) run
+    collectives agree (compiled on one rank, eager on the other) run; send/recv past the c10d
+    store's 8 MiB message limit (which killed the job) go over a direct connection
     (tests/dist_scripts/mpmd_check.py)."""
     ok(*torchrun("mpmd_check.py", timeout=300))

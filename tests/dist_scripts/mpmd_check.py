@@ -55,6 +55,34 @@ def still_usable(dev):
     torch.testing.assert_close(t.cpu(), torch.full((3,), 3.0))
 
 
+def large_p2p(rank, dev):
+    """send/recv past the c10d store's 8 MiB message limit (it broke the store's connection):
+    the payload goes over a direct connection; both directions posted at once
+    (batch_isend_irecv), float32, bfloat16 and bool, bit-exact."""
+    peer = 1 - rank
+    before = metric("dist_p2p_socket_bytes")
+    cases = []
+    specs = [(((3 << 20) + 5,), torch.float32), (((1 << 20), 3), torch.bfloat16),
+             ((600 << 10,), torch.bool)]
+    for salt, (shape, dtype) in enumerate(specs):
+        gen = torch.Generator().manual_seed(100 * salt + rank)
+        mine = torch.randn(shape, generator=gen).to(dtype) if dtype != torch.bool else \
+            torch.rand(shape, generator=gen) > 0.5
+        gen = torch.Generator().manual_seed(100 * salt + peer)
+        want = torch.randn(shape, generator=gen).to(dtype) if dtype != torch.bool else \
+            torch.rand(shape, generator=gen) > 0.5
+        got = torch.empty(shape, dtype=dtype, device=dev)
+        ops = [dist.P2POp(dist.isend, mine.to(dev), peer), dist.P2POp(dist.irecv, got, peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        cases.append((got, want))
+    for got, want in cases:
+        assert torch.equal(got.cpu(), want), (got.dtype, got.shape)
+    sent = metric("dist_p2p_socket_bytes") - before
+    assert sent >= ((3 << 20) + 5) * 4 + (3 << 20) * 2, sent
+    ok(f"large send/recv over a direct connection ({sent >> 20} MiB sent by rank {rank})")
+
+
 def main():
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
@@ -106,6 +134,7 @@ def main():
     torch.testing.assert_close(got, want)
     ok("different programs (compiled / eager) with the same collectives run")
 
+    large_p2p(rank, dev)
     dist.destroy_process_group()
     if rank == 0:
         print("ALL OK", len(checked), flush=True)

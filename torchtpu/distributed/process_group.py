@@ -33,7 +33,7 @@ from ..runtime.dtypes import to_jax
 from ..runtime import launches as _launches
 from ..runtime import sync as _sync
 from ..runtime.metrics import count
-from . import bootstrap, mpmd, watchdog
+from . import bootstrap, mpmd, p2p_transport, watchdog
 from .collectives import GroupMesh, concat_rows, pack, split_rows, unpack
 
 _R = dist.ReduceOp.RedOpType
@@ -102,6 +102,9 @@ def _nbytes(tensors) -> int:
 
 
 _CODE_LEN = 10  # a transfer's code: dtype index, ndim, up to 8 dims
+_IN_STORE, _VIA_SOCKET = b"\x00", b"\x01"  # after the code: where the payload is
+# payloads from this size go over a direct connection (p2p_transport.py), not the store
+_SOCKET_BYTES = int(os.environ.get("TORCHTPU_P2P_SOCKET_BYTES", 256 << 10))
 _P2P_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
                torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -205,6 +208,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._zeros: dict = {}
         self._checked = _check_enabled()  # read once, when the group is made
         mpmd.note_group(self)
+        self._peer_addr: dict = {}
+        if store is not None and size > 1:  # large transfers' payloads come here directly
+            store.set(self._key("addr", rank), p2p_transport.transport().address)
 
     # ---- identity ----
     @property
@@ -648,13 +654,24 @@ class ProcessGroupTPU(dist.ProcessGroup):
         that rank's k-th receive from us."""
         n = self._p2p_next.get(("send", dst), 0)
         self._p2p_next[("send", dst)] = n + 1
-        data = np.asarray(_block(t, self._dev)).tobytes()
+        block = _block(t, self._dev)
+        # a view of the device array (XLA:CPU: no copy); a small payload is copied into the
+        # store value, a large one's array stays referenced (so never donated) until written
+        data = np.asarray(block).reshape(-1).view(np.uint8)
         code = np.zeros(_CODE_LEN, np.int64)
         c = _p2p_code(t)
         code[:len(c)] = c
         count("dist_calls", op="send/recv")
-        count("dist_bytes", len(data), op="send/recv")
-        self._store.set(self._key(self.rank(), dst, n), code.tobytes() + data)
+        count("dist_bytes", data.nbytes, op="send/recv")
+        key = self._key(self.rank(), dst, n)
+        if data.nbytes >= _SOCKET_BYTES:  # the payload over a direct connection, queued first
+            addr = self._peer_addr.get(dst)
+            if addr is None:
+                addr = self._peer_addr[dst] = self._store.get(self._key("addr", dst)).decode()
+            p2p_transport.transport().put(addr, f"{self._gname}/{key}", data, keep=block)
+            self._store.set(key, code.tobytes() + _VIA_SOCKET)
+        else:
+            self._store.set(key, code.tobytes() + _IN_STORE + data.tobytes())
 
     def _p2p_errors(self, work=None) -> None:
         """Raise what a receiver reported about one of this rank's sends (a shape mismatch is
@@ -705,7 +722,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 theirs=f"recv {_describe(_p2p_code(t))}"))
             raise RuntimeError(f"{self._where('send/recv', self._seq)}: " + msg.format(
                 peer=src, mine=desc, theirs=f"send {_describe(code)}"))
-        arr = np.frombuffer(raw[_CODE_LEN * 8:], np.dtype(to_jax(t.dtype)))
+        if raw[_CODE_LEN * 8:_CODE_LEN * 8 + 1] == _VIA_SOCKET:
+            payload = p2p_transport.transport().take(
+                f"{self._gname}/{key}", time.monotonic() + self._timeout.total_seconds(),
+                f"{self._where('send/recv', self._seq)}: {desc}")
+        else:
+            payload = raw[_CODE_LEN * 8 + 1:]
+        arr = np.frombuffer(payload, np.dtype(to_jax(t.dtype)))
         _write(t, jax.device_put(arr.reshape(tuple(t.shape)), self._dev))
 
     def _p2p_block(self, src: int, n: int, key: str, desc: str) -> None:
@@ -752,7 +775,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     raise RuntimeError(
                         f"{self._where('send/recv', self._seq)}: timed out after "
                         f"{self._timeout} waiting on {desc} (transfer {n})")
-                time.sleep(pause)
+                p2p_transport.transport().wait_arrival(pause)
                 pause = min(pause * 2, 0.01)
         finally:
             store.set(self._key("wait", me), "idle")
