@@ -638,3 +638,71 @@ def test_trainer_batch_views():
     oc.step()
     torch.testing.assert_close(lt.cpu(), lc.detach())
     assert_params_close(cpu, tpu)
+
+
+def _clip_trainer_case(build, batches, loss_fn, kw, max_norm, norm_type):
+    """The trainer with write_grads and max_grad_norm against torch.optim on CPU with
+    loss.backward(); clip_grad_norm_(model.parameters(), ...); step(): losses, p.grad (the
+    clipped gradients), the total norms, parameters and state, step for step."""
+    cpu, tpu = pair(build)
+    oc = torch.optim.AdamW(cpu.parameters(), **kw)
+    ot = opts.AdamW(tpu.parameters(), **kw)
+    trainer = opts.SingleTraceTrainer(tpu, loss_fn, ot, write_grads=True,
+                                      max_grad_norm=max_norm, norm_type=norm_type)
+    clipped = 0
+    for i, (x, y) in enumerate(batches):
+        oc.zero_grad()
+        loss = loss_fn(cpu, x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(cpu.parameters(), max_norm, norm_type)
+        clipped += bool(norm > max_norm)
+        oc.step()
+        torch.tpu.synchronize()
+        before, programs = eager_ops(), counter("trainer_programs")
+        lt = trainer.step(x.to(TPU), y.to(TPU))
+        if i > 0:  # still one program per step, nothing else on the device
+            assert eager_ops() == before and counter("trainer_programs") == programs + 1
+        torch.testing.assert_close(lt.cpu(), loss.detach(), msg=lambda m: f"step {i} loss: {m}")
+        torch.testing.assert_close(trainer.grad_norm.cpu(), norm, msg=lambda m: f"step {i}: {m}")
+        for (n, pc), pt in zip(cpu.named_parameters(), tpu.parameters()):
+            assert pt.grad is not None and pt.grad.device.type == "tpu", n
+            torch.testing.assert_close(pt.grad.cpu(), pc.grad,
+                                       msg=lambda m: f"step {i} grad {n}: {m}")
+        assert_params_close(cpu, tpu)
+    assert_states_close(oc, ot)
+    return clipped
+
+
+def test_trainer_writes_grads_and_clips_like_torch():
+    """GPT example, AdamW: clip_grad_norm_ inside the one program (2-norm; max_norm below
+    the gradients' norm so every step clips) equal to torch.optim with clip_grad_norm_ on
+    CPU step for step, p.grad written."""
+    kw = dict(lr=1e-3, betas=(0.9, 0.95))
+    clipped = _clip_trainer_case(small_gpt, gpt_batches(), gpt_loss, kw, 0.5, 2.0)
+    assert clipped > 0  # the clipping did something
+    mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.Tanh(),  # noqa
+                                nn.Linear(16, 10))
+    # the inf-norm; a max_norm between the steps' norms, so some steps clip and some do not
+    clipped = _clip_trainer_case(mlp, image_batches(3, size=8, batch=4), ce_loss,
+                                 dict(lr=1e-2), 0.3, float("inf"))
+    assert 0 < clipped < 3
+
+
+def test_trainer_refuses_gradient_hooks():
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1)).to(TPU)
+    trainer = opts.SingleTraceTrainer(model, lambda m, x: m(x).sum(),
+                                      opts.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 4, device=TPU)
+    h = model[0].weight.register_hook(lambda g: g * 2)
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' has a gradient hook"):
+        trainer.step(x)
+    h.remove()
+    h = model[1].register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(RuntimeError, match=r"module '1' has a backward hook"):
+        trainer.step(x)
+    h.remove()
+    trainer.step(x)  # without hooks it runs
+    assert model[0].weight.grad is None  # write_grads off: p.grad untouched
+    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+        opts.SingleTraceTrainer(model, lambda m, x: m(x).sum(),
+                                opts.SGD(model.parameters(), lr=0.1), max_grad_norm=0)

@@ -13,11 +13,18 @@ batch shape traces again (one program per shape), as does a change of the optimi
 hyperparameters or of ``model.training``.
 
 The optimizer's state lives in the optimizer (``optimizer.state_dict()`` is torch.optim's, and
-``optimizer.step()`` can continue from it); the gradients stay inside the program (``p.grad``
-is not written).
+``optimizer.step()`` can continue from it). The gradients stay inside the program unless
+``write_grads=True`` (then each parameter's ``p.grad`` holds this step's gradient afterwards, as
+after ``zero_grad(); loss.backward()``, clipped when clipping is on). ``max_grad_norm``: the
+program clips as ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm,
+norm_type)`` between backward and the update (the norm over every parameter with a gradient;
+``trainer.grad_norm`` is the total norm before clipping, what ``clip_grad_norm_`` returns).
+Gradient hooks (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``, module
+backward hooks) cannot run inside the program: a model with one is refused with an error.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
@@ -75,6 +82,12 @@ class _Traced:
         for j, name in enumerate(out_names):
             if name in grads:
                 self.grad_pos.setdefault(id(named[grads[name]]), []).append(j)
+        seen = set()  # the parameters with a gradient, each once (tied: one Parameter)
+        self.grad_params = []
+        for t in self.inputs:
+            if id(t) in self.grad_pos and id(t) not in seen:
+                seen.add(id(t))
+                self.grad_params.append(t)
         self.buffer_pos = [(j, named[sig.buffers_to_mutate[name]])
                            for j, name in enumerate(out_names)
                            if name in sig.buffers_to_mutate]
@@ -108,10 +121,18 @@ class SingleTraceTrainer:
     at every step.
     """
 
-    def __init__(self, model: nn.Module, loss_fn, optimizer):
+    def __init__(self, model: nn.Module, loss_fn, optimizer, *, write_grads: bool = False,
+                 max_grad_norm: float | None = None, norm_type: float = 2.0):
         if not isinstance(optimizer, _OneProgramStep):
             raise TypeError("SingleTraceTrainer needs a torch.tpu.optimizers optimizer "
                             f"(AdamW, Adam, SGD or Muon), got {type(optimizer).__name__}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"SingleTraceTrainer: max_grad_norm must be positive, got "
+                             f"{max_grad_norm}")
+        self.write_grads = bool(write_grads)
+        self._clip = None if max_grad_norm is None else (float(max_grad_norm),
+                                                         float(norm_type))
+        self.grad_norm = None  # the last step's total gradient norm (with max_grad_norm)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -145,6 +166,7 @@ class SingleTraceTrainer:
                 raise TypeError("SingleTraceTrainer.step expects tensors on the 'tpu' device, "
                                 f"got {type(t).__name__}"
                                 + (f" on {t.device}" if isinstance(t, torch.Tensor) else ""))
+        self._refuse_hooks()
         key = (tuple((tuple(t.shape), t.dtype) for t in batch), self.model.training)
         traced = self._traced.get(key)
         if traced is None:
@@ -156,6 +178,29 @@ class SingleTraceTrainer:
                 raise RuntimeError(f"SingleTraceTrainer: a parameter, buffer or optimizer state "
                                    f"tensor cannot be passed to one program ({why})")
         return self._run(traced, plan, batch)
+
+    def _refuse_hooks(self) -> None:
+        """Hooks run by the autograd engine never run inside the one program: refuse them."""
+        from torch.nn.modules import module as _m
+
+        if _m._global_backward_hooks or _m._global_backward_pre_hooks:
+            raise RuntimeError("SingleTraceTrainer: global module backward hooks are registered "
+                               "(nn.modules.module.register_module_full_backward_hook); they "
+                               "cannot run inside the one program")
+        for name, p in self.model.named_parameters():
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                raise RuntimeError(
+                    f"SingleTraceTrainer: parameter {name!r} has a gradient hook "
+                    "(register_hook / register_post_accumulate_grad_hook), which cannot run "
+                    "inside the one program; remove it, or train with loss.backward() and "
+                    "optimizer.step()")
+        for name, m in self.model.named_modules():
+            if m._backward_hooks or m._backward_pre_hooks:
+                raise RuntimeError(
+                    f"SingleTraceTrainer: module {name or type(m).__name__!r} has a backward "
+                    "hook (register_full_backward_hook / register_full_backward_pre_hook), "
+                    "which cannot run inside the one program; remove it, or train with "
+                    "loss.backward() and optimizer.step()")
 
     def _run(self, traced, plan, batch):
         # flat arguments: each distinct tensor once (tied parameters are one Parameter), the
@@ -184,7 +229,7 @@ class SingleTraceTrainer:
         donate = _program.sole(flat, written)
         structure = plan.structure()
         shapes = (tuple(tuple(t.shape) for t in tensors), tuple(tuple(t.shape) for t in batch))
-        pkey = (id(traced), structure, shapes, donate)
+        pkey = (id(traced), structure, shapes, donate, self.write_grads, self._clip)
         prog = self._programs.get(pkey)
         if prog is None:
             prog = self._programs[pkey] = self._program(traced, plan, tensors, slot, state_slots,
@@ -194,7 +239,7 @@ class SingleTraceTrainer:
             count("trainer_donated_buffers", len(donate))
         out = prog(*flat)
         del flat
-        loss, flags, new_inputs, new_states = out
+        loss, flags, new_inputs, new_states, grads, norm = out
         for ok, info in zip(flags, traced.low.check_info):
             _checks.add(ok, *info)
         for j, t in enumerate(tensors):
@@ -206,6 +251,11 @@ class SingleTraceTrainer:
                     _buffer.buffer_of(e.state[name]).array = arr
                 else:  # created by the rule (SGD's first buffer with dampening)
                     e.state[name] = _buffer.wrap(arr)
+        if self.write_grads:
+            for p, g in zip(traced.grad_params, grads):
+                p.grad = _buffer.wrap(g)
+        if norm is not None:
+            self.grad_norm = _buffer.wrap(norm)
         self.optimizer._opt_called = True  # a scheduler's "step() before optimizer.step()" check
         return _buffer.wrap(loss)
 
@@ -219,6 +269,9 @@ class SingleTraceTrainer:
         entry_slot = [slot[id(e.param)] for e in plan.entries]
         entry_grads = [traced.grad_pos[id(e.param)] for e in plan.entries]
         buffer_out = {slot[id(b)]: j for j, b in traced.buffer_pos}
+        grad_index = {id(p): k for k, p in enumerate(traced.grad_params)}
+        entry_index = [grad_index[id(e.param)] for e in plan.entries]
+        write_grads, clip = self.write_grads, self._clip
 
         def train_step(*flat):
             count("trainer_program_traces")
@@ -226,13 +279,17 @@ class SingleTraceTrainer:
             ph = [vals[i] for i in ph_src] + list(flat[batch_slot:batch_slot + n_batch])
             rng = flat[batch_slot + n_batch] if traced.n_random else None
             outs, flags = traced.outputs(ph, rng)
-            grads = []
-            for positions in entry_grads:
-                gs = [outs[j] for j in positions if outs[j] is not None]
+            all_grads = []  # every parameter with a gradient (clip_grad_norm_'s set)
+            for p in traced.grad_params:
+                gs = [outs[j] for j in traced.grad_pos[id(p)] if outs[j] is not None]
                 g = gs[0]
                 for extra in gs[1:]:
                     g = g + extra  # a tied parameter: autograd's accumulation
-                grads.append(g)
+                all_grads.append(g)
+            norm = None
+            if clip is not None:
+                all_grads, norm = _clip_grads(all_grads, *clip)
+            grads = [all_grads[k] for k in entry_index]
             states = []
             for (_r, _s, names, _lr, _shape, shapes), k in zip(structure[0], state_slots):
                 states.append({n: flat[k + j].reshape(s)
@@ -249,6 +306,29 @@ class SingleTraceTrainer:
                 olds = dict(zip(names, flat[k:k + len(names)]))
                 out_states.append({n: v.reshape(olds[n].shape) if n in olds else v
                                    for n, v in st.items()})
-            return outs[traced.loss_pos], tuple(flags), new_inputs, out_states
+            return (outs[traced.loss_pos], tuple(flags), new_inputs, out_states,
+                    tuple(all_grads) if write_grads else (), norm)
 
         return program_cache.Program("trainer", train_step, None, donate_argnums=donate)
+
+
+def _clip_grads(grads, max_norm: float, norm_type: float):
+    """``torch.nn.utils.clip_grad_norm_``'s arithmetic: each gradient's norm, the norm of
+    those, ``max_norm / (total + 1e-6)`` clamped to 1, every gradient scaled by it (in its
+    dtype). Returns (clipped gradients, total norm)."""
+    if not grads:
+        return grads, jnp.zeros((), jnp.float32)
+    if norm_type == float("inf"):
+        norms = [jnp.max(jnp.abs(g)) for g in grads]
+        total = jnp.max(jnp.stack([n.astype(jnp.float32) for n in norms]))
+    else:
+        def vnorm(v):
+            if norm_type == 2.0:
+                return jnp.sqrt(jnp.sum(v * v))
+            if norm_type == 1.0:
+                return jnp.sum(jnp.abs(v))
+            return jnp.sum(jnp.abs(v) ** norm_type) ** (1.0 / norm_type)
+        norms = [vnorm(g.ravel()) for g in grads]
+        total = vnorm(jnp.stack([n.astype(jnp.float32) for n in norms]))
+    coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
+    return [g * coef.astype(g.dtype) for g in grads], total
