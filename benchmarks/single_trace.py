@@ -10,6 +10,10 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
   backward and the AdamW update as one XLA program, parameters and state donated;
 - ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
   ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
+- ``trainer+clip`` / ``compiled+clip``: the same with gradient clipping
+  (``max_grad_norm=1.0`` inside the trainer's program; ``clip_grad_norm_(model.parameters(),
+  1.0)`` between backward and step in the compiled step) and, for the trainer, ``p.grad``
+  written (``write_grads=True``, what code that reads gradients needs);
 - ``fused`` / ``strict``: the same step in the Fused / Strict eager modes, with torch.optim's
   AdamW, and ``fused+opt`` / ``strict+opt`` with ``torch.tpu.optimizers.AdamW`` (its step one
   program).
@@ -36,7 +40,9 @@ import compile_step as cs  # noqa: E402  (the shared benchmark models)
 from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
-CONTENDERS = ("trainer", "compiled", "fused", "fused+opt", "strict", "strict+opt")
+CONTENDERS = ("trainer", "compiled", "trainer+clip", "compiled+clip", "fused", "fused+opt",
+              "strict", "strict+opt")
+MAX_NORM = 1.0
 
 
 def programs() -> int:
@@ -53,14 +59,23 @@ def build(name):
     torch.manual_seed(0)
     model = cs.TinyGPT(**cs.GPT).to("tpu")
     idx, tgt = cs.gpt_data("tpu")
-    ours = name == "trainer" or name.endswith("+opt")
+    ours = name.startswith("trainer") or name.endswith("+opt")
     opt = (torch.tpu.optimizers.AdamW(model.parameters(), lr=cs.LR) if ours
            else torch.optim.AdamW(model.parameters(), lr=cs.LR, foreach=True))
-    if name == "trainer":
-        trainer = torch.tpu.optimizers.SingleTraceTrainer(model, cs.gpt_loss, opt)
+    if name.startswith("trainer"):
+        kw = dict(max_grad_norm=MAX_NORM, write_grads=True) if name.endswith("+clip") else {}
+        trainer = torch.tpu.optimizers.SingleTraceTrainer(model, cs.gpt_loss, opt, **kw)
         return lambda: trainer.step(idx, tgt)
     step = cs.make_step(cs.gpt_loss)
-    if name == "compiled":
+    if name.endswith("+clip"):
+        def step(model, opt, a, b):
+            opt.zero_grad(set_to_none=True)
+            loss = cs.gpt_loss(model, a, b)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            return loss
+    if name.startswith("compiled"):
         torch._dynamo.reset()
         step = torch.compile(step, backend="tpu")
     return lambda: step(model, opt, idx, tgt)
@@ -136,7 +151,8 @@ def main(argv=None):
                        + ("  (a loaded machine: the CPU-time row is the steadier one)"
                           if worst > 0.3 else ""))
     table.notes.append(environment())
-    table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer", "fused"),
+    table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer+clip", "compiled+clip"),
+                                     ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]
                  if a in names and b in names])
     return res
