@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Table  # noqa: E402
 
-SIZES = [4 << 10, 1 << 20, 16 << 20, 64 << 20]
+SIZES = [4 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def ping_pong(send, recv, rank, sync):
