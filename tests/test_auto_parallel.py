@@ -208,8 +208,17 @@ def test_apply_one_process_meta_model_trains():
 
 def test_plans_train_on_two_processes_like_one():
     """FSDP (budget-forced) and TP (budget-forced) plans: losses, every step's gradients and
-    the final parameters equal one CPU process's."""
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "tp", timeout=300))
+    the final parameters equal one CPU process's; the TP plan's applied module also under
+    torch.compile(backend="tpu"), equal to the eager applied module and to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "tp_compile", timeout=400))
+
+
+@pytest.mark.slow  # ~2 min, 2 + 4 processes
+def test_compiled_fsdp_and_2d_plans_train_like_one():
+    """torch.compile(backend="tpu") of FSDP (2 processes) and dp x tp (4 processes) applied
+    modules: forward, backward and optimizer step equal to eager and to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp_compile", timeout=400))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_compile", nproc=4, timeout=600))
 
 
 @pytest.mark.slow  # ~2 min
