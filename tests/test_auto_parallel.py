@@ -207,18 +207,50 @@ def test_apply_one_process_meta_model_trains():
 
 
 def test_plans_train_on_two_processes_like_one():
-    """FSDP (budget-forced) and TP (budget-forced) plans: losses, every step's gradients and
-    the final parameters equal one CPU process's; the TP plan's applied module also under
-    torch.compile(backend="tpu"), equal to the eager applied module and to one CPU process."""
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "tp_compile", timeout=400))
+    """An FSDP plan (budget-forced) and a TP + sequence parallel plan (a budget only SP
+    meets): losses, every step's gradients and the final parameters equal one CPU process's;
+    the SP plan's applied module under torch.compile(backend="tpu"), equal to the eager
+    applied module and to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "sp_compile", timeout=400))
 
 
-@pytest.mark.slow  # ~2 min, 2 + 4 processes
-def test_compiled_fsdp_and_2d_plans_train_like_one():
-    """torch.compile(backend="tpu") of FSDP (2 processes) and dp x tp (4 processes) applied
-    modules: forward, backward and optimizer step equal to eager and to one CPU process."""
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp_compile", timeout=400))
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_compile", nproc=4, timeout=600))
+@pytest.mark.slow  # ~3 min, 2 + 4 processes
+def test_compiled_and_sequence_parallel_plans_train_like_one():
+    """torch.compile(backend="tpu") of FSDP and TP (2 processes) and dp x tp (4 processes)
+    applied modules: forward, backward and optimizer step equal to eager and to one CPU
+    process; dp x tp with sequence parallelism (4 processes)."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp_compile", "tp_compile", timeout=400))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_compile", "2d_sp", nproc=4, timeout=600))
+
+
+def test_sequence_parallel_chosen_where_it_fits_and_refused_where_not():
+    """One long sequence (no batch to split over dp) makes activations dominate: under a
+    budget that TP alone exceeds, the search chooses TP + sequence parallelism (TorchTitan's
+    SP); a model whose code between
+    the blocks reads the sequence length (HF Llama builds its causal mask from the hidden
+    states' shape) and one without an embedding are never given SP, and say why."""
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens(1, 512)
+    kw = dict(dp=1, tp=2, device_spec="cpu")
+    tp_only = plan_for(m, 2, (x,), **kw)
+    with_sp = plan_for(m, 2, (x,), sequence_parallel=True, **kw)
+    # the norms' and residuals' activations are halved
+    assert with_sp.predicted["memory_bytes"] < 0.9 * tp_only.predicted["memory_bytes"]
+    assert with_sp.predicted["step_time_s"] <= tp_only.predicted["step_time_s"]
+    plan = td.auto_parallelize(m, 2, (x,), memory_budget=1.001 * with_sp.predicted["memory_bytes"],
+                               device_spec="cpu", verify=False)
+    assert plan.search["factorisations"] == [[1, 2]]  # a batch of 1 cannot be split
+    assert plan.sequence_parallel and plan.search["sequence_parallel"] == "possible"
+    assert plan.to_torchtitan()["parallelism"]["enable_sequence_parallel"]
+    assert plan.sp_modules["norms"] == ["layers.*.attention_norm", "layers.*.ffn_norm", "norm"]
+    assert "sequence parallel" in str(plan)
+    assert Plan.from_dict(plan.to_dict()).decisions() == plan.decisions()
+    hf = td.auto_parallelize(tiny_llama(), 2, (), example_kwargs={"input_ids": tokens()},
+                             device_spec="cpu", verify=False)
+    assert not hf.sequence_parallel
+    assert "sequence-sharded stream fails" in hf.search["sequence_parallel"]
+    with pytest.raises(ValueError, match="does not start with an Embedding"):
+        plan_for(MLP(), 2, (torch.randn(8, 4, 32),), dp=1, tp=2, sequence_parallel=True)
 
 
 @pytest.mark.slow  # ~2 min

@@ -16,6 +16,8 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
            same losses on every rank)
   2d       dp=2 x tp=2 (4 ranks)
   2d_fsdp  dp=2 x tp=2 under a budget only FSDP over TP fits
+  sp       a budget only sequence parallelism meets on a tp-only mesh (TorchTitan's SP)
+  sp_compile, 2d_sp  the same compiled; on dp=2 x tp=2
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
@@ -157,6 +159,22 @@ def main():
             plan = search(probe, world, (1, world), 0.8 * _replicated_memory(probe, world))
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("tp", plan, Transformer)
+        elif cfg in ("sp", "sp_compile", "2d_sp"):
+            # a budget that tensor parallelism alone exceeds and TorchTitan's sequence
+            # parallelism meets: the search must choose SP; applied through
+            # SequenceParallel / PrepareModuleInput as TorchTitan does
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            x = torch.randint(0, VOCAB, (BATCH, SEQ))
+            shape = (2, world // 2) if cfg == "2d_sp" else (1, world)
+            kw = dict(dp=shape[0], tp=shape[1], device_spec="cpu")
+            tp_only = plan_for(probe, world, (x,), **kw)
+            with_sp = plan_for(probe, world, (x,), sequence_parallel=True, **kw)
+            assert with_sp.predicted["memory_bytes"] < tp_only.predicted["memory_bytes"]
+            plan = search(probe, world, shape, 1.001 * with_sp.predicted["memory_bytes"])
+            assert plan.sequence_parallel, plan
+            assert tp_only.predicted["memory_bytes"] > 1.001 * with_sp.predicted["memory_bytes"]
+            check(cfg, plan, Transformer, compiled=cfg == "sp_compile")
         elif cfg in ("fsdp_compile", "tp_compile", "2d_compile"):
             # torch.compile(backend="tpu") of the applied module: equal to the eager applied
             # module and to one CPU process

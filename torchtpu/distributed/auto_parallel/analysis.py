@@ -67,6 +67,8 @@ class TPBlock:
     out_act_bytes: int  # the out layer's output (all-reduced over tp in forward)
     in_act_bytes: int  # the block input (its gradient all-reduced over tp in backward)
     heads: list = field(default_factory=list)  # head counts found on the module, for divisibility
+    act_arg: object = None  # where the block takes its input: positional index or kwarg name
+    nargs: int = 0  # its positional arguments
 
 
 @dataclass
@@ -81,6 +83,9 @@ class Analysis:
     batch: int
     input_bytes: int
     output_bytes: int
+    leaf_order: list = field(default_factory=list)  # Linear / Embedding fqns in call order
+    seq_len: int = 0  # dim 1 of the first input (tokens), 0 if it has none
+    sp_blocker: str = "not analysed"  # why sequence parallelism cannot apply ("" if it can)
 
 
 class _Flops(TorchDispatchMode):
@@ -192,9 +197,11 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
 
     names = {m: n for n, m in model.named_modules()}
     stack = []
+    leaf_order = []
     calls = defaultdict(list)  # module fqn -> [leaf fqn in call order] (every ancestor)
     leaves = {}
     block_inputs = {}
+    call_args = {}  # module fqn -> (positional arg ids, {kwarg name: id}) of its first call
     saved = defaultdict(int)
     hooks = []
 
@@ -203,11 +210,14 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         stack.append(fqn)
         first = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)), None)
         block_inputs.setdefault(fqn, (id(first), _nbytes(first)))
+        call_args.setdefault(fqn, ([id(x) for x in a], {k: id(v) for k, v in kw.items()}))
 
     def post(mod, a, kw, out):
         fqn = stack.pop()
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             x = a[0] if a else next(iter(kw.values()))
+            if fqn not in leaves:
+                leaf_order.append(fqn)
             leaves[fqn] = Leaf(fqn, "linear" if isinstance(mod, nn.Linear) else "embedding",
                                id(x), _nbytes(out), _nbytes(x))
             for anc in stack:
@@ -265,8 +275,11 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         if any(pre_ + p not in own for p, _ in mod.named_parameters()):
             continue  # other parametrised modules (a norm) would see sharded activations
         # the smallest such module: not one whose child already qualifies with the same leaves
+        pos, kws = call_args.get(fqn, ([], {}))
+        act = next((i for i, x in enumerate(pos) if x == ins[0].in_id),
+                   next((k for k, x in kws.items() if x == ins[0].in_id), None))
         blocks.append(TPBlock(fqn, [l.fqn for l in ins], out.fqn, out.out_bytes, ins[0].in_bytes,
-                              _head_counts(mod)))
+                              _head_counts(mod), act, len(pos)))
     # keep the innermost block for a given set of leaves
     by_leaves = {}
     for b in sorted(blocks, key=lambda b: -len(b.fqn)):
@@ -281,5 +294,104 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         used |= ls
         keep.append(b)
     out_bytes = sum(_nbytes(t) for t in outs)
-    return Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
-                    sum(_nbytes(t) for t in tensors), out_bytes)
+    an = Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
+                  sum(_nbytes(t) for t in tensors), out_bytes, leaf_order,
+                  tensors[0].shape[1] if tensors[0].dim() >= 2 else 0)
+    an.sp_blocker = _sp_blocker(model, an, mods)
+    if not an.sp_blocker:
+        an.sp_blocker = _sp_shapes(model, an, fm, (meta_params, meta_buffers), margs, mkwargs,
+                                   [tuple(o.shape) for o in outs])
+    return an
+
+
+def sp_norms(an: Analysis, mods: dict) -> list:
+    """The modules that hold parameters besides the Linear / Embedding leaves: under sequence
+    parallelism they see the sequence-sharded activations (``SequenceParallel``)."""
+    res = []
+    for fqn, m in mods.items():
+        own = list(m.parameters(recurse=False))
+        if own and fqn not in an.leaves:
+            res.append(fqn)
+    return res
+
+
+def _sp_blocker(model: nn.Module, an: Analysis, mods: dict) -> str:
+    """Why TorchTitan's sequence parallelism (the residual stream sharded on the sequence
+    between blocks) does not fit this model's structure; "" when it does: tokens of shape
+    (batch, seq) enter an Embedding called first, every other Linear is in a TP block except
+    one head called last, every TP block takes the stream as one argument, and every other
+    parametrised module is a norm (1-D parameters only: it acts on each token alone)."""
+    if an.seq_len < 2:
+        return "the first input has no sequence dimension"
+    order = an.leaf_order
+    if len(order) < 3 or an.leaves[order[0]].kind != "embedding":
+        return "the model does not start with an Embedding"
+    if an.leaves[order[-1]].kind != "linear":
+        return "the model does not end with a Linear head"
+    in_block = {f for b in an.blocks for f in b.ins + [b.out]}
+    loose = [f for f in order[1:-1] if f not in in_block]
+    if loose:
+        return f"Linear / Embedding outside a TP block: {loose[:3]}"
+    if any(b.act_arg is None for b in an.blocks):
+        return "a TP block takes its input other than as one argument"
+    for fqn in sp_norms(an, mods):
+        m = mods[fqn]
+        if any(p.dim() != 1 for p in m.parameters(recurse=False)) or list(m.children()):
+            return f"{fqn} ({type(m).__name__}) is not a norm"
+    return ""
+
+
+def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want) -> str:
+    """The forward re-run on fake tensors as one rank of tp=2 sequence parallelism sees it
+    (the embedding's output cut to half the sequence, each block's input gathered and its
+    output cut, the head's input gathered): "" if it runs and gives the same output shapes,
+    else why not (code between the blocks that reads the sequence length, such as a causal
+    mask or positions built from the hidden states' shape, would see the local half)."""
+    if an.seq_len % 2:
+        return "odd sequence length"
+    half = an.seq_len // 2
+    mods = dict(model.named_modules())
+    hooks = []
+
+    def cut(mod, a, out):
+        return out.narrow(1, 0, half)
+
+    def gather(x):
+        return torch.cat([x, x], dim=1)
+
+    def gather_arg(where):
+        def hook(mod, a, kw):
+            if isinstance(where, int):
+                a = a[:where] + (gather(a[where]),) + a[where + 1:]
+            else:
+                kw = dict(kw, **{where: gather(kw[where])})
+            return a, kw
+        return hook
+
+    hooks.append(mods[an.leaf_order[0]].register_forward_hook(cut))
+    for b in an.blocks:
+        hooks.append(mods[b.fqn].register_forward_pre_hook(gather_arg(b.act_arg),
+                                                           with_kwargs=True))
+        hooks.append(mods[b.fqn].register_forward_hook(cut))
+    hooks.append(mods[an.leaf_order[-1]].register_forward_pre_hook(gather_arg(0),
+                                                                   with_kwargs=True))
+    import logging
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the failure is the answer, not an error to log
+    try:
+        with fm, eager(), torch.no_grad():
+            out = torch.func.functional_call(model, state, margs, mkwargs)
+        got = [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+               and t.is_floating_point()]
+    except Exception as e:  # noqa: BLE001 - any failure means the structure does not hold
+        return f"the forward with a sequence-sharded stream fails ({type(e).__name__}: " \
+               f"{str(e).splitlines()[0][:120] if str(e) else ''})"
+    finally:
+        quiet.setLevel(level)
+        for h in hooks:
+            h.remove()
+    if got != want:
+        return f"the forward with a sequence-sharded stream gives shapes {got}, not {want}"
+    return ""
