@@ -154,6 +154,27 @@ def test_compiled_collectives_of_hand_written_plans():
     assert "all-gather" in rfsdp["collectives"] or "reduce-scatter" in rfsdp["collectives"]
 
 
+@pytest.mark.slow  # ~40 s: three compile subprocesses
+def test_verification_of_deep_models_extrapolates_from_two_layers():
+    """A 6-layer stack is compiled with 1 and 2 layers and XLA's figures extrapolated: they
+    match compiling all 6 (parameters, FLOPs and collective bytes exactly; memory within 2%)."""
+    from torchtpu.distributed.auto_parallel.verify import compile_plans
+
+    torch.manual_seed(0)
+    m, x = Transformer(layers=6), tokens()
+    plans = [plan_for(m, 4, (x,), dp=1, tp=4, device_spec="cpu",
+                      tp_units=["layers.*.attention", "layers.*.feed_forward"]),
+             plan_for(m, 4, (x,), dp=2, tp=2, device_spec="cpu")]
+    full = compile_plans(m, (x,), {}, plans, 2, 4, full_depth=True)
+    ext = compile_plans(m, (x,), {}, plans, 2, 4)
+    for f, e in zip(full, ext):
+        assert e["depth"] == "extrapolated from 1 and 2 of 6 layers" and "depth" not in f
+        for k in ("argument_bytes", "flops", "collective_bytes"):
+            assert e[k] == pytest.approx(f[k], rel=1e-9), k
+        assert e["memory_bytes"] == pytest.approx(f["memory_bytes"], rel=0.02)
+    assert ext[0]["collectives"] == full[0]["collectives"] == {"all-reduce": 24}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                     reason="torchtitan is not installed")
 def test_torchtitan_llama3_debug_plan():
