@@ -195,6 +195,11 @@ def test_torchtitan_llama3_debug_plan():
     assert plan.predicted["memory_bytes"] <= budget
     # the fused QKV projection is not a colwise/rowwise pair: only the MLP is a TP block
     assert "layers.*.attention" not in plan.units
+    why = plan.search["not_tp_blocks"]["layers.*.attention"]
+    assert "fused projection" in why and "not split as a colwise/rowwise pair" in why
+    assert any(line.startswith("not a TP block: layers.*.attention") for line in plan.why)
+    assert "not analysed" not in plan.search["sequence_parallel"]
+    assert not plan.sequence_parallel  # a lone Linear inside the stack rules SP out
     assert plan.units["layers.*.feed_forward"]["ins"] == ["w1", "w3"]
     assert len(plan.groups) == 10
 

@@ -184,6 +184,7 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
     plans = [s.plan(*f) for f in found[:top_k]]
     search = {"analyse_s": t1 - t0, "solve_s": t2 - t1, "candidates": len(found),
               "sequence_parallel": s.an.sp_blocker or "possible",
+              "not_tp_blocks": s.an.not_blocks,
               "factorisations": [list(x) for x in s.shapes(mesh_shapes)]}
     if verify:
         from .verify import compile_plans, judge
@@ -205,6 +206,7 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
         chosen = plans[0]
     chosen.search = search
     chosen.why = _why(chosen, plans, budget, objective, verify)
+    chosen.why += [f"not a TP block: {g}: {why}" for g, why in s.an.not_blocks.items()]
     return chosen
 
 

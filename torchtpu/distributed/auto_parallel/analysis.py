@@ -86,6 +86,7 @@ class Analysis:
     leaf_order: list = field(default_factory=list)  # Linear / Embedding fqns in call order
     seq_len: int = 0  # dim 1 of the first input (tokens), 0 if it has none
     sp_blocker: str = "not analysed"  # why sequence parallelism cannot apply ("" if it can)
+    not_blocks: dict = field(default_factory=dict)  # group -> why it is not a TP block
 
 
 class _Flops(TorchDispatchMode):
@@ -256,6 +257,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
 
     mods = dict(model.named_modules())
     blocks = []
+    refused = {}
     for fqn, seq in calls.items():
         mod = mods[fqn]
         if isinstance(mod, (nn.Linear, nn.Embedding)) or len(seq) < 2:
@@ -269,6 +271,14 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
             continue
         o_mod = mods[out.fqn]
         if any(o_mod.in_features % mods[l.fqn].out_features for l in ins):
+            if len(ins) == 1 and mods[ins[0].fqn].out_features > o_mod.in_features:
+                # one projection wider than the out layer's input: a fused QKV (or gate/up)
+                # projection. Its rows' layout (q, k, v stacked, or grouped per head) is not
+                # known here, so a Shard(0) could split a head's q from its k and v: not a
+                # Megatron pair; it stays a lone Linear (colwise, output gathered)
+                refused[fqn] = (f"{ins[0].fqn} (out_features {mods[ins[0].fqn].out_features}) "
+                                f"looks like a fused projection feeding {out.fqn} (in_features "
+                                f"{o_mod.in_features}): not split as a colwise/rowwise pair")
             continue
         own = {f"{l}.{p}" for l in seq for p, _ in mods[l].named_parameters()}
         pre_ = f"{fqn}." if fqn else ""
@@ -297,6 +307,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     an = Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
                   sum(_nbytes(t) for t in tensors), out_bytes, leaf_order,
                   tensors[0].shape[1] if tensors[0].dim() >= 2 else 0)
+    an.not_blocks = {gn(k): v for k, v in refused.items()}
     an.sp_blocker = _sp_blocker(model, an, mods)
     if not an.sp_blocker:
         an.sp_blocker = _sp_shapes(model, an, fm, (meta_params, meta_buffers), margs, mkwargs,
