@@ -12,7 +12,7 @@ import torch
 
 import dist_launch as dl
 import torchtpu.distributed as td
-from auto_parallel_models import MLP, VOCAB, Transformer, tiny_llama
+from auto_parallel_models import MLP, VOCAB, MixingTransformer, Transformer, tiny_llama
 from torchtpu.distributed.auto_parallel import Plan, plan_for
 
 
@@ -275,6 +275,9 @@ def test_sequence_parallel_chosen_where_it_fits_and_refused_where_not():
                              device_spec="cpu", verify=False)
     assert not hf.sequence_parallel
     assert "sequence-sharded stream fails" in hf.search["sequence_parallel"]
+    # an op that mixes tokens between the blocks (shapes unchanged) is caught too
+    with pytest.raises(ValueError, match=r"aten\.cumsum\.default runs on the stream"):
+        plan_for(MixingTransformer(), 2, (x,), sequence_parallel=True, **kw)
     with pytest.raises(ValueError, match="does not start with an Embedding"):
         plan_for(MLP(), 2, (torch.randn(8, 4, 32),), dp=1, tp=2, sequence_parallel=True)
 

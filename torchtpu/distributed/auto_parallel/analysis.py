@@ -352,47 +352,94 @@ def _sp_blocker(model: nn.Module, an: Analysis, mods: dict) -> str:
     return ""
 
 
+class _Stream(TorchDispatchMode):
+    """Watches the ops that read the sequence-sharded stream outside the blocks, norms and
+    leaves (``inside`` counts those open): each must act on every token alone (a pointwise op,
+    a copy or a dtype cast), else ``bad`` names it (a mean over the sequence, a cumulative sum
+    or a token shift between the blocks would be wrong on a rank's half of the tokens)."""
+
+    _OK = ("_to_copy", "clone", "copy_", "detach", "alias")
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.inside, self.busy, self.bad = set(), 0, False, None
+
+    def mark(self, t):
+        self.ids.add(id(t))
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.busy or self.inside:
+            return out
+        if any(id(t) in self.ids for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)):
+            if torch.Tag.pointwise not in func.tags and \
+                    func.overloadpacket.__name__ not in self._OK and self.bad is None:
+                self.bad = str(func)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.mark(t)
+        return out
+
+
 def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want) -> str:
     """The forward re-run on fake tensors as one rank of tp=2 sequence parallelism sees it
     (the embedding's output cut to half the sequence, each block's input gathered and its
-    output cut, the head's input gathered): "" if it runs and gives the same output shapes,
-    else why not (code between the blocks that reads the sequence length, such as a causal
-    mask or positions built from the hidden states' shape, would see the local half)."""
+    output cut, the head's input gathered): "" if it runs, gives the same output shapes and
+    every op on the stream between the blocks acts on each token alone (``_Stream``), else
+    why not (code between the blocks that reads the sequence length, such as a causal mask or
+    positions built from the hidden states' shape, would see the local half)."""
     if an.seq_len % 2:
         return "odd sequence length"
     half = an.seq_len // 2
     mods = dict(model.named_modules())
     hooks = []
+    watch = _Stream()
 
-    def cut(mod, a, out):
-        return out.narrow(1, 0, half)
-
-    def gather(x):
-        return torch.cat([x, x], dim=1)
-
-    def gather_arg(where):
+    def enter(gather_at=None):
         def hook(mod, a, kw):
-            if isinstance(where, int):
-                a = a[:where] + (gather(a[where]),) + a[where + 1:]
-            else:
-                kw = dict(kw, **{where: gather(kw[where])})
+            if gather_at is not None:
+                watch.busy = True
+                if isinstance(gather_at, int):
+                    a = a[:gather_at] + (torch.cat([a[gather_at]] * 2, dim=1),) + \
+                        a[gather_at + 1:]
+                else:
+                    kw = dict(kw, **{gather_at: torch.cat([kw[gather_at]] * 2, dim=1)})
+                watch.busy = False
+            watch.inside += 1
             return a, kw
         return hook
 
-    hooks.append(mods[an.leaf_order[0]].register_forward_hook(cut))
+    def leave(cut):
+        def hook(mod, a, out):
+            watch.inside -= 1
+            if cut:
+                watch.busy = True
+                out = out.narrow(1, 0, half)
+                watch.busy = False
+            return pytree.tree_map(lambda t: watch.mark(t) if isinstance(t, torch.Tensor)
+                                   else t, out)
+        return hook
+
+    def watch_module(fqn, gather_at=None, cut=False):
+        m = mods[fqn]
+        hooks.append(m.register_forward_pre_hook(enter(gather_at), with_kwargs=True))
+        hooks.append(m.register_forward_hook(leave(cut)))
+
+    watch_module(an.leaf_order[0], cut=True)
     for b in an.blocks:
-        hooks.append(mods[b.fqn].register_forward_pre_hook(gather_arg(b.act_arg),
-                                                           with_kwargs=True))
-        hooks.append(mods[b.fqn].register_forward_hook(cut))
-    hooks.append(mods[an.leaf_order[-1]].register_forward_pre_hook(gather_arg(0),
-                                                                   with_kwargs=True))
+        watch_module(b.fqn, b.act_arg, cut=True)
+    watch_module(an.leaf_order[-1], 0)
+    for f in sp_norms(an, mods):
+        watch_module(f)
     import logging
 
     quiet = logging.getLogger("torch._subclasses.fake_tensor")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # the failure is the answer, not an error to log
     try:
-        with fm, eager(), torch.no_grad():
+        with fm, eager(), torch.no_grad(), watch:
             out = torch.func.functional_call(model, state, margs, mkwargs)
         got = [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
                and t.is_floating_point()]
@@ -405,4 +452,6 @@ def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want) -> str:
             h.remove()
     if got != want:
         return f"the forward with a sequence-sharded stream gives shapes {got}, not {want}"
+    if watch.bad:
+        return f"{watch.bad} runs on the stream between the blocks (it may mix tokens)"
     return ""
