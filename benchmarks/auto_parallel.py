@@ -10,10 +10,15 @@ step time on v5e and v6e, XLA's compiled per-device memory and collective bytes 
 compiled as SPMD programs), the compiled collectives the cost model did not predict; per model
 and mesh: Kendall's tau between predicted and compiled step time over the plans, solver and
 verification wall time. Then a budget below pure FSDP's predicted memory: the auto plan must fit.
-No step is timed here (the "measured step time" of the issue is not run: an 8-device step of
-these models is beyond this host), so there is no synchronize; the load average is printed.
+Measured step times (models in --measure, default the debug model): every plan's train step,
+compiled as one SPMD program with XLA's full optimisation, run on the mesh's virtual XLA:CPU
+devices in one subprocess (median of --reps runs after a warm-up, each ended by
+``block_until_ready``: the JAX equivalent of ``torch.tpu.synchronize()``), printed with the
+ratio to the auto plan's and the cost model's prediction for this host (``device_spec="cpu"``,
+Kendall's tau against the measured times). Virtual devices share this host's cores, so these
+are sanity figures, not TPU times; the 1B model's step (15 GB per device) is not run.
 
-    python benchmarks/auto_parallel.py [--models debug,1b] [--meshes 4,8]
+    python benchmarks/auto_parallel.py [--models debug,1b] [--meshes 4,8] [--measure debug]
 """
 from __future__ import annotations
 
@@ -68,6 +73,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="debug,1b")
     ap.add_argument("--meshes", default="4,8")
+    ap.add_argument("--measure", default="debug", help="models whose steps are run and timed")
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     from torchtpu.distributed.auto_parallel import (auto_parallelize, plan_for, predict)
     from torchtpu.distributed.auto_parallel.devices import device_spec
@@ -138,6 +145,8 @@ def main():
             print(f"   auto under TorchTitan's memory as budget: dp={same.dp} x tp={same.tp}, "
                   f"step {same.predicted['step_time_s'] / titan['step_time_s']:.2f}x, memory "
                   f"{same.predicted['memory_bytes'] / titan['memory_bytes']:.2f}x TorchTitan's")
+            if key in args.measure.split(","):
+                measure(model, a, kw, plans, args.reps)
             budget = 0.9 * plans["fsdp"].predicted["memory_bytes"]
             t2 = time.perf_counter()
             try:
@@ -149,6 +158,28 @@ def main():
                       f"({time.perf_counter() - t2:.2f} s)")
             except ValueError as e:
                 print(f"   budget 0.9 x FSDP's memory: {e}")
+
+
+def measure(model, a, kw, plans, reps):
+    from torchtpu.distributed.auto_parallel import predict
+    from torchtpu.distributed.auto_parallel.verify import compile_plans
+
+    batch = next(iter([*a, *kw.values()])).shape[0]
+    t0 = time.perf_counter()
+    res = compile_plans(model, a, kw, list(plans.values()), 2, batch, measure=reps)
+    print(f"   measured on {plans['auto'].world_size} virtual XLA:CPU devices (median of {reps}, "
+          f"compile + run {time.perf_counter() - t0:.1f} s, load {os.getloadavg()[0]:.1f}):")
+    auto_t = res[0]["measured_step_s"]
+    pred, meas = [], []
+    for (label, p), r in zip(plans.items(), res):
+        cpu = predict(model, p, a, device_spec="cpu", example_kwargs=kw)["step_time_s"]
+        pred.append(cpu)
+        meas.append(r["measured_step_s"])
+        print(f"   {label:<15}{f'{p.dp}x{p.tp}':>8}  measured {r['measured_step_s'] * 1e3:9.1f} ms"
+              f"  ({r['measured_step_s'] / auto_t:5.2f}x auto's)   predicted for this host "
+              f"{cpu * 1e3:9.1f} ms")
+    print(f"   Kendall's tau, predicted (cpu) vs measured step time over the "
+          f"{len(plans)} plans: {kendall_tau(pred, meas):+.2f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 
 import dist_launch as dl
 import torchtpu.distributed as td
-from auto_parallel_models import MLP, VOCAB, Transformer, tiny_llama
+from auto_parallel_models import MLP, VOCAB, MixingTransformer, Transformer, tiny_llama
 from torchtpu.distributed.auto_parallel import Plan, plan_for
 
 
@@ -154,6 +154,27 @@ def test_compiled_collectives_of_hand_written_plans():
     assert "all-gather" in rfsdp["collectives"] or "reduce-scatter" in rfsdp["collectives"]
 
 
+@pytest.mark.slow  # ~40 s: three compile subprocesses
+def test_verification_of_deep_models_extrapolates_from_two_layers():
+    """A 6-layer stack is compiled with 1 and 2 layers and XLA's figures extrapolated: they
+    match compiling all 6 (parameters, FLOPs and collective bytes exactly; memory within 2%)."""
+    from torchtpu.distributed.auto_parallel.verify import compile_plans
+
+    torch.manual_seed(0)
+    m, x = Transformer(layers=6), tokens()
+    plans = [plan_for(m, 4, (x,), dp=1, tp=4, device_spec="cpu",
+                      tp_units=["layers.*.attention", "layers.*.feed_forward"]),
+             plan_for(m, 4, (x,), dp=2, tp=2, device_spec="cpu")]
+    full = compile_plans(m, (x,), {}, plans, 2, 4, full_depth=True)
+    ext = compile_plans(m, (x,), {}, plans, 2, 4)
+    for f, e in zip(full, ext):
+        assert e["depth"] == "extrapolated from 1 and 2 of 6 layers" and "depth" not in f
+        for k in ("argument_bytes", "flops", "collective_bytes"):
+            assert e[k] == pytest.approx(f[k], rel=1e-9), k
+        assert e["memory_bytes"] == pytest.approx(f["memory_bytes"], rel=0.02)
+    assert ext[0]["collectives"] == full[0]["collectives"] == {"all-reduce": 24}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                     reason="torchtitan is not installed")
 def test_torchtitan_llama3_debug_plan():
@@ -174,6 +195,11 @@ def test_torchtitan_llama3_debug_plan():
     assert plan.predicted["memory_bytes"] <= budget
     # the fused QKV projection is not a colwise/rowwise pair: only the MLP is a TP block
     assert "layers.*.attention" not in plan.units
+    why = plan.search["not_tp_blocks"]["layers.*.attention"]
+    assert "fused projection" in why and "not split as a colwise/rowwise pair" in why
+    assert any(line.startswith("not a TP block: layers.*.attention") for line in plan.why)
+    assert "not analysed" not in plan.search["sequence_parallel"]
+    assert not plan.sequence_parallel  # a lone Linear inside the stack rules SP out
     assert plan.units["layers.*.feed_forward"]["ins"] == ["w1", "w3"]
     assert len(plan.groups) == 10
 
@@ -207,9 +233,53 @@ def test_apply_one_process_meta_model_trains():
 
 
 def test_plans_train_on_two_processes_like_one():
-    """FSDP (budget-forced) and TP (budget-forced) plans: losses, every step's gradients and
-    the final parameters equal one CPU process's."""
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "tp", timeout=300))
+    """An FSDP plan (budget-forced) and a TP + sequence parallel plan (a budget only SP
+    meets): losses, every step's gradients and the final parameters equal one CPU process's;
+    the SP plan's applied module under torch.compile(backend="tpu"), equal to the eager
+    applied module and to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp", "sp_compile", timeout=400))
+
+
+@pytest.mark.slow  # ~3 min, 2 + 4 processes
+def test_compiled_and_sequence_parallel_plans_train_like_one():
+    """torch.compile(backend="tpu") of FSDP and TP (2 processes) and dp x tp (4 processes)
+    applied modules: forward, backward and optimizer step equal to eager and to one CPU
+    process; dp x tp with sequence parallelism (4 processes)."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "fsdp_compile", "tp_compile", timeout=400))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_compile", "2d_sp", nproc=4, timeout=600))
+
+
+def test_sequence_parallel_chosen_where_it_fits_and_refused_where_not():
+    """One long sequence (no batch to split over dp) makes activations dominate: under a
+    budget that TP alone exceeds, the search chooses TP + sequence parallelism (TorchTitan's
+    SP); a model whose code between
+    the blocks reads the sequence length (HF Llama builds its causal mask from the hidden
+    states' shape) and one without an embedding are never given SP, and say why."""
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens(1, 512)
+    kw = dict(dp=1, tp=2, device_spec="cpu")
+    tp_only = plan_for(m, 2, (x,), **kw)
+    with_sp = plan_for(m, 2, (x,), sequence_parallel=True, **kw)
+    # the norms' and residuals' activations are halved
+    assert with_sp.predicted["memory_bytes"] < 0.9 * tp_only.predicted["memory_bytes"]
+    assert with_sp.predicted["step_time_s"] <= tp_only.predicted["step_time_s"]
+    plan = td.auto_parallelize(m, 2, (x,), memory_budget=1.001 * with_sp.predicted["memory_bytes"],
+                               device_spec="cpu", verify=False)
+    assert plan.search["factorisations"] == [[1, 2]]  # a batch of 1 cannot be split
+    assert plan.sequence_parallel and plan.search["sequence_parallel"] == "possible"
+    assert plan.to_torchtitan()["parallelism"]["enable_sequence_parallel"]
+    assert plan.sp_modules["norms"] == ["layers.*.attention_norm", "layers.*.ffn_norm", "norm"]
+    assert "sequence parallel" in str(plan)
+    assert Plan.from_dict(plan.to_dict()).decisions() == plan.decisions()
+    hf = td.auto_parallelize(tiny_llama(), 2, (), example_kwargs={"input_ids": tokens()},
+                             device_spec="cpu", verify=False)
+    assert not hf.sequence_parallel
+    assert "sequence-sharded stream fails" in hf.search["sequence_parallel"]
+    # an op that mixes tokens between the blocks (shapes unchanged) is caught too
+    with pytest.raises(ValueError, match=r"aten\.cumsum\.default runs on the stream"):
+        plan_for(MixingTransformer(), 2, (x,), sequence_parallel=True, **kw)
+    with pytest.raises(ValueError, match="does not start with an Embedding"):
+        plan_for(MLP(), 2, (torch.randn(8, 4, 32),), dp=1, tp=2, sequence_parallel=True)
 
 
 @pytest.mark.slow  # ~2 min

@@ -16,6 +16,10 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
            same losses on every rank)
   2d       dp=2 x tp=2 (4 ranks)
   2d_fsdp  dp=2 x tp=2 under a budget only FSDP over TP fits
+  sp       a budget only sequence parallelism meets on a tp-only mesh (TorchTitan's SP)
+  sp_compile, 2d_sp  the same compiled; on dp=2 x tp=2
+  fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
+           torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
 """
 from __future__ import annotations
@@ -46,18 +50,20 @@ def batches(vocab):
              torch.randint(0, vocab, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
 
 
-def train(model, data, device, hf=False, adam=False):
+def train(model, data, device, hf=False, adam=False, run=None):
     """An ordinary loop (SGD with momentum, or AdamW, over model.parameters()); returns the
-    losses and each step's gradients (full tensors)."""
+    losses and each step's gradients (full tensors). ``run``: what is called for the forward
+    (the model, or ``torch.compile(model, backend="tpu")``)."""
+    run = model if run is None else run
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, grads = [], []
     for x, y in data:
         x, y = x.to(device), y.to(device)
         if hf:
-            loss = model(input_ids=x, labels=y).loss
+            loss = run(input_ids=x, labels=y).loss
         else:
-            logits = model(x)
+            logits = run(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
@@ -73,7 +79,7 @@ def full(p):
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
 
 
-def check(name, plan, make, hf=False, edit=None, adam=False):
+def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
@@ -82,8 +88,32 @@ def check(name, plan, make, hf=False, edit=None, adam=False):
     ref_losses, ref_grads = train(ref, data, "cpu", hf, adam)
     if edit is not None:
         plan = edit(plan)
+    if compiled:
+        # the eager applied module first (equal to one CPU process): the compiled one must
+        # equal both. Dynamo's code cache is reset per model: in torch 2.13 a recompile of the
+        # same forward for another parallelisation of the model (FSDP, then TP) fails in
+        # AOTAutograd's partitioner ("Node view was invalid, but is output") on CPU/gloo with
+        # backend="aot_eager" as here
+        torch._dynamo.reset()
+        eager_model = plan.apply(copy.deepcopy(model))
+        eager_losses, eager_grads = train(eager_model, data, "tpu", hf, adam)
+        torch.testing.assert_close(torch.tensor(eager_losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=1e-5)
     model = plan.apply(model)
-    losses, grads = train(model, data, "tpu", hf, adam)
+    run = None
+    if compiled:
+        run = torch.compile(model, backend="tpu")
+        before = torch.tpu.metrics()["counters"].get("compile_graphs", 0)
+    losses, grads = train(model, data, "tpu", hf, adam, run=run)
+    if compiled:
+        assert torch.tpu.metrics()["counters"].get("compile_graphs", 0) > before, \
+            torch.tpu.metrics()["counters"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses),
+                                   rtol=1e-5, atol=1e-5)
+        for step, (g, r) in enumerate(zip(grads, eager_grads)):
+            for n in r:
+                torch.testing.assert_close(g[n], r[n],
+                                           msg=lambda m: f"{name} vs eager {step} {n}: {m}")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                atol=1e-5)
     # gradients at every step, and the parameters at the end; after AdamW only the first
@@ -129,6 +159,29 @@ def main():
             plan = search(probe, world, (1, world), 0.8 * _replicated_memory(probe, world))
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("tp", plan, Transformer)
+        elif cfg in ("sp", "sp_compile", "2d_sp"):
+            # a budget that tensor parallelism alone exceeds and TorchTitan's sequence
+            # parallelism meets: the search must choose SP; applied through
+            # SequenceParallel / PrepareModuleInput as TorchTitan does
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            x = torch.randint(0, VOCAB, (BATCH, SEQ))
+            shape = (2, world // 2) if cfg == "2d_sp" else (1, world)
+            kw = dict(dp=shape[0], tp=shape[1], device_spec="cpu")
+            tp_only = plan_for(probe, world, (x,), **kw)
+            with_sp = plan_for(probe, world, (x,), sequence_parallel=True, **kw)
+            assert with_sp.predicted["memory_bytes"] < tp_only.predicted["memory_bytes"]
+            plan = search(probe, world, shape, 1.001 * with_sp.predicted["memory_bytes"])
+            assert plan.sequence_parallel, plan
+            assert tp_only.predicted["memory_bytes"] > 1.001 * with_sp.predicted["memory_bytes"]
+            check(cfg, plan, Transformer, compiled=cfg == "sp_compile")
+        elif cfg in ("fsdp_compile", "tp_compile", "2d_compile"):
+            # torch.compile(backend="tpu") of the applied module: equal to the eager applied
+            # module and to one CPU process
+            shape = {"fsdp_compile": (world, 1), "tp_compile": (1, world),
+                     "2d_compile": (2, world // 2)}[cfg]
+            plan = search(probe, world, shape, 0.8 * _replicated_memory(probe, world))
+            check(cfg, plan, Transformer, compiled=True)
         elif cfg == "mixed":
             plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
             path = os.path.join(tempfile.gettempdir(), f"auto_plan_{os.getpid()}.json")

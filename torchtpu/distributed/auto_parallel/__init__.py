@@ -74,10 +74,24 @@ class _Search:
                                           self.optimizer_states)
         return self._costs[(dp, tp)]
 
-    def plan(self, dp, tp, unit_choice, group_choice, term) -> Plan:
+    def plan(self, dp, tp, unit_choice, group_choice, sp, term) -> Plan:
         c = self.costs(dp, tp)
-        return Plan.from_choice(dp, tp, self.spec.name, self.units, unit_choice, group_choice,
-                                c.owner, term)
+        p = Plan.from_choice(dp, tp, self.spec.name, self.units, unit_choice, group_choice,
+                             c.owner, term, sp)
+        if sp:
+            p.sp_modules = self.sp_modules()
+        return p
+
+    def sp_modules(self) -> dict:
+        """What ``apply`` needs for sequence parallelism: the norms (group names), and per TP
+        block where its input comes in (argument index or name) and its positional count."""
+        from .analysis import sp_norms
+
+        blocks = {}
+        for b in self.an.blocks:
+            blocks[self.an.namer(b.fqn)] = [b.act_arg, b.nargs]
+        return {"norms": sorted({self.an.namer(f) for f in sp_norms(self.an, self.modules)}),
+                "blocks": blocks}
 
     def sec_per_flop(self) -> float:
         fp32 = any(size == 4 for _, size in self.an.params.values())
@@ -86,13 +100,14 @@ class _Search:
 
 
 def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
-             data_parallel="fsdp", example_kwargs=None, device_spec="v6e",
-             optimizer_states: int = 2) -> Plan:
+             data_parallel="fsdp", sequence_parallel: bool = False, example_kwargs=None,
+             device_spec="v6e", optimizer_states: int = 2) -> Plan:
     """A hand-written plan in the same space, with the cost model's prediction: ``dp`` x ``tp``,
     every TP unit sharded (``tp_units="all"``), none (``None``) or those named (a list of unit
     names), every parameter ``data_parallel`` ("fsdp" or "replicate") over dp. TorchTitan's
     FSDP+TP, pure FSDP and DDP are ``plan_for(..., tp_units="all")``, ``(dp=n, tp=1)`` and
-    ``(dp=n, tp=1, data_parallel="replicate")``."""
+    ``(dp=n, tp=1, data_parallel="replicate")``; ``sequence_parallel=True`` (with every unit
+    sharded) is TorchTitan's SP, where the model allows it (else a ValueError says why not)."""
     from .cost import evaluate
 
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
@@ -106,7 +121,11 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
         sharded = [o for o in opts if o != "none"]
         uc[u] = sharded[0] if want and sharded else "none"
     gc = {g: (data_parallel if dp > 1 else "replicate") for g in c.group_opts}
-    return s.plan(dp, tp, uc, gc, evaluate(c, uc, gc))
+    if sequence_parallel and c.sp is None:
+        raise ValueError("plan_for: sequence parallelism does not apply here: " + (
+            s.an.sp_blocker or "it needs tp > 1, every TP unit sharded and a sequence length "
+                               "divisible by tp"))
+    return s.plan(dp, tp, uc, gc, sequence_parallel, evaluate(c, uc, gc, sequence_parallel))
 
 
 def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwargs=None,
@@ -120,7 +139,8 @@ def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwa
     s = _Search(model, plan.world_size, args, kwargs, device_spec, optimizer_states)
     c = s.costs(plan.dp, plan.tp)
     return _term_dict(evaluate(c, {u: d["choice"] for u, d in plan.units.items()},
-                               {g: d["dp"] for g, d in plan.groups.items()}))
+                               {g: d["dp"] for g, d in plan.groups.items()},
+                               plan.sequence_parallel))
 
 
 def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spec="v6e",
@@ -146,23 +166,25 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
     t1 = time.perf_counter()
     found = []
     for dp, tp in s.shapes(mesh_shapes):
-        for uc, gc, term in solve(s.costs(dp, tp), budget, objective, top_k):
-            found.append((dp, tp, uc, gc, term))
+        for uc, gc, sp, term in solve(s.costs(dp, tp), budget, objective, top_k):
+            found.append((dp, tp, uc, gc, sp, term))
     t2 = time.perf_counter()
     if not found:
         best = None
         for dp, tp in s.shapes(mesh_shapes):
-            for uc, gc, term in solve(s.costs(dp, tp), math.inf, "memory", 1):
-                if best is None or term.memory < best[4].memory:
-                    best = (dp, tp, uc, gc, term)
+            for uc, gc, sp, term in solve(s.costs(dp, tp), math.inf, "memory", 1):
+                if best is None or term.memory < best[5].memory:
+                    best = (dp, tp, uc, gc, sp, term)
         raise ValueError(
             f"auto_parallelize: no plan fits memory_budget={_size(budget)} per device; the "
-            f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[4].memory)} per "
+            f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[5].memory)} per "
             f"device")
-    key = (lambda f: f[4].time) if objective == "step_time" else (lambda f: f[4].memory)
+    key = (lambda f: f[5].time) if objective == "step_time" else (lambda f: f[5].memory)
     found.sort(key=key)
     plans = [s.plan(*f) for f in found[:top_k]]
     search = {"analyse_s": t1 - t0, "solve_s": t2 - t1, "candidates": len(found),
+              "sequence_parallel": s.an.sp_blocker or "possible",
+              "not_tp_blocks": s.an.not_blocks,
               "factorisations": [list(x) for x in s.shapes(mesh_shapes)]}
     if verify:
         from .verify import compile_plans, judge
@@ -184,6 +206,7 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
         chosen = plans[0]
     chosen.search = search
     chosen.why = _why(chosen, plans, budget, objective, verify)
+    chosen.why += [f"not a TP block: {g}: {why}" for g, why in s.an.not_blocks.items()]
     return chosen
 
 

@@ -67,6 +67,8 @@ class TPBlock:
     out_act_bytes: int  # the out layer's output (all-reduced over tp in forward)
     in_act_bytes: int  # the block input (its gradient all-reduced over tp in backward)
     heads: list = field(default_factory=list)  # head counts found on the module, for divisibility
+    act_arg: object = None  # where the block takes its input: positional index or kwarg name
+    nargs: int = 0  # its positional arguments
 
 
 @dataclass
@@ -81,6 +83,10 @@ class Analysis:
     batch: int
     input_bytes: int
     output_bytes: int
+    leaf_order: list = field(default_factory=list)  # Linear / Embedding fqns in call order
+    seq_len: int = 0  # dim 1 of the first input (tokens), 0 if it has none
+    sp_blocker: str = "not analysed"  # why sequence parallelism cannot apply ("" if it can)
+    not_blocks: dict = field(default_factory=dict)  # group -> why it is not a TP block
 
 
 class _Flops(TorchDispatchMode):
@@ -192,9 +198,11 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
 
     names = {m: n for n, m in model.named_modules()}
     stack = []
+    leaf_order = []
     calls = defaultdict(list)  # module fqn -> [leaf fqn in call order] (every ancestor)
     leaves = {}
     block_inputs = {}
+    call_args = {}  # module fqn -> (positional arg ids, {kwarg name: id}) of its first call
     saved = defaultdict(int)
     hooks = []
 
@@ -203,11 +211,14 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         stack.append(fqn)
         first = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)), None)
         block_inputs.setdefault(fqn, (id(first), _nbytes(first)))
+        call_args.setdefault(fqn, ([id(x) for x in a], {k: id(v) for k, v in kw.items()}))
 
     def post(mod, a, kw, out):
         fqn = stack.pop()
         if isinstance(mod, (nn.Linear, nn.Embedding)):
             x = a[0] if a else next(iter(kw.values()))
+            if fqn not in leaves:
+                leaf_order.append(fqn)
             leaves[fqn] = Leaf(fqn, "linear" if isinstance(mod, nn.Linear) else "embedding",
                                id(x), _nbytes(out), _nbytes(x))
             for anc in stack:
@@ -246,6 +257,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
 
     mods = dict(model.named_modules())
     blocks = []
+    refused = {}
     for fqn, seq in calls.items():
         mod = mods[fqn]
         if isinstance(mod, (nn.Linear, nn.Embedding)) or len(seq) < 2:
@@ -259,14 +271,25 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
             continue
         o_mod = mods[out.fqn]
         if any(o_mod.in_features % mods[l.fqn].out_features for l in ins):
+            if len(ins) == 1 and mods[ins[0].fqn].out_features > o_mod.in_features:
+                # one projection wider than the out layer's input: a fused QKV (or gate/up)
+                # projection. Its rows' layout (q, k, v stacked, or grouped per head) is not
+                # known here, so a Shard(0) could split a head's q from its k and v: not a
+                # Megatron pair; it stays a lone Linear (colwise, output gathered)
+                refused[fqn] = (f"{ins[0].fqn} (out_features {mods[ins[0].fqn].out_features}) "
+                                f"looks like a fused projection feeding {out.fqn} (in_features "
+                                f"{o_mod.in_features}): not split as a colwise/rowwise pair")
             continue
         own = {f"{l}.{p}" for l in seq for p, _ in mods[l].named_parameters()}
         pre_ = f"{fqn}." if fqn else ""
         if any(pre_ + p not in own for p, _ in mod.named_parameters()):
             continue  # other parametrised modules (a norm) would see sharded activations
         # the smallest such module: not one whose child already qualifies with the same leaves
+        pos, kws = call_args.get(fqn, ([], {}))
+        act = next((i for i, x in enumerate(pos) if x == ins[0].in_id),
+                   next((k for k, x in kws.items() if x == ins[0].in_id), None))
         blocks.append(TPBlock(fqn, [l.fqn for l in ins], out.fqn, out.out_bytes, ins[0].in_bytes,
-                              _head_counts(mod)))
+                              _head_counts(mod), act, len(pos)))
     # keep the innermost block for a given set of leaves
     by_leaves = {}
     for b in sorted(blocks, key=lambda b: -len(b.fqn)):
@@ -281,5 +304,154 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         used |= ls
         keep.append(b)
     out_bytes = sum(_nbytes(t) for t in outs)
-    return Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
-                    sum(_nbytes(t) for t in tensors), out_bytes)
+    an = Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
+                  sum(_nbytes(t) for t in tensors), out_bytes, leaf_order,
+                  tensors[0].shape[1] if tensors[0].dim() >= 2 else 0)
+    an.not_blocks = {gn(k): v for k, v in refused.items()}
+    an.sp_blocker = _sp_blocker(model, an, mods)
+    if not an.sp_blocker:
+        an.sp_blocker = _sp_shapes(model, an, fm, (meta_params, meta_buffers), margs, mkwargs,
+                                   [tuple(o.shape) for o in outs])
+    return an
+
+
+def sp_norms(an: Analysis, mods: dict) -> list:
+    """The modules that hold parameters besides the Linear / Embedding leaves: under sequence
+    parallelism they see the sequence-sharded activations (``SequenceParallel``)."""
+    res = []
+    for fqn, m in mods.items():
+        own = list(m.parameters(recurse=False))
+        if own and fqn not in an.leaves:
+            res.append(fqn)
+    return res
+
+
+def _sp_blocker(model: nn.Module, an: Analysis, mods: dict) -> str:
+    """Why TorchTitan's sequence parallelism (the residual stream sharded on the sequence
+    between blocks) does not fit this model's structure; "" when it does: tokens of shape
+    (batch, seq) enter an Embedding called first, every other Linear is in a TP block except
+    one head called last, every TP block takes the stream as one argument, and every other
+    parametrised module is a norm (1-D parameters only: it acts on each token alone)."""
+    if an.seq_len < 2:
+        return "the first input has no sequence dimension"
+    order = an.leaf_order
+    if len(order) < 3 or an.leaves[order[0]].kind != "embedding":
+        return "the model does not start with an Embedding"
+    if an.leaves[order[-1]].kind != "linear":
+        return "the model does not end with a Linear head"
+    in_block = {f for b in an.blocks for f in b.ins + [b.out]}
+    loose = [f for f in order[1:-1] if f not in in_block]
+    if loose:
+        return f"Linear / Embedding outside a TP block: {loose[:3]}"
+    if any(b.act_arg is None for b in an.blocks):
+        return "a TP block takes its input other than as one argument"
+    for fqn in sp_norms(an, mods):
+        m = mods[fqn]
+        if any(p.dim() != 1 for p in m.parameters(recurse=False)) or list(m.children()):
+            return f"{fqn} ({type(m).__name__}) is not a norm"
+    return ""
+
+
+class _Stream(TorchDispatchMode):
+    """Watches the ops that read the sequence-sharded stream outside the blocks, norms and
+    leaves (``inside`` counts those open): each must act on every token alone (a pointwise op,
+    a copy or a dtype cast), else ``bad`` names it (a mean over the sequence, a cumulative sum
+    or a token shift between the blocks would be wrong on a rank's half of the tokens)."""
+
+    _OK = ("_to_copy", "clone", "copy_", "detach", "alias")
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.inside, self.busy, self.bad = set(), 0, False, None
+
+    def mark(self, t):
+        self.ids.add(id(t))
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.busy or self.inside:
+            return out
+        if any(id(t) in self.ids for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)):
+            if torch.Tag.pointwise not in func.tags and \
+                    func.overloadpacket.__name__ not in self._OK and self.bad is None:
+                self.bad = str(func)
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.mark(t)
+        return out
+
+
+def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want) -> str:
+    """The forward re-run on fake tensors as one rank of tp=2 sequence parallelism sees it
+    (the embedding's output cut to half the sequence, each block's input gathered and its
+    output cut, the head's input gathered): "" if it runs, gives the same output shapes and
+    every op on the stream between the blocks acts on each token alone (``_Stream``), else
+    why not (code between the blocks that reads the sequence length, such as a causal mask or
+    positions built from the hidden states' shape, would see the local half)."""
+    if an.seq_len % 2:
+        return "odd sequence length"
+    half = an.seq_len // 2
+    mods = dict(model.named_modules())
+    hooks = []
+    watch = _Stream()
+
+    def enter(gather_at=None):
+        def hook(mod, a, kw):
+            if gather_at is not None:
+                watch.busy = True
+                if isinstance(gather_at, int):
+                    a = a[:gather_at] + (torch.cat([a[gather_at]] * 2, dim=1),) + \
+                        a[gather_at + 1:]
+                else:
+                    kw = dict(kw, **{gather_at: torch.cat([kw[gather_at]] * 2, dim=1)})
+                watch.busy = False
+            watch.inside += 1
+            return a, kw
+        return hook
+
+    def leave(cut):
+        def hook(mod, a, out):
+            watch.inside -= 1
+            if cut:
+                watch.busy = True
+                out = out.narrow(1, 0, half)
+                watch.busy = False
+            return pytree.tree_map(lambda t: watch.mark(t) if isinstance(t, torch.Tensor)
+                                   else t, out)
+        return hook
+
+    def watch_module(fqn, gather_at=None, cut=False):
+        m = mods[fqn]
+        hooks.append(m.register_forward_pre_hook(enter(gather_at), with_kwargs=True))
+        hooks.append(m.register_forward_hook(leave(cut)))
+
+    watch_module(an.leaf_order[0], cut=True)
+    for b in an.blocks:
+        watch_module(b.fqn, b.act_arg, cut=True)
+    watch_module(an.leaf_order[-1], 0)
+    for f in sp_norms(an, mods):
+        watch_module(f)
+    import logging
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the failure is the answer, not an error to log
+    try:
+        with fm, eager(), torch.no_grad(), watch:
+            out = torch.func.functional_call(model, state, margs, mkwargs)
+        got = [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+               and t.is_floating_point()]
+    except Exception as e:  # noqa: BLE001 - any failure means the structure does not hold
+        return f"the forward with a sequence-sharded stream fails ({type(e).__name__}: " \
+               f"{str(e).splitlines()[0][:120] if str(e) else ''})"
+    finally:
+        quiet.setLevel(level)
+        for h in hooks:
+            h.remove()
+    if got != want:
+        return f"the forward with a sequence-sharded stream gives shapes {got}, not {want}"
+    if watch.bad:
+        return f"{watch.bad} runs on the stream between the blocks (it may mix tokens)"
+    return ""

@@ -105,23 +105,52 @@ def _check_same_plan(plan) -> None:
 
 
 def _tp_plan(plan, model: nn.Module, gn) -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    """``parallelize_module``'s plan. With sequence parallelism it is TorchTitan's: the
+    embedding's output leaves sharded on the sequence (``Shard(1)``), the norms run on the
+    sharded tokens (``SequenceParallel``), each block gathers its input
+    (``PrepareModuleInput``) and its rowwise layer reduce-scatters its output back to
+    ``Shard(1)``, the head gathers its input; its output is replicated (the calling
+    convention: every rank gets the whole output)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
 
+    sp = plan.sequence_parallel
+    seq = Shard(1)
+    norms = set(plan.sp_modules.get("norms", [])) if sp else set()
     res = {}
     for fqn, _ in model.named_modules():
+        if gn(fqn) in norms:
+            res[fqn] = SequenceParallel()
+            continue
         u = plan.units.get(gn(fqn))
         if u is None or u["choice"] == "none":
+            if sp and u is not None:
+                raise ValueError(f"Plan.apply: sequence parallelism needs every TP unit "
+                                 f"sharded; {gn(fqn)!r} is not")
             continue
         pre = f"{fqn}." if fqn else ""
         if u["kind"] == "block":
             for i in u["ins"]:
                 res[pre + i] = ColwiseParallel()
-            res[pre + u["out"]] = RowwiseParallel()
+            res[pre + u["out"]] = RowwiseParallel(output_layouts=seq) if sp else \
+                RowwiseParallel()
+            if sp:
+                act, nargs = plan.sp_modules["blocks"][gn(fqn)]
+                if isinstance(act, int):
+                    res[fqn] = PrepareModuleInput(
+                        input_layouts=tuple(seq if i == act else None for i in range(nargs)),
+                        desired_input_layouts=tuple(Replicate() if i == act else None
+                                                    for i in range(nargs)))
+                else:
+                    res[fqn] = PrepareModuleInput(input_kwarg_layouts={act: seq},
+                                                  desired_input_kwarg_layouts={act: Replicate()})
         elif u["kind"] == "linear":
-            res[fqn] = ColwiseParallel(output_layouts=Replicate())
+            res[fqn] = ColwiseParallel(input_layouts=seq if sp else Replicate(),
+                                       output_layouts=Replicate())
         else:
-            res[fqn] = RowwiseParallel(input_layouts=Replicate())
+            res[fqn] = RowwiseParallel(input_layouts=Replicate(),
+                                       output_layouts=seq if sp else Replicate())
     return res
 
 

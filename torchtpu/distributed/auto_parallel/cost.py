@@ -42,6 +42,7 @@ class Costs:
     group_opts: dict = field(default_factory=dict)
     owner: dict = field(default_factory=dict)  # group -> unit name or None
     const: "Term" = None
+    sp: "Term" = None  # what sequence parallelism adds (negative: saves), None if it cannot
 
 
 @dataclass
@@ -136,6 +137,18 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     rest_flops = max(_flops(an, "") - unit_flops, 0.0)
     rest_saved = max(sum(an.saved.values()) - unit_saved, 0.0)
     c.const = Term(rest_flops / dp * sec_per_flop, memory=rest_saved / dp + an.input_bytes)
+    if tp > 1 and not an.sp_blocker and an.seq_len % tp == 0 and \
+            all(len(o) > 1 for o in c.unit_opts.values()):
+        # sequence parallelism (every unit sharded): what runs between the blocks (norms,
+        # residual adds) runs on seq / tp tokens and keeps 1 / tp of its activations; each
+        # block's all-reduces become an all-gather of its input and a reduce-scatter of its
+        # output (the same bytes), the head gathers its input instead of all-reducing its
+        # input gradient (the same), and the embedding's all-reduce becomes a reduce-scatter
+        emb = an.leaves[an.leaf_order[0]]
+        b, t = ring("all_gather", emb.out_bytes / dp, tp, spec)
+        keep = 1 - 1 / tp
+        c.sp = Term(-keep * rest_flops / dp * sec_per_flop, -t, -keep * rest_saved / dp,
+                    tp_bytes=-b)
     return c
 
 
@@ -146,9 +159,14 @@ def _numel(shape) -> int:
     return n
 
 
-def evaluate(c: Costs, unit_choice: dict, group_choice: dict) -> Term:
-    """The predicted Term of one assignment (unit -> tp opt, group -> dp opt)."""
+def evaluate(c: Costs, unit_choice: dict, group_choice: dict, sp: bool = False) -> Term:
+    """The predicted Term of one assignment (unit -> tp opt, group -> dp opt, sequence
+    parallel or not)."""
     tot = c.const
+    if sp:
+        if c.sp is None:
+            raise ValueError("sequence parallelism is not possible for this model and mesh")
+        tot = tot + c.sp
     for u, opt in unit_choice.items():
         tot = tot + c.unit_opts[u][opt]
     for g, d in group_choice.items():

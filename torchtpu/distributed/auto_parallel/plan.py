@@ -23,11 +23,14 @@ class Plan:
     compiled: dict = field(default_factory=dict)  # XLA's figures (verify.py), if verified
     why: list = field(default_factory=list)  # lines explaining the choice
     search: dict = field(default_factory=dict)  # solver / verification wall time, candidates
+    sequence_parallel: bool = False  # activations between TP blocks sharded on the sequence
+    sp_modules: dict = field(default_factory=dict)  # with it: {"norms": [...], "blocks": {...}}
 
     # ---- building ----
 
     @classmethod
-    def from_choice(cls, dp, tp, device, units, unit_choice, group_choice, owner, term):
+    def from_choice(cls, dp, tp, device, units, unit_choice, group_choice, owner, term,
+                    sp=False):
         ud = {}
         for u in units:
             ud[u.name] = {"kind": u.kind, "ins": u.ins, "out": u.out, "option": u.option,
@@ -41,7 +44,7 @@ class Plan:
                 u = by_name[o]
                 place = u.param_tp(g[len(o) + 1:] if o else g)
             gd[g] = {"dp": d if dp > 1 else "replicate", "tp": place, "unit": o}
-        return cls(dp, tp, device, ud, gd, predicted=_term_dict(term))
+        return cls(dp, tp, device, ud, gd, predicted=_term_dict(term), sequence_parallel=sp)
 
     @property
     def world_size(self) -> int:
@@ -72,6 +75,10 @@ class Plan:
         if tp_units:
             lines.append("  tensor parallel: " + ", ".join(
                 f"{n} ({self.units[n if n != '<root>' else '']['choice']})" for n in tp_units))
+        if self.sequence_parallel:
+            lines.append("  sequence parallel: activations between the TP blocks sharded on "
+                         "the sequence (norms: " + ", ".join(self.sp_modules.get("norms", []))
+                         + ")")
         lines.append("  parameters:")
         w = max((len(g) for g in self.groups), default=10)
         for g, d in self.groups.items():
@@ -88,14 +95,16 @@ class Plan:
     def to_dict(self) -> dict:
         return {"version": 1, "dp": self.dp, "tp": self.tp, "device": self.device,
                 "units": self.units, "groups": self.groups, "predicted": self.predicted,
-                "compiled": self.compiled, "why": self.why, "search": self.search}
+                "compiled": self.compiled, "why": self.why, "search": self.search,
+                "sequence_parallel": self.sequence_parallel, "sp_modules": self.sp_modules}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         if d.get("version") != 1:
             raise ValueError(f"Plan.load: unknown plan version {d.get('version')!r}")
         return cls(d["dp"], d["tp"], d["device"], d["units"], d["groups"], d["predicted"],
-                   d["compiled"], d["why"], d["search"])
+                   d["compiled"], d["why"], d["search"], d.get("sequence_parallel", False),
+                   d.get("sp_modules", {}))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -108,7 +117,7 @@ class Plan:
 
     def decisions(self) -> dict:
         """The placements alone (what apply() uses), for comparing plans."""
-        return {"dp": self.dp, "tp": self.tp,
+        return {"dp": self.dp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "units": {n: u["choice"] for n, u in self.units.items()},
                 "groups": {g: (d["dp"], d["tp"]) for g, d in self.groups.items()}}
 
@@ -138,7 +147,7 @@ class Plan:
         return {"parallelism": {"data_parallel_shard_degree": self.dp if fsdp else 1,
                                 "data_parallel_replicate_degree": self.dp if ddp else 1,
                                 "tensor_parallel_degree": self.tp,
-                                "enable_sequence_parallel": False},
+                                "enable_sequence_parallel": self.sequence_parallel},
                 "exact": exact}
 
 

@@ -4,7 +4,9 @@ dp option), solved with PuLP's bundled CBC.
     minimise   sum(cost * x)              (step time, or memory for objective="memory")
     subject to one tp option per unit; per group, its dp options sum to its unit's chosen tp
                option (z[g, t, d] <= y[u, t]); predicted memory <= memory_budget; on a 2-D
-               mesh one dp option for all groups; with tp > 1 at least one unit sharded.
+               mesh one dp option for all groups; with tp > 1 at least one unit sharded;
+               sequence parallelism (one binary, where the model allows it) only with every
+               unit sharded.
 The k best assignments of a factorisation come from re-solving with a no-good cut on each
 solution found.
 """
@@ -16,8 +18,8 @@ from .cost import Costs, evaluate
 
 
 def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> list:
-    """Up to ``k`` best (unit_choice, group_choice, Term) of ``c`` within ``budget`` bytes,
-    best first; [] when none fits."""
+    """Up to ``k`` best (unit_choice, group_choice, sequence_parallel, Term) of ``c`` within
+    ``budget`` bytes, best first; [] when none fits."""
     prob = pulp.LpProblem("auto_parallel", pulp.LpMinimize)
     y = {(u, o): pulp.LpVariable(f"y_{i}_{j}", cat="Binary")
          for i, (u, opts) in enumerate(c.unit_opts.items()) for j, o in enumerate(opts)}
@@ -28,9 +30,15 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
     def metric(term):
         return term.time if objective == "step_time" else term.memory
 
+    sp = pulp.LpVariable("sp", cat="Binary") if c.sp is not None else None
+    sp_terms = [(c.sp, sp)] if sp is not None else []
     prob += (metric(c.const)
              + pulp.lpSum(metric(c.unit_opts[u][o]) * v for (u, o), v in y.items())
-             + pulp.lpSum(metric(c.group_opts[g][(t, d)]) * v for (g, t, d), v in z.items()))
+             + pulp.lpSum(metric(c.group_opts[g][(t, d)]) * v for (g, t, d), v in z.items())
+             + pulp.lpSum(metric(t) * v for t, v in sp_terms))
+    if sp is not None:
+        for u in c.unit_opts:
+            prob += sp <= 1 - y[(u, "none")]
     for u, opts in c.unit_opts.items():
         prob += pulp.lpSum(y[(u, o)] for o in opts) == 1
     for g, opts in c.group_opts.items():
@@ -55,6 +63,7 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
         prob += (c.const.memory
                  + pulp.lpSum(c.unit_opts[u][o].memory * v for (u, o), v in y.items())
                  + pulp.lpSum(c.group_opts[g][(t, d)].memory * v for (g, t, d), v in z.items())
+                 + pulp.lpSum(t.memory * v for t, v in sp_terms)
                  <= budget)
     found = []
     solver = pulp.PULP_CBC_CMD(msg=False)
@@ -64,7 +73,11 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
             break
         units = {u: o for (u, o), v in y.items() if v.value() > 0.5}
         groups = {g: d for (g, t, d), v in z.items() if v.value() > 0.5}
-        found.append((units, groups, evaluate(c, units, groups)))
-        ones = [v for v in list(y.values()) + list(z.values()) if v.value() > 0.5]
-        prob += pulp.lpSum(ones) <= len(ones) - 1  # exclude this solution
+        on = sp is not None and sp.value() > 0.5
+        found.append((units, groups, on, evaluate(c, units, groups, on)))
+        every = list(y.values()) + list(z.values()) + ([sp] if sp is not None else [])
+        ones = [v for v in every if v.value() > 0.5]
+        zeros = [v for v in every if v.value() <= 0.5]
+        # exclude this solution (the zeros count too: with sp a solution can be a superset)
+        prob += pulp.lpSum(ones) - pulp.lpSum(zeros) <= len(ones) - 1
     return found

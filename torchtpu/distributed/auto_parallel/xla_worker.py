@@ -2,15 +2,16 @@
 
 Imports only JAX and NumPy, so it runs as a plain script in a subprocess whose XLA:CPU backend
 has ``--xla_force_host_platform_device_count=N`` virtual devices (``verify.py``), or in-process
-on a host that already has N devices. Input: JSON on stdin {"exported": path, "devices": n,
-"donate": [...], "candidates": [{"dp", "tp", "in_specs": [[axes per dim] ...],
-"out_specs": [...]}]}; output: one JSON line per candidate.
+on a host that already has N devices. Input: JSON on stdin {"programs": [{"exported": path,
+"devices": n, "donate": [...], "candidates": [{"dp", "tp", "in_specs": [[axes per dim] ...],
+"out_specs": [...]}]}, ...]}; output: one JSON line [program index, figures] per candidate.
 """
 from __future__ import annotations
 
 import json
 import re
 import sys
+import time
 
 _COLL = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
                    r"collective-permute)(?:-start)?\(")
@@ -100,7 +101,11 @@ def compile_candidates(req: dict) -> list:
                      donate_argnums=tuple(req["donate"]))
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                 for a, s in zip(exp.in_avals, ins)]
-        compiled = fn.lower(*args).compile()
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
         mem = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         if isinstance(cost, list):
@@ -121,14 +126,47 @@ def compile_candidates(req: dict) -> list:
             "collectives": {k: v[0] for k, v in sorted(kinds.items())},
             "collective_bytes": float(sum(v[1] for v in kinds.values())),
             "collective_list": colls,
+            "lower_s": t1 - t0, "compile_s": t2 - t1,
         })
+        if req.get("measure"):
+            out[-1]["measured_step_s"] = _measure(compiled, exp.in_avals, ins, req["measure"])
     return out
+
+
+def _measure(compiled, avals, shardings, reps: int) -> float:
+    """The median wall time of ``reps`` runs of the compiled step on the virtual devices (after
+    one warm-up), each ended by ``block_until_ready``; fresh inputs per run (they are
+    donated), small floats and zero integers (token ids 0, random words 0)."""
+    import statistics
+
+    import jax
+    import numpy as np
+
+    def inputs():
+        res = []
+        for a, sh in zip(avals, shardings):
+            dt = np.dtype(a.dtype)
+            v = np.full(a.shape, 0.01, dt) if np.issubdtype(dt, np.floating) else \
+                np.zeros(a.shape, dt)
+            res.append(jax.device_put(v, sh))
+        return res
+
+    times = []
+    for i in range(reps + 1):
+        args = inputs()
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> None:
     req = json.loads(sys.stdin.read())
-    for r in compile_candidates(req):
-        print("RESULT " + json.dumps(r), flush=True)
+    for i, prog in enumerate(req["programs"]):
+        for r in compile_candidates(prog):
+            print("RESULT " + json.dumps([i, r]), flush=True)
 
 
 if __name__ == "__main__":
