@@ -6,14 +6,15 @@ runner's bookkeeping and the sampler run on the host unchanged, and the model (w
 cache) lives on "tpu". What differs from the GPU runner:
 
 - a step's tokens are padded to a token bucket (``buckets.py``) and sent to the device with
-  their positions and the attention metadata (``attention.py``) as one int32 array of a fixed
-  shape per bucket (one host-to-device transfer; the compiled program slices it); a decode
-  step's sampled-row indices are a device constant per bucket pair (no transfer);
-- the model runs compiled with ``torch.compile(backend="tpu")``, one program per token bucket,
-  all built (or loaded from the compile cache) at start-up by ``warm_up``; with
-  ``enforce_eager=True`` it runs eagerly (Strict mode);
-- the rows whose logits are needed are gathered and projected on the device in a program per
-  request bucket, and the logits come back in one transfer (the one host sync of a step);
+  their positions, the attention metadata (``attention.py``) and the rows whose logits are
+  needed as one int32 array of a fixed shape per bucket (one host-to-device transfer; the
+  compiled program slices it);
+- a step is one program per token bucket (``_Step``: forward, the rows' gather, logits,
+  greedy argmax) with ``torch.compile(backend="tpu")``, all built (or loaded from the compile
+  cache) at start-up by ``warm_up``; with ``enforce_eager=True`` it runs eagerly (Strict mode);
+- a step whose requests all sample greedily (and nothing changes the argmax) takes its tokens
+  from the program: one small transfer, vLLM's sampler skipped; any other step brings its
+  logits back (one transfer) for vLLM's sampler on the host: one host sync a step either way;
 - the KV cache is one tensor per layer (``[blocks, block_size, 2 * kv_heads, head_dim]``), not
   views of one shared byte buffer: each layer's cache is written in place by its own program.
 """
@@ -34,6 +35,7 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
+from ..eager.copy import tensor_from_numpy
 from ..runtime.metrics import count
 from . import attention as _attn
 from . import buckets as _buckets
@@ -268,8 +270,8 @@ class TpuModelRunner(GPUModelRunner):
         if mds:
             parts += mds[0].host_parts()
         parts.append(rows)
-        packed = torch.from_numpy(np.concatenate(
-            [np.asarray(p, np.int32).reshape(-1) for p in parts])).to(self.device_tpu)
+        packed = tensor_from_numpy(np.concatenate(
+            [np.asarray(p, np.int32).reshape(-1) for p in parts]), self.device_tpu.index or 0)
         for i, md in enumerate(mds):
             if i == 0:
                 md.packed, md.base = packed, 2 * T
