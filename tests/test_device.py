@@ -564,3 +564,21 @@ def test_jax_op_pallas_kernel():
     torch.testing.assert_close(out.detach().cpu(), a + 2 * b)
     with pytest.raises(RuntimeError, match="test_pallas_add.*custom_vjp"):
         out.sum().backward()
+
+
+def test_tensor_from_numpy_is_one_transfer_of_a_private_copy():
+    """eager.copy.tensor_from_numpy (vLLM's per-step input transfer): the array's value on
+    tpu, one host-to-device transfer, and a later change of the host array does not reach it
+    (JAX's CPU client may alias host memory)."""
+    import numpy as np
+
+    from torchtpu.eager.copy import tensor_from_numpy
+
+    host = np.arange(37, dtype=np.int32) * 3 - 5
+    torch.tpu.reset_metrics()
+    t = tensor_from_numpy(host)
+    assert torch.tpu.metrics()["counters"].get("transfers_host_to_device") == 1
+    host[:] = 0
+    assert t.device.type == "tpu" and t.dtype == torch.int32 and t.shape == (37,)
+    assert torch.equal(t.cpu(), torch.arange(37, dtype=torch.int32) * 3 - 5)
+    assert torch.equal((t[5:9] + 1).cpu(), torch.tensor([11, 14, 17, 20], dtype=torch.int32))

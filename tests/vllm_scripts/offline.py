@@ -77,8 +77,13 @@ print("counters after warm-up:", json.dumps(c), flush=True)
 if mode == "compiled":
     assert compiles == 0, f"compiled after warm-up: {c}"
     assert c.get("compile_donated_buffers", 0) > 0, "the KV cache buffers were not donated"
-# one sync per step (the logits); no more than the number of decode steps plus prefill chunks
+# one sync per step (the greedy ids); no more than the number of decode steps plus prefill
+# chunks
 assert c.get("host_syncs", 0) <= MAX_TOKENS + 3, c
+# every step of a greedy batch took its tokens from the step's program (its argmax), none ran
+# vLLM's sampler on the host
+assert c.get("vllm_steps_sampled_in_program", 0) >= MAX_TOKENS, c
+assert not c.get("vllm_steps_sampled_on_host", 0), c
 print("greedy OK", flush=True)
 
 if features:
@@ -102,6 +107,23 @@ if features:
     two = sample(7, n=2)
     assert len(two) == 2 and all(len(x) == MAX_TOKENS for x in two), two
     print("seeded sampling and n=2 OK", flush=True)
+
+    # a batch mixing greedy and random requests samples on the host (vLLM's sampler): the
+    # greedy requests still give transformers' ids; a logit bias that changes the argmax
+    # (vLLM's logit-bias processor) is honoured: the biased token wins every step
+    torch.tpu.reset_metrics()
+    rand = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True)
+    mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
+                         [greedy, rand, greedy], use_tqdm=False)
+    assert [list(mixed[i].outputs[0].token_ids) for i in (0, 2)] == [ref[0], ref[2]]
+    c = torch.tpu.metrics()["counters"]
+    assert c.get("vllm_steps_sampled_on_host", 0) >= MAX_TOKENS, c
+    tok = 11
+    biased = llm.generate([{"prompt_token_ids": prompts[0]}],
+                          SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                         logit_bias={tok: 100.0}), use_tqdm=False)[0]
+    assert list(biased.outputs[0].token_ids) == [tok] * 4, biased.outputs[0].token_ids
+    print("mixed greedy/random batch and logit bias OK", flush=True)
 
     # stop strings: the text stops before the first occurrence of the stop string
     full = llm.generate([{"prompt_token_ids": prompts[2]}], greedy, use_tqdm=False)[0]

@@ -206,6 +206,12 @@ def host_to_device(src: torch.Tensor, device_index: int = 0):
         raise
 
 
+def tensor_from_numpy(host: np.ndarray, device_index: int = 0) -> torch.Tensor:
+    """A new tpu tensor holding a host array's value: ``torch.from_numpy(host).to(device)``
+    in one transfer, with no empty tensor allocated and copied into first."""
+    return _buffer.wrap(host_to_device(torch.from_numpy(host), device_index))
+
+
 def device_to_host(value) -> torch.Tensor:
     """A CPU tensor holding a jax array's value (blocks: a host sync). Raises for a failed
     pending input check (eager/checks.py) first: the value may depend on the bad op. An

@@ -6,14 +6,15 @@ runner's bookkeeping and the sampler run on the host unchanged, and the model (w
 cache) lives on "tpu". What differs from the GPU runner:
 
 - a step's tokens are padded to a token bucket (``buckets.py``) and sent to the device with
-  their positions and the attention metadata (``attention.py``) as one int32 array of a fixed
-  shape per bucket (one host-to-device transfer; the compiled program slices it); a decode
-  step's sampled-row indices are a device constant per bucket pair (no transfer);
-- the model runs compiled with ``torch.compile(backend="tpu")``, one program per token bucket,
-  all built (or loaded from the compile cache) at start-up by ``warm_up``; with
-  ``enforce_eager=True`` it runs eagerly (Strict mode);
-- the rows whose logits are needed are gathered and projected on the device in a program per
-  request bucket, and the logits come back in one transfer (the one host sync of a step);
+  their positions, the attention metadata (``attention.py``) and the rows whose logits are
+  needed as one int32 array of a fixed shape per bucket (one host-to-device transfer; the
+  compiled program slices it);
+- a step is one program per token bucket (``_Step``: forward, the rows' gather, logits,
+  greedy argmax) with ``torch.compile(backend="tpu")``, all built (or loaded from the compile
+  cache) at start-up by ``warm_up``; with ``enforce_eager=True`` it runs eagerly (Strict mode);
+- a step whose requests all sample greedily (and nothing changes the argmax) takes its tokens
+  from the program: one small transfer, vLLM's sampler skipped; any other step brings its
+  logits back (one transfer) for vLLM's sampler on the host: one host sync a step either way;
 - the KV cache is one tensor per layer (``[blocks, block_size, 2 * kv_heads, head_dim]``), not
   views of one shared byte buffer: each layer's cache is written in place by its own program.
 """
@@ -34,6 +35,8 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
+from ..eager.copy import tensor_from_numpy
+from ..runtime.metrics import count
 from . import attention as _attn
 from . import buckets as _buckets
 from .platform import kv_storage_dtype
@@ -42,28 +45,23 @@ logger = init_logger(__name__)
 PAD_SLOT_ID = -1
 
 
-class _Logits(torch.nn.Module):
-    """``model.compute_logits`` on a request bucket of rows (compiled per bucket)."""
+class _Step(torch.nn.Module):
+    """A step in one program: the model's forward on the step's packed inputs (token ids and
+    positions are the first ``2 * T`` int32 of ``packed``, the attention metadata follows, see
+    ``attention.py``, and the last ``R`` are the rows whose logits are needed), the logits of
+    those rows and their greedy tokens (``argmax``, first index on ties, as vLLM's sampler).
+    Returns ``(hidden_states [T, H], logits [R, V], greedy ids int32 [R])``."""
 
     def __init__(self, model, compute_logits):
         super().__init__()
         self.model = model
-        self.fn = compute_logits
+        self.compute_logits = compute_logits
 
-    def forward(self, hidden_states):
-        return self.fn(hidden_states)
-
-
-class _Step(torch.nn.Module):
-    """The model's forward on a step's packed inputs: token ids and positions are the first
-    ``2 * T`` int32 of ``packed`` (the attention metadata follows, see ``attention.py``)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, packed, T: int):
-        return self.model(input_ids=packed[:T], positions=packed[T:2 * T].to(torch.int64))
+    def forward(self, packed, T: int, R: int):
+        h = self.model(input_ids=packed[:T], positions=packed[T:2 * T].to(torch.int64))
+        rows = packed[packed.shape[0] - R:].to(torch.int64)
+        logits = self.compute_logits(h[rows])
+        return h, logits, logits.argmax(dim=-1).to(torch.int32)
 
 
 class TpuModelRunner(GPUModelRunner):
@@ -76,8 +74,11 @@ class TpuModelRunner(GPUModelRunner):
         self.compiled = bool((vllm_config.additional_config or {}).get("torchtpu_compile"))
         self.token_buckets = _buckets.token_buckets(vllm_config)
         self.request_buckets = _buckets.request_buckets(vllm_config)
-        self._pending_logits = None  # (request bucket, real rows) of the step being run
-        self._decode_rows: dict[tuple[int, int], torch.Tensor] = {}  # see _prepare_inputs
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self._step_rows: np.ndarray | None = None  # the step's logits rows (_prepare_inputs)
+        self._step_out = None  # (logits, greedy ids, real rows) of the step being run
+        self._step_ids = None  # (greedy ids, real rows) when the step samples in the program
+        self._step_n, self._step_greedy = 0, False
         self._host_buffers()
         _install_host_slot_mapping()
 
@@ -127,19 +128,15 @@ class TpuModelRunner(GPUModelRunner):
             raise ValueError("loading dummy weights is not supported on 'tpu'")
         logger.info("Loading model %s onto %s", self.model_config.model, self.device_tpu)
         self.model = get_model(vllm_config=self.vllm_config)
-        self._logits = _Logits(self.model, self.model.compute_logits)
+        step = _Step(self.model, self.model.compute_logits)
         if self.compiled:
-            n = len(self.token_buckets) + len(self.request_buckets) + 8
+            n = len(self.token_buckets) + 8
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, n)
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
-            self._forward = torch.compile(_Step(self.model), backend="tpu", fullgraph=True,
-                                          dynamic=False)
-            self._compute_logits = torch.compile(self._logits, backend="tpu", fullgraph=True,
-                                                 dynamic=False)
+            self._forward = torch.compile(step, backend="tpu", fullgraph=True, dynamic=False)
         else:
-            self._forward = _Step(self.model)
-            self._compute_logits = self._logits
+            self._forward = step
         self.model.compute_logits = _LogitsHook(self, self.model.compute_logits)
 
     def get_model(self):
@@ -182,25 +179,28 @@ class TpuModelRunner(GPUModelRunner):
         # tensors whose length is the step's): left empty, as at warm-up.
         return by_group, {}
 
+    def rows_bucket(self, T: int) -> int:
+        """The logits rows of token bucket ``T``'s program: the request bucket of
+        ``min(T, max_num_seqs)`` (a step samples one row per request, at most one per token)."""
+        return _buckets.pick(self.request_buckets, min(T, self.max_num_seqs))
+
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec, max_sampled = super()._prepare_inputs(scheduler_output,
                                                                     num_scheduled_tokens)
+        if spec is not None:
+            raise NotImplementedError("speculative decoding is not supported on 'tpu' yet")
         n = int(logits_indices.shape[0])
-        R = _buckets.pick(self.request_buckets, n)
         T = _buckets.pick(self.token_buckets, max(1, int(np.sum(num_scheduled_tokens))))
-        self._pending_logits = (R, n)
-        # rows past n are padding (their logits are dropped); filled with min(i, T - 1), the
-        # indices of a decode step (one token per request: rows 0..n-1) are the same for every
-        # step of a (request, token) bucket pair: kept on the device, no transfer
-        idx = np.minimum(np.arange(R, dtype=np.int64), T - 1)
-        host = logits_indices.numpy()
-        if np.array_equal(host, idx[:n]):
-            dev = self._decode_rows.get((R, T))
-            if dev is None:
-                dev = self._decode_rows[(R, T)] = torch.from_numpy(idx).to(self.device_tpu)
-            return dev, spec, max_sampled
-        idx[:n] = host
-        return torch.from_numpy(idx).to(self.device_tpu), spec, max_sampled
+        R = self.rows_bucket(T)
+        # the rows go to the device with the step's inputs (_send_inputs); rows past n are
+        # padding (their logits are dropped)
+        rows = np.full(R, T - 1, np.int32)
+        rows[:n] = logits_indices.numpy()
+        self._step_rows, self._step_n = rows, n
+        self._step_greedy = _samples_greedy_only(self, scheduler_output)
+        # the program gathers the rows itself: the runner's ``hidden_states[logits_indices]``
+        # is a view of the whole hidden states (no device op), which _LogitsHook recognises
+        return slice(None), spec, max_sampled
 
     @contextmanager
     def maybe_get_kv_connector_output(self, scheduler_output, *args, **kwargs):
@@ -245,11 +245,21 @@ class TpuModelRunner(GPUModelRunner):
         if positions.dim() != 1:
             raise NotImplementedError("multi-dimensional positions (M-RoPE) are not supported "
                                       "on 'tpu' yet")
-        return self._forward(self._send_inputs(input_ids, positions), int(input_ids.shape[0]))
+        T = int(input_ids.shape[0])
+        rows = self._step_rows
+        self._step_rows = None
+        if rows is None:  # a padding step (warm-up, dummy runs)
+            rows = np.full(self.rows_bucket(T), T - 1, np.int32)
+        h, logits, ids = self._forward(self._send_inputs(input_ids, positions, rows), T,
+                                       len(rows))
+        self._step_out = (h, logits, ids)
+        return h
 
-    def _send_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The step's token ids, positions and attention metadata in one int32 host-to-device
-        transfer; each attention metadata of the step refers to it (``attention.py``)."""
+    def _send_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     rows: np.ndarray) -> torch.Tensor:
+        """The step's token ids, positions, attention metadata and logits rows in one int32
+        host-to-device transfer; each attention metadata of the step refers to it
+        (``attention.py``)."""
         from vllm.forward_context import get_forward_context
 
         attn = get_forward_context().attn_metadata
@@ -259,8 +269,9 @@ class TpuModelRunner(GPUModelRunner):
         parts = [input_ids.numpy(), positions.numpy()]
         if mds:
             parts += mds[0].host_parts()
-        packed = torch.from_numpy(np.concatenate(
-            [np.asarray(p, np.int32).reshape(-1) for p in parts])).to(self.device_tpu)
+        parts.append(rows)
+        packed = tensor_from_numpy(np.concatenate(
+            [np.asarray(p, np.int32).reshape(-1) for p in parts]), self.device_tpu.index or 0)
         for i, md in enumerate(mds):
             if i == 0:
                 md.packed, md.base = packed, 2 * T
@@ -305,45 +316,107 @@ class TpuModelRunner(GPUModelRunner):
 
     @torch.inference_mode()  # as the worker runs steps (Dynamo guards on the grad mode)
     def warm_up(self) -> float:
-        """Compile (or load from the compile cache) every token bucket's forward, the row
-        gather ``hidden_states[logits_indices]`` for every (token, request) bucket pair, and
-        every request bucket's logits program; returns the seconds it took."""
+        """Compile (or load from the compile cache) every token bucket's step program, and
+        run what a step does with its outputs (the greedy ids' transfer, the logits' transfer
+        and the row slices a logits step takes); returns the seconds it took."""
         t0 = time.perf_counter()
-        done = set()
         for T in self.token_buckets:
-            h = self._run_padding_step(T)
+            self._run_padding_step(T)
+            _, logits, ids = self._step_out
+            self._step_out = None
+            ids.cpu()
             for R in self.request_buckets:
-                rows = h[torch.zeros(R, dtype=torch.int64).to(self.device_tpu)]
-                if R not in done:
-                    self._compute_logits(rows)
-                    done.add(R)
+                if R <= logits.shape[0]:
+                    _rows(logits, R).cpu()
         torch.tpu.synchronize()
         dt = time.perf_counter() - t0
-        logger.info("torchtpu: %s %d token buckets %s and %d request buckets %s in %.1f s",
+        logger.info("torchtpu: %s %d token buckets %s (logits rows %s) in %.1f s",
                     "compiled" if self.compiled else "warmed up", len(self.token_buckets),
-                    self.token_buckets, len(self.request_buckets), self.request_buckets, dt)
+                    self.token_buckets, [self.rows_bucket(T) for T in self.token_buckets], dt)
         return dt
+
+    def _sample(self, logits, spec_decode_metadata):
+        """vLLM's sampler, or the greedy ids the step's program computed when every request
+        of the step samples greedily with nothing that changes the logits (the hook decided,
+        see ``_samples_greedy_only``): one small transfer."""
+        got = self._step_ids
+        self._step_ids = None
+        if got is None:
+            count("vllm_steps_sampled_on_host")
+            return super()._sample(logits, spec_decode_metadata)
+        from vllm.v1.outputs import SamplerOutput
+
+        count("vllm_steps_sampled_in_program")
+        self.input_batch.update_async_output_token_ids()
+        ids, n = got
+        return SamplerOutput(sampled_token_ids=ids.cpu()[:n].view(n, 1),
+                             logprobs_tensors=None)
 
 
 class _LogitsHook:
-    """Stands in for ``model.compute_logits``. Given the step's gathered rows (a request
-    bucket on the device) it runs the bucket's logits program and returns the real rows on the
-    host: one transfer, the step's one host sync. Any other call (prompt logprobs) runs the
-    model's own and returns its result on the host, where vLLM's sampler runs."""
+    """Stands in for ``model.compute_logits``. Given the step's hidden states (the runner's
+    ``hidden_states[logits_indices]``, a view of the program's output) it returns what the
+    step's program computed: where the step samples greedily only, the logits stay on the
+    device and ``_sample`` takes the program's greedy ids; else the logits come back (the
+    smallest request bucket holding the step's rows, one transfer: the step's one host sync).
+    Any other call (prompt logprobs) runs the model's own and returns its result on the host,
+    where vLLM's sampler runs."""
 
     def __init__(self, runner, original):
         self.runner = runner
         self.original = original
 
     def __call__(self, hidden_states):
-        p = self.runner._pending_logits
-        if p is not None and hidden_states.device.type == "tpu" \
-                and hidden_states.shape[0] == p[0]:
-            self.runner._pending_logits = None
-            # the whole bucket comes back (a device-side slice would be a program per length)
-            return self.runner._compute_logits(hidden_states).cpu()[:p[1]]
+        r = self.runner
+        out = r._step_out
+        if out is not None and hidden_states.device.type == "tpu" \
+                and hidden_states.shape == out[0].shape:
+            r._step_out = None
+            _, logits, ids = out
+            n = r._step_n
+            if r._step_greedy:
+                r._step_ids = (ids, n)
+                return logits
+            R = _buckets.pick(r.request_buckets, n)
+            # a request bucket of rows comes back (a device-side [:n] would be a program per n)
+            return _rows(logits, R).cpu()[:n]
         out = self.original(hidden_states)
         return out.cpu() if isinstance(out, torch.Tensor) else out
+
+
+def _rows(logits: torch.Tensor, R: int) -> torch.Tensor:
+    return logits if R == logits.shape[0] else logits[:R]
+
+
+def _samples_greedy_only(runner, scheduler_output) -> bool:
+    """Whether vLLM's sampler would return ``argmax(logits)`` for every request of the step:
+    all greedy, no logprobs, penalties, bad words, allowed-token masks, logits processors
+    that change the argmax, thinking budgets or structured output (and no NaN counting)."""
+    import vllm.envs as envs
+
+    md = runner.input_batch.sampling_metadata
+    holder = getattr(md, "thinking_budget_state_holder", None)
+    return bool(
+        md.all_greedy and md.max_num_logprobs is None and not md.logprob_token_ids
+        and md.no_penalties and md.allowed_token_ids_mask is None
+        and not md.bad_words_token_ids
+        and not any(map(_changes_argmax, md.logitsprocs.non_argmax_invariant))
+        and (holder is None or not holder.has_tracked_requests())
+        and not getattr(scheduler_output, "has_structured_output_requests", False)
+        and not envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+
+
+def _changes_argmax(processor) -> bool:
+    """Whether a logits processor that may change the argmax would change it this step:
+    vLLM's logit-bias and min-tokens processors only while a request of the batch uses them
+    (they are always installed); any other processor is assumed to."""
+    from vllm.v1.sample.logits_processor import builtin
+
+    if type(processor) is builtin.LogitBiasLogitsProcessor:
+        return bool(processor.biases)
+    if type(processor) is builtin.MinTokensLogitsProcessor:
+        return bool(processor.min_toks)
+    return True
 
 
 @contextmanager

