@@ -24,6 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "verl_scripts")
 VERL_PY = os.environ.get("TORCHTPU_VERL_PYTHON") or os.path.join(ROOT, ".venv-verl", "bin",
                                                                 "python")
+# VeRL over SGLang (``make venv-verl-sglang``): GRPO's SGLang rollouts
+VERL_SGLANG_PY = (os.environ.get("TORCHTPU_VERL_SGLANG_PYTHON")
+                  or os.path.join(ROOT, ".venv-verl-sglang", "bin", "python"))
 sys.path.insert(0, SCRIPTS)
 import recipes  # noqa: E402
 
@@ -128,6 +131,36 @@ def test_plugin_registers_tpu_without_environment_variables():
     assert out.stdout.split()[-1] == os.path.join(ROOT, "torchtpu", "__init__.py"), out.stdout
     assert out.stdout.split()[-6:-1] == ["tpu", "tpu_dist", "TPU", "FSDPEngineWithLMHead",
                                        "FSDPEngineWithValueHead"]
+
+
+def test_sglang_rollout_loads_for_tpu():
+    """VeRL's SGLang rollout (``rollout.name=sglang``) in its venv (VeRL 0.9.1 over SGLang
+    0.5.23): on "tpu", VeRL's loader imports SGLang for torchtpu's SGLang platform (VeRL's own
+    loader forces SGLang's CPU engine for that import, whose modules need SGLang's C++ CPU
+    kernels: ModuleNotFoundError 'sgl_kernel'), and the rollout config's SGLang server arguments
+    default to torchtpu's attention backend with CUDA's memory saver off. GRPO with SGLang
+    rollouts does not run end to end yet (docs/ARCHITECTURE.md "VeRL": VeRL 0.9.1's SGLang
+    server is written against SGLang 0.5.12's interfaces)."""
+    if not os.access(VERL_SGLANG_PY, os.X_OK):
+        pytest.skip(f"VeRL's SGLang environment is absent ({os.path.relpath(VERL_SGLANG_PY, ROOT)})"
+                    ": `make venv-verl-sglang` builds it (VeRL 0.9.1 over .venv-sglang)")
+    code = ("import json, os\n"
+            "import verl\n"
+            "from verl.workers.config import RolloutConfig\n"
+            "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+            "cfg = RolloutConfig(name='sglang')\n"
+            "cls = get_rollout_replica_class('sglang')\n"
+            "from sglang.srt.platforms import current_platform as p\n"
+            "print(json.dumps({'sglang': dict(cfg.engine_kwargs['sglang']), 'replica': cls.__name__,"
+            " 'platform': type(p).__name__, 'device': p.device_name,"
+            " 'cpu_engine': os.environ.get('SGLANG_USE_CPU_ENGINE')}))\n")
+    out = subprocess.run([VERL_SGLANG_PY, "-c", code], env=_env(), capture_output=True, text=True,
+                         timeout=300, cwd=SCRIPTS)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"sglang": {"attention_backend": "torchtpu", "enable_memory_saver": False},
+                   "replica": "SGLangReplica", "platform": "TpuSRTPlatform", "device": "tpu",
+                   "cpu_engine": None}, got
 
 
 def test_sft_one_rank_equals_cpu_reference(setup):
