@@ -31,6 +31,7 @@ from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
+from . import fused_shapes as _shapes
 from . import executor, modes, views
 from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _NP
 from .executor import arg_keys as _arg_keys
@@ -132,6 +133,9 @@ def _aval(shape, dtype, weak=False):
                                                                      weak_type=weak)
     return a
 
+
+_shapes._aval = _aval
+_shapes._static = executor._Static
 
 _SCALAR_AVALS = {t: _aval((), np.dtype(jax.dtypes.canonicalize_dtype(t)), True)
                  for t in (bool, int, float, complex)}
@@ -265,7 +269,8 @@ def record(lowering, kind, args, kwargs):
         traced_scalars = args is not orig[0] or kwargs is not orig[1] or any(
             type(t) is Traced for t in tensors)
         hit = _trace_node(lowering, kind, executor._trace_wrapped(args, wrapped), kwargs, specs,
-                          tensors, flat_avals, traced_scalars, groups)
+                          tensors, flat_avals, traced_scalars, groups,
+                          _shapes.key_text(skey, flat_avals) if _shapes.ENABLED else None)
         if hit is None:  # it branches on a scalar: its scalars are baked in from now on
             return record(lowering, kind, orig[0], orig[1])
         _AVALS[akey] = hit
@@ -313,25 +318,31 @@ def record(lowering, kind, args, kwargs):
 
 
 def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced_scalars,
-                groups=None):
+                groups=None, text=None):
     """A new node kind: its pure function and abstract outputs (None: retry with static
-    scalars)."""
+    scalars). ``text``: the key's persistent spelling, under which an earlier process may have
+    kept the outputs (fused_shapes.py: then nothing is traced)."""
     ws = executor._write_slots(kind, args, kwargs, lowering)
     checked = lowering.check is not None
     traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
                                   with_check=checked, groups=groups)
     if groups is not None:  # one new array per written storage
         ws = executor._write_slots(kind, args, kwargs, lowering, groups)
-    try:
-        out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
-    except (TypeError, ValueError) as e:
-        if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
-            lowering.meta["static_scalars"] = True
-            return None
-        err = executor._trace_error(lowering, tensors, e)  # PyTorch's exception, as Strict
-        if err is e:
-            raise
-        raise err from e
+    out_avals = _shapes.lookup(text) if text is not None else None
+    if out_avals is None:
+        try:
+            out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
+        except (TypeError, ValueError) as e:
+            if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
+                lowering.meta["static_scalars"] = True
+                return None
+            err = executor._trace_error(lowering, tensors, e)  # PyTorch's exception, as Strict
+            if err is e:
+                raise
+            raise err from e
+        count("fused_op_traces", op=lowering.name)
+        if text is not None:
+            _shapes.keep(text, out_avals)
     check_aval = None
     if checked:  # (outputs, inputs-valid flag): the flag is the node's last output
         out_avals, check_aval = out_avals
@@ -342,7 +353,6 @@ def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced
         nest = tuple(len(o) if isinstance(o, list) else None for o in out_avals)
         out_avals = tuple(a for o in out_avals for a in (o if isinstance(o, list) else (o,)))
         traced = _flat_nested(traced)
-    count("fused_op_traces", op=lowering.name)
     return traced, out_avals, ws, check_aval, nest
 
 
