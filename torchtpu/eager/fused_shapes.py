@@ -67,14 +67,22 @@ def _read() -> dict:
         return {}
 
 
-def key_text(akey_parts, flat_avals) -> str | None:
-    """The persistent spelling of a recording key, or None (a part with no stable spelling)."""
+def spell(skey) -> str | None:
+    """The process-independent spelling of a node's executor key (``program_cache.stable``),
+    or None (a part without one: a user's ``jax_op`` lowering)."""
     try:
-        return _program_cache.stable(akey_parts) + "|" + ";".join(
-            [_program_cache.stable(a) for a in flat_avals])
+        return _program_cache.stable(skey)
     except _program_cache.NotStable:
         count("fused_op_shapes_unkeyable")
         return None
+
+
+def key_text(skey_text: str | None, flat_avals) -> str | None:
+    """The persistent spelling of a recording key (the executor key's ``spell``ing and the
+    inputs' abstract values), or None."""
+    if skey_text is None or not ENABLED:
+        return None
+    return skey_text + "|" + ";".join([_program_cache.stable(a) for a in flat_avals])
 
 
 def encode(x):
