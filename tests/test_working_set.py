@@ -87,3 +87,43 @@ def test_a_multi_process_job_creates_no_backend_at_import(tmp_path):
     rank = _run(cache, IMPORT_ONLY, WORLD_SIZE="2", RANK="1")
     assert not rank["backend"] and not rank["thread"]
     assert rank["counters"].get("working_set_skipped", 0) == 1
+
+
+FUSED = r"""
+import json, torch
+torch.manual_seed(0)
+x = torch.arange(24., device="tpu").reshape(4, 6)
+idx = torch.tensor([3, 0, 2], device="tpu")
+with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+    y = (x * 2.5 + 1).sin()
+    z = y.t() @ y[:, 1:]  # views, a matmul
+    v, i = z.max(dim=1)  # two outputs
+    a, b = torch.split(z, [2, 4])  # a list of outputs
+    y.add_(torch.rand(4, 6, device="tpu"))  # in place, random
+    g = y.index_select(0, idx)  # a checked op (index bounds)
+    w = torch.cat([v, i.float(), a.sum(0), b.mean(0), g.flatten()]).softmax(-1)
+    out = w.cpu().tolist()
+c = torch.tpu.metrics()["counters"]
+print(json.dumps({"out": out, "counters": c}))
+"""
+
+
+def test_a_warm_fused_process_traces_and_compiles_nothing(tmp_path):
+    """Fused recording needs each op's output shapes; a later process finds them in the cache
+    folder (eager/fused_shapes.py), as it finds the programs: no eval_shape trace, no compile,
+    with or without the working set loaded ahead."""
+    cache = tmp_path / "cache"
+    cold = _run(cache, FUSED)
+    c0 = cold["counters"]
+    assert c0.get("fused_op_traces", 0) >= 8 and c0.get("fused_xla_compiles", 0) >= 1
+    assert len(os.listdir(cache / "fused-shapes")) == 1
+    for env in ({}, {"TORCHTPU_WORKING_SET": "0"}):
+        warm = _run(cache, FUSED, **env)
+        w = warm["counters"]
+        assert warm["out"] == cold["out"]
+        assert w.get("fused_op_traces", 0) == 0, w
+        assert w.get("fused_op_shapes_loaded", 0) == c0["fused_op_traces"]
+        assert w.get("fused_xla_compiles", 0) == 0 and w.get("eager_xla_compiles", 0) == 0
+    off = _run(cache, FUSED, TORCHTPU_FUSED_SHAPE_CACHE="0")  # the shapes traced again
+    assert off["out"] == cold["out"]
+    assert off["counters"].get("fused_op_traces", 0) == c0["fused_op_traces"]

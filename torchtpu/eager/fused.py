@@ -16,6 +16,7 @@ A recorded node applies the same per-op pure function that Strict mode jits
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import warnings
@@ -26,11 +27,13 @@ import torch
 
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
+from ..runtime import disk_cache as _disk
 from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
+from . import fused_shapes as _shapes
 from . import executor, modes, views
 from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _NP
 from .executor import arg_keys as _arg_keys
@@ -132,6 +135,9 @@ def _aval(shape, dtype, weak=False):
                                                                      weak_type=weak)
     return a
 
+
+_shapes._aval = _aval
+_shapes._static = executor._Static
 
 _SCALAR_AVALS = {t: _aval((), np.dtype(jax.dtypes.canonicalize_dtype(t)), True)
                  for t in (bool, int, float, complex)}
@@ -264,15 +270,17 @@ def record(lowering, kind, args, kwargs):
     if hit is None:
         traced_scalars = args is not orig[0] or kwargs is not orig[1] or any(
             type(t) is Traced for t in tensors)
+        text = _shapes.spell(skey)
         hit = _trace_node(lowering, kind, executor._trace_wrapped(args, wrapped), kwargs, specs,
-                          tensors, flat_avals, traced_scalars, groups)
+                          tensors, flat_avals, traced_scalars, groups,
+                          _shapes.key_text(text, flat_avals))
         if hit is None:  # it branches on a scalar: its scalars are baked in from now on
             return record(lowering, kind, orig[0], orig[1])
-        _AVALS[akey] = hit
-    traced, out_avals, ws, check_aval, nest = hit
+        hit = _AVALS[akey] = hit + (text,)
+    traced, out_avals, ws, check_aval, nest, text = hit
     nodes = g.nodes
     node_index = len(nodes)
-    nodes.append((akey, traced, tuple(refs)))
+    nodes.append((akey, traced, tuple(refs), text))
     COUNTERS["fused_ops_recorded"] += 1
     pending = g.pending
     if kind == FUNCTIONAL or kind == FUNCTIONAL_RAW:
@@ -313,25 +321,31 @@ def record(lowering, kind, args, kwargs):
 
 
 def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced_scalars,
-                groups=None):
+                groups=None, text=None):
     """A new node kind: its pure function and abstract outputs (None: retry with static
-    scalars)."""
+    scalars). ``text``: the key's persistent spelling, under which an earlier process may have
+    kept the outputs (fused_shapes.py: then nothing is traced)."""
     ws = executor._write_slots(kind, args, kwargs, lowering)
     checked = lowering.check is not None
     traced = executor.make_traced(lowering, kind, args, kwargs, specs, tensors, ws,
                                   with_check=checked, groups=groups)
     if groups is not None:  # one new array per written storage
         ws = executor._write_slots(kind, args, kwargs, lowering, groups)
-    try:
-        out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
-    except (TypeError, ValueError) as e:
-        if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
-            lowering.meta["static_scalars"] = True
-            return None
-        err = executor._trace_error(lowering, tensors, e)  # PyTorch's exception, as Strict
-        if err is e:
-            raise
-        raise err from e
+    out_avals = _shapes.lookup(text) if text is not None else None
+    if out_avals is None:
+        try:
+            out_avals = _canonical(jax.eval_shape(traced, *flat_avals))
+        except (TypeError, ValueError) as e:
+            if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
+                lowering.meta["static_scalars"] = True
+                return None
+            err = executor._trace_error(lowering, tensors, e)  # PyTorch's exception, as Strict
+            if err is e:
+                raise
+            raise err from e
+        count("fused_op_traces", op=lowering.name)
+        if text is not None:
+            _shapes.keep(text, out_avals)
     check_aval = None
     if checked:  # (outputs, inputs-valid flag): the flag is the node's last output
         out_avals, check_aval = out_avals
@@ -342,7 +356,6 @@ def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced
         nest = tuple(len(o) if isinstance(o, list) else None for o in out_avals)
         out_avals = tuple(a for o in out_avals for a in (o if isinstance(o, list) else (o,)))
         traced = _flat_nested(traced)
-    count("fused_op_traces", op=lowering.name)
     return traced, out_avals, ws, check_aval, nest
 
 
@@ -419,8 +432,19 @@ def _make_program(g, out_refs, donate=()):
 
     program.__name__ = f"fused_graph_{len(_PROGRAMS)}"  # the XLA module's name, for profiles
     # the graph's key in the compile cache folder: each node's Strict key and references
-    # (the program's input signature, which fixes every node's shapes, is added there)
-    key = (tuple([(n[0][0], n[2]) for n in g.nodes]), tuple(out_refs), tuple(donate))
+    # (the program's input signature, which fixes every node's shapes, is added there),
+    # spelled from each node kind's stable spelling (made once per kind and process: spelling
+    # every node's key again cost a warm generate's first call ~0.3 s)
+    key = None
+    if all(n[3] is not None for n in g.nodes):
+        h = hashlib.sha256()
+        for n in g.nodes:
+            h.update(n[3].encode())
+            h.update(repr(n[2]).encode())
+        h.update(repr((tuple(out_refs), tuple(donate))).encode())
+        key = "fused-graph:" + h.hexdigest()
+    elif _disk.cache_dir() is not None:  # as a Program counts a key it cannot spell
+        count("fused_disk_cache_unkeyable")
     return _program_cache.Program("fused", program, key, donate_argnums=donate)
 
 

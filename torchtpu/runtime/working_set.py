@@ -66,6 +66,11 @@ def note(kind: str, key: str, device_id: int) -> None:
         _used[key] = (kind, device_id)
 
 
+def holds(key: str) -> bool:
+    """Whether ``key`` was loaded ahead or will be (``take`` finds it)."""
+    return key in _ahead or key in _planned
+
+
 def take(key: str):
     """The executable loaded ahead for ``key`` (waiting while the thread loads it), or None;
     None too when the thread has not reached it yet (the caller loads it, the thread skips it)."""
