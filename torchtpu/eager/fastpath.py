@@ -106,6 +106,22 @@ def kernel(fn, lowering):
     return k
 
 
+def cpu_redispatch(op) -> bool:
+    """Bind metadata-only op ``op``'s PrivateUse1 kernel to PyTorch's CPU kernel in C++ (the
+    boxed redispatch eager/kernels.py does from Python, without the Python frame); False
+    where the fast path is not bound (the caller binds the Python kernel)."""
+    if not wanted():
+        return False
+    ext = _load()
+    if ext is None:
+        return False
+    ns, name = op._schema.name.split("::", 1)
+    if op._overloadname != "default":
+        name = f"{name}.{op._overloadname}"
+    ext.cpu_redispatch(ns, name)
+    return True
+
+
 def available() -> bool:
     return _state["ext"] is not None
 
@@ -151,13 +167,19 @@ _Array = None
 
 def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     """Install the entry for this thread's pending key: the call of ``prog`` just made with
-    ``flat`` (one argument per item of ``tensors``: a tensor's whole storage array, or a
-    Traced scalar's value) returned ``out``. The executor calls it only for an eligible call;
-    True if installed."""
+    ``flat`` (one argument per item of ``tensors``: a tensor's storage array, or a Traced
+    scalar's value; then the traced storage offsets of its views) returned ``out``. The
+    executor calls it only for an eligible call; True if installed.
+
+    A tensor's view spec (eager/views.py) is a function of what the key holds (its dtype,
+    sizes, strides, offset, conj/neg bits) and of its storage array's shape and dtype, which
+    the entry records and a hit checks; so the program (and its offsets, constants of the
+    entry: the key holds the storage offset) is the one the Python path would run."""
     global _Array
     if _Array is None:
         from jax._src.array import ArrayImpl as _Array
-    if len(flat) != len(tensors):
+    n = len(tensors)
+    if len(flat) < n:
         return False
     if type(out) is _Array:
         outs = (out,)
@@ -172,15 +194,21 @@ def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     if call is None:
         return False
     plan = []
-    dtypes = []
+    arrays = []
     for t, a in zip(tensors, flat):
         if type(t) is traced_type:
             plan.append((a,))
         else:
-            plan.append(len(dtypes))
-            dtypes.append(a.dtype)
+            if type(a) is not _Array:
+                return False
+            plan.append(len(arrays))
+            arrays.append((a.dtype, tuple(a.shape), bool(a.weak_type)))
+    for off in flat[n:]:  # the views' traced offsets (fixed by the key's storage offsets)
+        if type(off) is not _Array:
+            return False
+        plan.append((off,))
     metas = []
     for o in outs:
         shape, dt, _strides, _nbytes = _buffer._meta(o.shape, o.dtype)
         metas.append((tuple(shape), dt))
-    return _state["ext"].install(lowering, call, plan, dtypes, tuple_out, metas)
+    return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas)
