@@ -27,6 +27,9 @@
 
 #include <torch/library.h>
 
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -127,9 +130,11 @@ inline void put(std::string& k, T v) {
   k.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
 
-bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth);
+using Tensors = c10::SmallVector<at::Tensor, 6>;  // an op's input tensors (no heap allocation)
 
-bool key_tensor(PyObject* x, std::string& k, std::vector<at::Tensor>& ts) {
+bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth);
+
+bool key_tensor(PyObject* x, std::string& k, Tensors& ts) {
   const at::Tensor& t = THPVariable_Unpack(x);
   if (!t.defined()) return false;
   auto* impl = t.unsafeGetTensorImpl();
@@ -150,7 +155,7 @@ bool key_tensor(PyObject* x, std::string& k, std::vector<at::Tensor>& ts) {
   return true;
 }
 
-bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth) {
+bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth) {
   PyTypeObject* tp = Py_TYPE(x);
   if (THPVariable_CheckTypeExact(tp)) return key_tensor(x, k, ts);
   if (x == Py_None) { k.push_back('N'); return true; }
@@ -226,7 +231,7 @@ bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth)
 struct InArray {
   PyObject* arr = nullptr;    // owned
   PyObject* dtype = nullptr;  // owned
-  std::vector<int64_t> shape;
+  c10::SmallVector<int64_t, 6> shape;  // (no heap allocation per call)
   bool weak = false;
   InArray() = default;
   InArray(const InArray&) = delete;
@@ -243,7 +248,9 @@ struct InArray {
 
 // The storage arrays of the input tensors; false (no Python error set) if one has none that
 // is a jax Array (a storage that lost its buffer: the Python path decides).
-bool gather(const std::vector<at::Tensor>& ts, std::vector<InArray>& in) {
+using InArrays = c10::SmallVector<InArray, 6>;
+
+bool gather(const Tensors& ts, InArrays& in) {
   in.resize(ts.size());
   for (size_t i = 0; i < ts.size(); i++) {
     InArray& a = in[i];
@@ -277,10 +284,13 @@ bool gather(const std::vector<at::Tensor>& ts, std::vector<InArray>& in) {
 }
 
 // Whether entry `e` was made for these arrays (their dtypes, shapes and weak types).
-bool matches(const Entry& e, const std::vector<InArray>& in) {
+bool matches(const Entry& e, const InArrays& in) {
   if (e.in_dtypes.size() != in.size()) return false;
   for (size_t i = 0; i < in.size(); i++) {
-    if (in[i].weak != (e.in_weak[i] != 0) || in[i].shape != e.in_shapes[i]) return false;
+    const auto& want = e.in_shapes[i];
+    if (in[i].weak != (e.in_weak[i] != 0) || in[i].shape.size() != want.size() ||
+        !std::equal(want.begin(), want.end(), in[i].shape.begin()))
+      return false;
     if (in[i].dtype != e.in_dtypes[i]) {
       int eq = PyObject_RichCompareBool(in[i].dtype, e.in_dtypes[i], Py_EQ);
       if (eq < 0) PyErr_Clear();
@@ -330,7 +340,7 @@ fail:
 
 enum HitResult { HIT_OK, HIT_FALLBACK, HIT_ERROR };
 
-HitResult hit(Kernel* self, const Entry& e, std::vector<InArray>& in, PyObject** result) {
+HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   size_t n = e.plan.size();
   PyObject* small[16];
   std::vector<PyObject*> big;
@@ -408,8 +418,7 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   }
   std::string key;
   key.reserve(128);
-  std::vector<at::Tensor> ts;
-  ts.reserve(4);
+  Tensors ts;
   bool ok = true;
   try {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
@@ -450,7 +459,7 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto it = self->table->find(key);
   if (it != self->table->end()) {
     std::shared_ptr<Entry> e;  // kept alive while the GIL may be released
-    std::vector<InArray> in;
+    InArrays in;
     try {
       if (gather(ts, in)) {
         for (auto& v : it->second)
