@@ -2,18 +2,22 @@
 
 Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C++ callable
 that torch.library calls in place of the Python kernel it wraps. While the eager mode is
-Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset;
-Python scalars by their bits; lists, dtypes, devices; the default dtype; the matmul precision
-for an op that reads it) and looks the key up in the op's table. A hit gathers the input
-storages' arrays, checks each is what the executor would pass as is (same shape and dtype),
-calls the executable's C++ call (the one ``program_cache.Program`` calls), notes the outputs
-in flight and makes the output tensors and storages itself, as ``buffer.wrap_noted`` does: no
-Python frame of torchtpu runs. Anything else runs the Python kernel (eager/executor.py): a
-miss sets this thread's pending key first, and the executor installs an entry for it (``offer``)
-only for a call it proved eligible: a functional op in Strict mode, every tensor a whole
-storage array (no view spec, no CPU scalar), no check, no random state, no mutated argument,
-one device, array results. Everything else (views, in-place writes and donation, Debug and
-Fused modes, dynamic shapes, checks, random ops, fallbacks) takes the Python path every time.
+Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset and
+conj/neg bits; Python scalars by their bits; lists, dtypes, devices, layouts, memory formats;
+the default dtype; the matmul precision for an op that reads it) and looks the key up in the
+op's table. A hit gathers the input storages' arrays and picks the key's entry made for arrays
+of their dtypes, shapes and weak types (with the key, they decide each input's view spec, so
+views are served: a key holds up to 8 such entries), calls the executable's C++ call (the one
+``program_cache.Program`` calls) with the views' storage offsets as the entry's constants,
+notes the outputs in flight and makes the output tensors and storages itself, as
+``buffer.wrap_noted`` does: no Python frame of torchtpu runs. Anything else runs the Python
+kernel (eager/executor.py): a miss sets this thread's pending key first, and the executor
+installs an entry for it (``offer``) only for a call it proved eligible: a functional op in
+Strict mode, every tensor on a storage array (no CPU scalar), no check, no random state, no
+mutated argument, one device, array results. Everything else (in-place writes and donation,
+Debug and Fused modes, dynamic shapes, checks, random ops, factories, fallbacks) takes the
+Python path every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
+too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
 ``set_enabled(False)`` makes every Kernel run its Python kernel (the same path, in-process,
@@ -22,7 +26,8 @@ for tests and benchmarks). Without a C++ compiler the Python kernels are bound a
 ``eager_fastpath_hits`` (also counted as ``eager_cache_hits``), ``eager_fastpath_misses`` (no
 entry: the Python path ran), ``eager_fastpath_installs``, ``eager_fastpath_uncacheable``
 (arguments it cannot key), ``eager_fastpath_bypassed`` (not Strict mode) and
-``eager_fastpath_fallbacks`` (an entry that no longer matched: dropped, the Python path ran).
+``eager_fastpath_fallbacks`` (a key with no entry for these storage arrays, or an executable
+that refused them: the Python path ran).
 """
 from __future__ import annotations
 
