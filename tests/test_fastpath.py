@@ -172,14 +172,134 @@ def test_multiple_outputs_and_int_lists():
     both(lambda: (_rand(2, 3, 8),), lambda x: torch.nn.functional.layer_norm(x, (8,)))
 
 
-def test_views_and_offsets_take_the_python_path_and_match():
+def _view_cases():
+    """Inputs that are views of a storage array, one per kind of view spec (eager/views.py)."""
     base = _rand(8, 8)
-    # a transposed, an offset and a reshaped input: not whole storage arrays
-    for make in (lambda: (base.t(),), lambda: (base[2:],), lambda: (base.view(64)[:16].view(4, 4),),
-                 lambda: (base.view(4, 16),)):
-        both(make, lambda x: x * 3.0, hit=False)
+    cbase = (_rand(4, 6) + 1j * _rand(4, 6, seed=5)).to(torch.complex64)
+    return {
+        "transpose": lambda: (base.t(),),                       # a box plan
+        "rows": lambda: (base[2:],),                            # whole rows at a traced offset
+        "row": lambda: (base[3],),
+        "flat_run": lambda: (base.view(64)[5:21].view(4, 4),),  # a contiguous run, not rows
+        "reshape": lambda: (base.view(4, 16),),                 # the whole array, reshaped
+        "columns": lambda: (base[:, 2:5],),                     # a box inside the array
+        "steps": lambda: (base[::3, 1::2],),                    # a strided gather
+        "expand": lambda: (base[:1].expand(3, 8),),
+        "bitcast": lambda: (base.view(torch.int32),),
+        "conj": lambda: (cbase.conj(),),
+        "neg_bit": lambda: (cbase.conj().imag,),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_view_cases()))
+def test_views_and_offsets_are_served_and_match(kind):
+    make = _view_cases()[kind]
+    both(make, lambda x: x * 3 if x.dtype is torch.int32 else x * 3.0)
+    both(make, lambda x: x.sum(0) if not x.is_complex() else x + x)
+    # a view and its base in one op
+    both(lambda: make() + (make()[0].contiguous(),), lambda x, y: x + y)
+
+
+def test_views_at_several_offsets_are_keyed_by_offset():
+    base = _rand(16, 8)
+    rows = [base[i] * 2.0 for i in range(16)]  # misses (one entry per offset)
+    h = _c("eager_fastpath_hits")
+    again = [base[i] * 2.0 for i in range(16)]
+    assert _c("eager_fastpath_hits") == h + 16
+    want = base.cpu() * 2.0
+    for i in range(16):
+        assert torch.equal(rows[i].cpu(), want[i]) and torch.equal(again[i].cpu(), want[i])
+
+
+def test_one_key_over_arrays_of_different_shapes():
+    """The same tensor metadata over storage arrays of different shapes (a (1, 64) view of a
+    (1, 1, 64) array, a (1, 64) array) is a different view spec each: each gets its own entry
+    and neither is served the other's program."""
+    w = _rand(64, 32, seed=3)
+
+    def make_a():
+        return (_rand(1, 1, 64).view(1, 64), w)
+
+    def make_b():
+        return (_rand(1, 64, seed=1), w)
+
+    for _ in range(3):  # alternating, as in a model whose projections read both kinds
+        got_a = both(make_a, lambda x, y: x @ y)
+        got_b = both(make_b, lambda x, y: x @ y)
+    # (each its own input's product: the two inputs differ)
+    torch.testing.assert_close(got_a.cpu(), make_a()[0].cpu() @ w.cpu())
+    torch.testing.assert_close(got_b.cpu(), make_b()[0].cpu() @ w.cpu())
+    # a weakly typed array behind the same tensor is not served the strong array's entry
+    import jax
+    import jax.numpy as jnp
+
+    x = _rand(4, 4)
+    x + 1.5
+    x + 1.5
+    buf = x.untyped_storage()._tpu_buffer
+    buf.array = jnp.broadcast_to(jax.device_put(2.0), (4, 4))
+    assert buf.array.weak_type
+    f0 = _c("eager_fastpath_fallbacks")
+    out = x + 1.5
+    assert _c("eager_fastpath_fallbacks") == f0 + 1
+    h = _c("eager_fastpath_hits")
+    again = x + 1.5  # served from the weak array's own entry now
+    assert _c("eager_fastpath_hits") == h + 1
+    fastpath.set_enabled(False)
+    ref = x + 1.5
+    _same(ref, out)
+    _same(ref, again)
+
+
+def test_views_of_a_written_storage_read_its_new_array():
+    """A hit reads the storage's array now, not the one the entry was made with, and leaves
+    no reference behind: the base's next in-place write still donates, and a view result
+    computed before the write keeps its values."""
+    def run():
+        x = _rand(16, 16)
+        v = x[4:8] * 2.0
+        v = x[4:8] * 2.0  # a hit on a view
+        before = v.cpu()
+        d0 = _c("eager_donated_writes")
+        x.add_(1.0)  # the storage's array is replaced (donated: nothing else holds it)
+        donated = _c("eager_donated_writes") - d0
+        w = x[4:8] * 2.0  # a hit again: must read the new array
+        return before, v, w, x, donated
+
+    fastpath.set_enabled(False)
+    ref = run()
+    fastpath.set_enabled(True)
+    run()
+    got = run()
+    _same(ref[1:4], got[1:4])
+    assert torch.equal(ref[0], got[0]) and torch.equal(got[1].cpu(), got[0])
+    assert torch.equal(got[2].cpu(), got[0] + 2.0)
+    assert ref[4] == got[4] == 1
+
+
+def test_view_outputs_stay_views():
     # outputs that are views of an op's result stay views (PyTorch's metadata kernels)
     both(lambda: (_rand(4, 6),), lambda x: (x + 1).t())
+
+
+def test_view_ops_are_cpp_kernels_and_alias():
+    """Metadata-only ops (view, as_strided, ...) run PyTorch's CPU kernel through the C++
+    redispatch: real views of the same storage, the Python binding's results."""
+    def run(x):
+        return (x.view(4, 16), x.as_strided((4, 4), (1, 8), 3), x.view(torch.int32),
+                x.unfold(1, 4, 2), torch.view_as_real(x.to(torch.complex64)))
+
+    fastpath.set_enabled(False)
+    x = _rand(8, 8)
+    outs = run(x)
+    for o in outs[:4]:
+        assert o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    cpu = x.cpu()
+    want = (cpu.view(4, 16), cpu.as_strided((4, 4), (1, 8), 3), cpu.view(torch.int32),
+            cpu.unfold(1, 4, 2), torch.view_as_real(cpu.to(torch.complex64)))
+    for o, w in zip(outs, want):
+        assert o.stride() == w.stride() and o.storage_offset() == w.storage_offset()
+        assert torch.equal(o.cpu(), w)
 
 
 def test_inplace_and_donation_unchanged():

@@ -143,6 +143,19 @@ def _trace_wrapped(args, positions):
     return args if out is None else tuple(out)
 
 
+def offset_value(off: int):
+    """A view's traced storage offset as a jit argument: a cached weakly typed device scalar
+    (as ``Traced.device_value``: a Python int costs jit a host-to-device transfer per call);
+    the C++ fast path passes the same object for the same offset."""
+    k = (int, off)
+    d = _SCALARS.get(k)
+    if d is None:
+        if len(_SCALARS) >= 4096:
+            _SCALARS.clear()
+        d = _SCALARS[k] = jax.device_put(off)  # uncommitted: usable on any device
+    return d
+
+
 def trace_scalars(lowering, args, kwargs):
     """(args, kwargs, wrapped positions): the lowering's ``scalar_args`` as Traced, and the
     positions whose wrapped numbers ``arg_keys`` traces; neither once the lowering turned out
@@ -825,7 +838,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     flat = []
     specs = []
     offs = None
-    plain = True  # every tensor a whole storage array (the C++ fast path's condition)
+    plain = True  # every tensor a storage's array, no CPU scalar (the C++ fast path's condition)
     for t in tensors:
         if type(t) is Traced:
             flat.append(t.device_value())
@@ -847,11 +860,10 @@ def run(lowering, kind, args, kwargs, mode=None):
             continue
         spec, off = views.spec_of(t, arr)
         specs.append(spec)
-        plain = False
         if off is not None:
             if offs is None:
                 offs = []
-            offs.append(off)
+            offs.append(offset_value(off))
     if offs is not None:
         flat.extend(offs)
     specs = tuple(specs)

@@ -20,9 +20,16 @@
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <torch/library.h>
+
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -42,6 +49,8 @@ struct Entry {
   std::vector<int> plan;                // per flat argument: >= 0 a tensor ordinal, < 0 a constant
   std::vector<PyObject*> consts;        // owned
   std::vector<PyObject*> in_dtypes;     // per tensor ordinal: the storage array's dtype (owned)
+  std::vector<std::vector<int64_t>> in_shapes;  // ... its shape (a view's differs from the tensor's)
+  std::vector<char> in_weak;            // ... its weak_type
   bool tuple_out = false;
   std::vector<OutMeta> outs;
   ~Entry() {
@@ -51,8 +60,13 @@ struct Entry {
   }
 };
 
-using Table = std::unordered_map<std::string, std::shared_ptr<Entry>>;
+// One key can meet storage arrays of different shapes (a (1, 64) view of a (1, 1, 64) array
+// or of a (1, 64) one): each is its own view spec, so its own program; a key holds up to
+// kMaxVariants entries, told apart by their inputs' arrays.
+using Variants = std::vector<std::shared_ptr<Entry>>;
+using Table = std::unordered_map<std::string, Variants>;
 constexpr size_t kMaxEntries = 4096;  // per op: a table past it starts over
+constexpr size_t kMaxVariants = 8;
 
 struct Kernel {
   PyObject_HEAD
@@ -81,7 +95,7 @@ PyObject* g_empty = nullptr;       // ()
 bool g_enabled = true;
 constexpr int64_t kAlign = 512;    // buffer._ALIGN
 
-PyObject *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready;
+PyObject *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type;
 PyObject *c_hits, *c_cache_hits, *c_misses, *c_uncacheable, *c_bypassed, *c_errors,
     *c_installs, *c_full;
 
@@ -116,9 +130,11 @@ inline void put(std::string& k, T v) {
   k.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
 
-bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth);
+using Tensors = c10::SmallVector<at::Tensor, 6>;  // an op's input tensors (no heap allocation)
 
-bool key_tensor(PyObject* x, std::string& k, std::vector<at::Tensor>& ts) {
+bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth);
+
+bool key_tensor(PyObject* x, std::string& k, Tensors& ts) {
   const at::Tensor& t = THPVariable_Unpack(x);
   if (!t.defined()) return false;
   auto* impl = t.unsafeGetTensorImpl();
@@ -139,7 +155,7 @@ bool key_tensor(PyObject* x, std::string& k, std::vector<at::Tensor>& ts) {
   return true;
 }
 
-bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth) {
+bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth) {
   PyTypeObject* tp = Py_TYPE(x);
   if (THPVariable_CheckTypeExact(tp)) return key_tensor(x, k, ts);
   if (x == Py_None) { k.push_back('N'); return true; }
@@ -195,53 +211,93 @@ bool key_of(PyObject* x, std::string& k, std::vector<at::Tensor>& ts, int depth)
     put<int8_t>(k, static_cast<int8_t>(d.index()));
     return true;
   }
-  return false;  // anything else (layouts, memory formats, generators, ...): the Python path
+  if (tp == &THPMemoryFormatType) {
+    k.push_back('m');
+    put<int8_t>(k, static_cast<int8_t>(reinterpret_cast<THPMemoryFormat*>(x)->memory_format));
+    return true;
+  }
+  if (tp == &THPLayoutType) {
+    k.push_back('l');
+    put<int8_t>(k, static_cast<int8_t>(reinterpret_cast<THPLayout*>(x)->layout));
+    return true;
+  }
+  return false;  // anything else (generators, ...): the Python path
 }
 
 // ---- the hit path ----
 
-// The storage array of input tensor `t` when it is what the executor passes as is (the whole
-// array, same shape and dtype); new reference, or nullptr (no Python error set).
-PyObject* array_of(const at::Tensor& t, PyObject* want_dtype) {
-  PyObject* st = THPStorage_Wrap(t.storage());
-  if (st == nullptr) { PyErr_Clear(); return nullptr; }
-  PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
-  Py_DECREF(st);
-  if (buf == nullptr) { PyErr_Clear(); return nullptr; }
-  PyObject* arr = PyObject_GetAttr(buf, s_array);
-  Py_DECREF(buf);
-  if (arr == nullptr) { PyErr_Clear(); return nullptr; }
-  bool ok = reinterpret_cast<PyObject*>(Py_TYPE(arr)) == g_array_type;
-  if (ok) {
-    PyObject* dt = PyObject_GetAttr(arr, s_dtype);
-    if (dt == nullptr) { PyErr_Clear(); ok = false; }
-    else {
-      ok = dt == want_dtype;
-      if (!ok) {
-        int eq = PyObject_RichCompareBool(dt, want_dtype, Py_EQ);
-        if (eq < 0) PyErr_Clear();
-        ok = eq == 1;
-      }
-      Py_DECREF(dt);
+// An input tensor's storage array and what decides its view spec besides the tensor's own
+// metadata (which the key holds): the array's dtype, shape and weak type.
+struct InArray {
+  PyObject* arr = nullptr;    // owned
+  PyObject* dtype = nullptr;  // owned
+  c10::SmallVector<int64_t, 6> shape;  // (no heap allocation per call)
+  bool weak = false;
+  InArray() = default;
+  InArray(const InArray&) = delete;
+  InArray& operator=(const InArray&) = delete;
+  InArray(InArray&& o) noexcept
+      : arr(o.arr), dtype(o.dtype), shape(std::move(o.shape)), weak(o.weak) {
+    o.arr = o.dtype = nullptr;
+  }
+  ~InArray() {
+    Py_XDECREF(arr);
+    Py_XDECREF(dtype);
+  }
+};
+
+// The storage arrays of the input tensors; false (no Python error set) if one has none that
+// is a jax Array (a storage that lost its buffer: the Python path decides).
+using InArrays = c10::SmallVector<InArray, 6>;
+
+bool gather(const Tensors& ts, InArrays& in) {
+  in.resize(ts.size());
+  for (size_t i = 0; i < ts.size(); i++) {
+    InArray& a = in[i];
+    PyObject* st = THPStorage_Wrap(ts[i].storage());
+    if (st == nullptr) { PyErr_Clear(); return false; }
+    PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
+    Py_DECREF(st);
+    if (buf == nullptr) { PyErr_Clear(); return false; }
+    a.arr = PyObject_GetAttr(buf, s_array);
+    Py_DECREF(buf);
+    if (a.arr == nullptr) { PyErr_Clear(); return false; }
+    if (reinterpret_cast<PyObject*>(Py_TYPE(a.arr)) != g_array_type) return false;
+    a.dtype = PyObject_GetAttr(a.arr, s_dtype);
+    if (a.dtype == nullptr) { PyErr_Clear(); return false; }
+    PyObject* shape = PyObject_GetAttr(a.arr, s_shape);
+    if (shape == nullptr || !PyTuple_Check(shape)) { PyErr_Clear(); Py_XDECREF(shape); return false; }
+    Py_ssize_t n = PyTuple_GET_SIZE(shape);
+    a.shape.resize(n);
+    for (Py_ssize_t j = 0; j < n; j++) {
+      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+      if (d == -1 && PyErr_Occurred()) { PyErr_Clear(); Py_DECREF(shape); return false; }
+      a.shape[j] = d;
+    }
+    Py_DECREF(shape);
+    PyObject* w = PyObject_GetAttr(a.arr, s_weak_type);
+    if (w == nullptr) { PyErr_Clear(); return false; }
+    a.weak = w == Py_True;
+    Py_DECREF(w);
+  }
+  return true;
+}
+
+// Whether entry `e` was made for these arrays (their dtypes, shapes and weak types).
+bool matches(const Entry& e, const InArrays& in) {
+  if (e.in_dtypes.size() != in.size()) return false;
+  for (size_t i = 0; i < in.size(); i++) {
+    const auto& want = e.in_shapes[i];
+    if (in[i].weak != (e.in_weak[i] != 0) || in[i].shape.size() != want.size() ||
+        !std::equal(want.begin(), want.end(), in[i].shape.begin()))
+      return false;
+    if (in[i].dtype != e.in_dtypes[i]) {
+      int eq = PyObject_RichCompareBool(in[i].dtype, e.in_dtypes[i], Py_EQ);
+      if (eq < 0) PyErr_Clear();
+      if (eq != 1) return false;
     }
   }
-  if (ok) {
-    PyObject* shape = PyObject_GetAttr(arr, s_shape);
-    if (shape == nullptr || !PyTuple_Check(shape)) { PyErr_Clear(); ok = false; }
-    else {
-      auto sizes = t.sizes();
-      Py_ssize_t n = PyTuple_GET_SIZE(shape);
-      ok = n == static_cast<Py_ssize_t>(sizes.size());
-      for (Py_ssize_t i = 0; ok && i < n; i++) {
-        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-        if (d == -1 && PyErr_Occurred()) { PyErr_Clear(); ok = false; }
-        ok = ok && d == sizes[i];
-      }
-    }
-    Py_XDECREF(shape);
-  }
-  if (!ok) { Py_DECREF(arr); return nullptr; }
-  return arr;
+  return true;
 }
 
 // A new tpu tensor whose storage holds `arr` (buffer.wrap_noted); new reference or nullptr
@@ -284,35 +340,23 @@ fail:
 
 enum HitResult { HIT_OK, HIT_FALLBACK, HIT_ERROR };
 
-HitResult hit(Kernel* self, const Entry& e, const std::vector<at::Tensor>& ts, PyObject** result) {
+HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   size_t n = e.plan.size();
   PyObject* small[16];
   std::vector<PyObject*> big;
   PyObject** args = small;
   if (n > 16) { big.resize(n); args = big.data(); }
-  size_t filled = 0;
-  for (; filled < n; filled++) {
-    int p = e.plan[filled];
-    PyObject* a;
-    if (p >= 0) {
-      a = array_of(ts[p], e.in_dtypes[p]);
-      if (a == nullptr) break;
-    } else {
-      a = e.consts[-p - 1];
-      Py_INCREF(a);
-    }
-    args[filled] = a;
-  }
-  if (filled < n) {
-    for (size_t i = 0; i < filled; i++) Py_DECREF(args[i]);
-    bump(c_errors);
-    return HIT_FALLBACK;
+  for (size_t i = 0; i < n; i++) {
+    int p = e.plan[i];
+    args[i] = p >= 0 ? in[p].arr : e.consts[-p - 1];  // borrowed: `in` and `e` hold them
   }
   PyObject* call = e.call;
   Py_INCREF(call);
   PyObject* out = PyObject_Vectorcall(call, args, n, nullptr);
   Py_DECREF(call);
-  for (size_t i = 0; i < n; i++) Py_DECREF(args[i]);
+  // the call's own references to the storage arrays go now: a write after this op must see
+  // only its storage's (donation counts references)
+  for (auto& a : in) Py_CLEAR(a.arr);
   if (out == nullptr) {
     // the executable refused the call (or failed): the Python path redoes it and raises
     // what it raises today
@@ -374,8 +418,7 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   }
   std::string key;
   key.reserve(128);
-  std::vector<at::Tensor> ts;
-  ts.reserve(4);
+  Tensors ts;
   bool ok = true;
   try {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
@@ -415,23 +458,45 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   }
   auto it = self->table->find(key);
   if (it != self->table->end()) {
-    std::shared_ptr<Entry> e = it->second;  // kept alive while the GIL may be released
-    PyObject* res = nullptr;
-    HitResult r;
+    std::shared_ptr<Entry> e;  // kept alive while the GIL may be released
+    InArrays in;
     try {
-      r = hit(self, *e, ts, &res);
-    } catch (const std::exception& ex) {  // a C++ error never escapes into the interpreter
+      if (gather(ts, in)) {
+        for (auto& v : it->second)
+          if (matches(*v, in)) { e = v; break; }
+      }
+    } catch (const std::exception& ex) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, ex.what());
       return nullptr;
     }
-    if (r == HIT_OK) {
-      bump(c_hits);
-      bump(c_cache_hits);
-      return res;
+    if (e) {
+      PyObject* res = nullptr;
+      HitResult r;
+      try {
+        r = hit(self, *e, in, &res);
+      } catch (const std::exception& ex) {  // a C++ error never escapes into the interpreter
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, ex.what());
+        return nullptr;
+      }
+      if (r == HIT_OK) {
+        bump(c_hits);
+        bump(c_cache_hits);
+        return res;
+      }
+      if (r == HIT_ERROR) return nullptr;
+      // the executable refused the arrays: forget the entry, let Python decide again
+      auto again = self->table->find(key);  // (the call may have changed the table)
+      if (again != self->table->end()) {
+        auto& vs = again->second;
+        for (size_t i = 0; i < vs.size(); i++)
+          if (vs[i] == e) { vs.erase(vs.begin() + i); break; }
+        if (vs.empty()) self->table->erase(again);
+      }
+    } else {
+      // no entry for these storage arrays (another shape or dtype behind the same tensor
+      // metadata, or none): the Python path runs, and may add one
+      bump(c_errors);
     }
-    if (r == HIT_ERROR) return nullptr;
-    // a stale entry (the arrays no longer match): forget it, let Python decide again
-    self->table->erase(key);
   } else {
     bump(c_misses);
   }
@@ -529,7 +594,8 @@ PyObject* m_pending(PyObject*, PyObject*) {
   return l;
 }
 
-// install(lowering, call, plan, in_dtypes, tuple_out, outs): outs = [(shape, torch dtype)].
+// install(lowering, call, plan, arrays, tuple_out, outs): arrays = [(array dtype, shape,
+// weak type)] per tensor ordinal; outs = [(shape, torch dtype)].
 PyObject* m_install(PyObject*, PyObject* args) {
   PyObject *lowering, *call, *plan, *in_dtypes, *outs;
   int tuple_out = 0;
@@ -566,9 +632,21 @@ PyObject* m_install(PyObject*, PyObject* args) {
   for (bool u : used)
     if (!u) Py_RETURN_FALSE;  // every tensor the kernel got is an argument of the program
   for (Py_ssize_t i = 0; i < n_t; i++) {
-    PyObject* d = PyList_GET_ITEM(in_dtypes, i);
+    PyObject *d, *shape;
+    int weak = 0;
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(in_dtypes, i), "OO!p", &d, &PyTuple_Type, &shape,
+                          &weak))
+      return nullptr;
+    std::vector<int64_t> dims;
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
+      long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+      if (v == -1 && PyErr_Occurred()) return nullptr;
+      dims.push_back(v);
+    }
     Py_INCREF(d);
     e->in_dtypes.push_back(d);
+    e->in_shapes.push_back(std::move(dims));
+    e->in_weak.push_back(static_cast<char>(weak));
   }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); i++) {
     PyObject* o = PyList_GET_ITEM(outs, i);
@@ -597,7 +675,20 @@ PyObject* m_install(PyObject*, PyObject* args) {
     t.clear();
     bump(c_full);
   }
-  t[p->key] = std::move(e);
+  Variants& vs = t[p->key];
+  for (size_t i = 0; i < vs.size(); i++) {
+    if (vs[i]->in_shapes == e->in_shapes && vs[i]->in_weak == e->in_weak) {
+      bool same = true;
+      for (size_t j = 0; same && j < e->in_dtypes.size(); j++) {
+        int eq = PyObject_RichCompareBool(vs[i]->in_dtypes[j], e->in_dtypes[j], Py_EQ);
+        if (eq < 0) { PyErr_Clear(); eq = 0; }
+        same = eq == 1;
+      }
+      if (same) { vs.erase(vs.begin() + i); break; }
+    }
+  }
+  if (vs.size() >= kMaxVariants) vs.erase(vs.begin());
+  vs.push_back(std::move(e));
   p->kernel = nullptr;  // consumed: a later call in the same kernel installs nothing
   bump(c_installs);
   Py_RETURN_TRUE;
@@ -613,13 +704,53 @@ PyObject* m_forget(PyObject*, PyObject* calls) {
   Py_ssize_t dropped = 0;
   for (Kernel* k : all_kernels()) {
     for (auto it = k->table->begin(); it != k->table->end();) {
-      int in = PySet_Contains(calls, it->second->call);
-      if (in < 0) return nullptr;
-      if (in) { it = k->table->erase(it); dropped++; }
+      auto& vs = it->second;
+      for (size_t i = 0; i < vs.size();) {
+        int in = PySet_Contains(calls, vs[i]->call);
+        if (in < 0) return nullptr;
+        if (in) { vs.erase(vs.begin() + i); dropped++; }
+        else i++;
+      }
+      if (vs.empty()) it = k->table->erase(it);
       else ++it;
     }
   }
   return PyLong_FromSsize_t(dropped);
+}
+
+// ---- PyTorch's own CPU kernels of metadata-only ops, for PrivateUse1, without Python ----
+// A view of a tpu tensor is PyTorch's metadata kernel run on it (the storage is shared): the
+// boxed redispatch to the CPU key that eager/kernels.py does from Python, here in C++ (a view
+// op was a Python frame and a re-boxing of its arguments, ~70 of them per token of HF
+// generate).
+
+void redispatch_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+
+std::unordered_map<std::string, torch::Library*>& libraries() {
+  static auto* m = new std::unordered_map<std::string, torch::Library*>();  // never freed:
+  return *m;  // a registration lives as long as the process (as the Python bindings do)
+}
+
+// cpu_redispatch(namespace, name): bind `namespace::name` (name with its overload, "view.dtype")
+// for PrivateUse1 to the CPU key's kernel.
+PyObject* m_cpu_redispatch(PyObject*, PyObject* args) {
+  const char *ns, *name;
+  if (!PyArg_ParseTuple(args, "ss", &ns, &name)) return nullptr;
+  try {
+    auto& libs = libraries();
+    auto it = libs.find(ns);
+    if (it == libs.end())
+      it = libs.emplace(ns, new torch::Library(torch::Library::IMPL, ns,
+                                               c10::DispatchKey::PrivateUse1, __FILE__, __LINE__))
+               .first;
+    it->second->impl(name, torch::CppFunction::makeFromBoxedFunction<&redispatch_cpu>());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
 }
 
 PyObject* m_clear(PyObject*, PyObject*) {
@@ -629,13 +760,16 @@ PyObject* m_clear(PyObject*, PyObject*) {
 
 PyObject* m_entries(PyObject*, PyObject*) {
   size_t n = 0;
-  for (Kernel* k : all_kernels()) n += k->table->size();
+  for (Kernel* k : all_kernels())
+    for (auto& kv : *k->table) n += kv.second.size();
   return PyLong_FromSize_t(n);
 }
 
 PyMethodDef module_methods[] = {
     {"forget", m_forget, METH_O, "drop the entries of these executable calls"},
     {"clear", m_clear, METH_NOARGS, "drop every entry"},
+    {"cpu_redispatch", m_cpu_redispatch, METH_VARARGS,
+     "bind an op's PrivateUse1 kernel to its CPU kernel (metadata-only ops)"},
     {"entries", m_entries, METH_NOARGS, "entries in every table"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
@@ -667,6 +801,7 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   s_dtype = intern("dtype");
   s_shape = intern("shape");
   s_is_ready = intern("is_ready");
+  s_weak_type = intern("weak_type");
   c_hits = intern("eager_fastpath_hits");
   c_cache_hits = intern("eager_cache_hits");
   c_misses = intern("eager_fastpath_misses");

@@ -2,18 +2,22 @@
 
 Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C++ callable
 that torch.library calls in place of the Python kernel it wraps. While the eager mode is
-Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset;
-Python scalars by their bits; lists, dtypes, devices; the default dtype; the matmul precision
-for an op that reads it) and looks the key up in the op's table. A hit gathers the input
-storages' arrays, checks each is what the executor would pass as is (same shape and dtype),
-calls the executable's C++ call (the one ``program_cache.Program`` calls), notes the outputs
-in flight and makes the output tensors and storages itself, as ``buffer.wrap_noted`` does: no
-Python frame of torchtpu runs. Anything else runs the Python kernel (eager/executor.py): a
-miss sets this thread's pending key first, and the executor installs an entry for it (``offer``)
-only for a call it proved eligible: a functional op in Strict mode, every tensor a whole
-storage array (no view spec, no CPU scalar), no check, no random state, no mutated argument,
-one device, array results. Everything else (views, in-place writes and donation, Debug and
-Fused modes, dynamic shapes, checks, random ops, fallbacks) takes the Python path every time.
+Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset and
+conj/neg bits; Python scalars by their bits; lists, dtypes, devices, layouts, memory formats;
+the default dtype; the matmul precision for an op that reads it) and looks the key up in the
+op's table. A hit gathers the input storages' arrays and picks the key's entry made for arrays
+of their dtypes, shapes and weak types (with the key, they decide each input's view spec, so
+views are served: a key holds up to 8 such entries), calls the executable's C++ call (the one
+``program_cache.Program`` calls) with the views' storage offsets as the entry's constants,
+notes the outputs in flight and makes the output tensors and storages itself, as
+``buffer.wrap_noted`` does: no Python frame of torchtpu runs. Anything else runs the Python
+kernel (eager/executor.py): a miss sets this thread's pending key first, and the executor
+installs an entry for it (``offer``) only for a call it proved eligible: a functional op in
+Strict mode, every tensor on a storage array (no CPU scalar), no check, no random state, no
+mutated argument, one device, array results. Everything else (in-place writes and donation,
+Debug and Fused modes, dynamic shapes, checks, random ops, factories, fallbacks) takes the
+Python path every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
+too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
 ``set_enabled(False)`` makes every Kernel run its Python kernel (the same path, in-process,
@@ -22,7 +26,8 @@ for tests and benchmarks). Without a C++ compiler the Python kernels are bound a
 ``eager_fastpath_hits`` (also counted as ``eager_cache_hits``), ``eager_fastpath_misses`` (no
 entry: the Python path ran), ``eager_fastpath_installs``, ``eager_fastpath_uncacheable``
 (arguments it cannot key), ``eager_fastpath_bypassed`` (not Strict mode) and
-``eager_fastpath_fallbacks`` (an entry that no longer matched: dropped, the Python path ran).
+``eager_fastpath_fallbacks`` (a key with no entry for these storage arrays, or an executable
+that refused them: the Python path ran).
 """
 from __future__ import annotations
 
@@ -106,6 +111,22 @@ def kernel(fn, lowering):
     return k
 
 
+def cpu_redispatch(op) -> bool:
+    """Bind metadata-only op ``op``'s PrivateUse1 kernel to PyTorch's CPU kernel in C++ (the
+    boxed redispatch eager/kernels.py does from Python, without the Python frame); False
+    where the fast path is not bound (the caller binds the Python kernel)."""
+    if not wanted():
+        return False
+    ext = _load()
+    if ext is None:
+        return False
+    ns, name = op._schema.name.split("::", 1)
+    if op._overloadname != "default":
+        name = f"{name}.{op._overloadname}"
+    ext.cpu_redispatch(ns, name)
+    return True
+
+
 def available() -> bool:
     return _state["ext"] is not None
 
@@ -151,13 +172,19 @@ _Array = None
 
 def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     """Install the entry for this thread's pending key: the call of ``prog`` just made with
-    ``flat`` (one argument per item of ``tensors``: a tensor's whole storage array, or a
-    Traced scalar's value) returned ``out``. The executor calls it only for an eligible call;
-    True if installed."""
+    ``flat`` (one argument per item of ``tensors``: a tensor's storage array, or a Traced
+    scalar's value; then the traced storage offsets of its views) returned ``out``. The
+    executor calls it only for an eligible call; True if installed.
+
+    A tensor's view spec (eager/views.py) is a function of what the key holds (its dtype,
+    sizes, strides, offset, conj/neg bits) and of its storage array's shape and dtype, which
+    the entry records and a hit checks; so the program (and its offsets, constants of the
+    entry: the key holds the storage offset) is the one the Python path would run."""
     global _Array
     if _Array is None:
         from jax._src.array import ArrayImpl as _Array
-    if len(flat) != len(tensors):
+    n = len(tensors)
+    if len(flat) < n:
         return False
     if type(out) is _Array:
         outs = (out,)
@@ -172,15 +199,21 @@ def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     if call is None:
         return False
     plan = []
-    dtypes = []
+    arrays = []
     for t, a in zip(tensors, flat):
         if type(t) is traced_type:
             plan.append((a,))
         else:
-            plan.append(len(dtypes))
-            dtypes.append(a.dtype)
+            if type(a) is not _Array:
+                return False
+            plan.append(len(arrays))
+            arrays.append((a.dtype, tuple(a.shape), bool(a.weak_type)))
+    for off in flat[n:]:  # the views' traced offsets (fixed by the key's storage offsets)
+        if type(off) is not _Array:
+            return False
+        plan.append((off,))
     metas = []
     for o in outs:
         shape, dt, _strides, _nbytes = _buffer._meta(o.shape, o.dtype)
         metas.append((tuple(shape), dt))
-    return _state["ext"].install(lowering, call, plan, dtypes, tuple_out, metas)
+    return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas)

@@ -315,7 +315,10 @@ def bind_runtime() -> None:
     if hasattr(torch.ops.inductor, "resize_storage_bytes_"):
         _bind(torch.ops.inductor.resize_storage_bytes_.default, _resize_storage_bytes_)
     for op in VIEW_OPS:
-        _bind(op, _redispatch_cpu(op))
+        if op not in _bound and _fastpath.cpu_redispatch(op):  # in C++ where it is built
+            _bound.add(op)
+        else:
+            _bind(op, _redispatch_cpu(op))
     _bind(aten.empty.memory_format, _empty)
     _bind(aten.empty_strided.default, _empty_strided)
     _bind(aten._local_scalar_dense.default, _local_scalar_dense)
