@@ -67,6 +67,14 @@ def _check_compiled_decode(r, layers):
     next: sampling, bookkeeping, the forward) compiles nothing (XLA or Dynamo), syncs with
     the host once (the sampled ids) and donates each layer's KV pages to the program."""
     assert r["worker"]["graph_runner"] == "TpuGraphRunner", r["worker"]
+    # each bucket's decode forward is ONE Dynamo graph, without a graph break inside the model
+    # (SGLang's layer-boundary records: torchtpu/sglang/dynamo_compat.py), and a warmed
+    # bucket called again traces nothing
+    dyn = r["worker"]["graph_dynamo"]
+    assert sorted(k for k in dyn if k != "rerun") == sorted(map(str, r["worker"]["graph_bs"]))
+    for bs, d in dyn.items():
+        want = {"graph_breaks": 0, "graphs": 0 if bs == "rerun" else 1}
+        assert {k: d[k] for k in want} == want, (bs, dyn)
     third = r["third_round"]
     assert third["forwards"]["decode"] > 0
     assert third["forwards"].get("graph", 0) == third["forwards"]["decode"], third

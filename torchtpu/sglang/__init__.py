@@ -63,9 +63,13 @@ def plugin() -> None:
 
     HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
                           _rank_env, HookType.BEFORE)
+    from . import dynamo_compat
     from .disagg import install
 
     install()  # the "torchtpu" KV transfer backend (prefill/decode disaggregation)
+    # plain-class twins of the layer-boundary records, before any model is built: no graph
+    # break inside a compiled forward (dynamo_compat.py)
+    dynamo_compat.install()
     if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                               _write_metrics, HookType.AFTER)
@@ -134,6 +138,8 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
                    "attention": type(runner.attn_backend).__name__,
                    "kv_pool": type(runner.token_to_kv_pool).__name__,
                    "graph_runner": type(runner.decode_cuda_graph_runner).__name__,
+                   "graph_dynamo": {str(k): v for k, v in (getattr(
+                       runner.decode_cuda_graph_runner, "dynamo", None) or {}).items()},
                    "graph_bs": list(getattr(runner.decode_cuda_graph_runner, "capture_bs",
                                             None) or [])}, f)
     os.replace(path + ".tmp", path)

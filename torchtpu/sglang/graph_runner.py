@@ -90,29 +90,39 @@ class TpuGraphRunner:
             return
         self.capture_bs = capture_batch_sizes(model_runner)
         self.max_bs = max(self.capture_bs)
-        # Dynamo compiles a frame once per bucket, and the frames SGLang's layer-boundary code
-        # splits a decoder layer into once per layer too (they guard on the layer's id): past
-        # the recompile limit a frame would run eagerly for good
-        cfg = torch._dynamo.config
-        layers = int(getattr(model_runner.model_config, "num_hidden_layers", 0) or 0)
-        n = len(self.capture_bs) * (layers + 2) + 4
-        cfg.recompile_limit = max(cfg.recompile_limit, n)
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
         self.batches = {bs: self._batch(bs) for bs in self.capture_bs}
         t0 = time.perf_counter()
         # in the grad mode SGLang's scheduler runs steps in (no_grad, or inference mode with
         # SGLANG_ENABLE_TORCH_INFERENCE_MODE): Dynamo guards on it
         with DynamicGradMode():
-            # twice: SGLang's layers cache state on their first call (a norm's chosen
-            # method), which the second call's guards see
-            for _ in range(2):
-                for bs in reversed(self.capture_bs):
-                    self._run(self.batches[bs])
+            # first eagerly, as SGLang warms up before a CUDA graph capture: its layers cache
+            # state on their first call (a norm's chosen method, a stage's exit policy behind
+            # a locked functools.cached_property), which the compiled trace then only reads
+            self._step_eager(self.batches[self.capture_bs[0]])
+            self.dynamo = {}
+            for bs in reversed(self.capture_bs):
+                before = _dynamo_counts()
+                self._run(self.batches[bs])
+                self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
+            # again: a second call of a warmed bucket must neither trace nor compile
+            before = _dynamo_counts()
+            for bs in reversed(self.capture_bs):
+                self._run(self.batches[bs])
+            self.dynamo["rerun"] = {k: v - before[k] for k, v in _dynamo_counts().items()}
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
+        breaks = {bs: d["graph_breaks"] for bs, d in self.dynamo.items() if d["graph_breaks"]}
+        if breaks:
+            logger.warning("torchtpu: decode programs with graph breaks (bucket: count) %s; "
+                           "TORCH_LOGS=graph_breaks names them", breaks)
         logger.info("torchtpu: compiled decode buckets %s in %.1f s", self.capture_bs,
                     self.warm_up_s)
+
+    def _step_eager(self, fb):
+        with forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend),
+                             forward_batch=fb):
+            return self._step(fb.input_ids, fb.positions, fb)
 
     # ---- the program ----
 
@@ -173,6 +183,15 @@ class TpuGraphRunner:
         return LogitsProcessorOutput(
             next_token_logits=out.next_token_logits[:raw],
             hidden_states=None if out.hidden_states is None else out.hidden_states[:raw])
+
+
+def _dynamo_counts() -> dict:
+    """Dynamo's process-wide counts: graph breaks, graphs traced, frames it gave up on."""
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
+            "frames": counters["frames"]["total"]}
 
 
 def _pad(t: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
