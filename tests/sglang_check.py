@@ -73,7 +73,7 @@ def engine(args) -> dict:
         res["greedy_third"] = [o["output_ids"] for o in out]
         m1 = _worker_metrics()
         res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "graph_runner",
-                                                "graph_bs", "graph_dynamo")}
+                                                "graph_bs", "graph_dynamo", "prefill_dynamo")}
         d0 = m0["per_kind"].get("decode", {})
         res["third_round"] = {
             "forwards": {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0)

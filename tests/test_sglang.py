@@ -75,7 +75,15 @@ def _check_compiled_decode(r, layers):
     for bs, d in dyn.items():
         want = {"graph_breaks": 0, "graphs": 0 if bs == "rerun" else 1}
         assert {k: d[k] for k in want} == want, (bs, dyn)
+    # prefill (extend) too: one graph per (tokens, requests) bucket, no break, and every
+    # extend step of the third round ran through a bucket's program (prefill.py)
+    pre = r["worker"]["prefill_dynamo"]
+    assert pre, r["worker"]
+    for key, d in pre.items():
+        assert (d["graph_breaks"], d["graphs"]) == (0, 1), (key, pre)
     third = r["third_round"]
+    assert third["forwards"]["extend"] > 0
+    assert third["forwards"].get("prefill_graph", 0) == third["forwards"]["extend"], third
     assert third["forwards"]["decode"] > 0
     assert third["forwards"].get("graph", 0) == third["forwards"]["decode"], third
     n = third["intervals"].get("decode", 0)

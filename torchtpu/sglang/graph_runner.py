@@ -90,6 +90,7 @@ class TpuGraphRunner:
             return
         self.capture_bs = capture_batch_sizes(model_runner)
         self.max_bs = max(self.capture_bs)
+        _raise_recompile_limit(len(self.capture_bs) + 2)
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
         self.batches = {bs: self._batch(bs) for bs in self.capture_bs}
         t0 = time.perf_counter()
@@ -183,6 +184,13 @@ class TpuGraphRunner:
         return LogitsProcessorOutput(
             next_token_logits=out.next_token_logits[:raw],
             hidden_states=None if out.hidden_states is None else out.hidden_states[:raw])
+
+
+def _raise_recompile_limit(n: int) -> None:
+    """Dynamo keeps one cache entry per bucket of a program's frame: at least ``n``."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, n)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
 
 
 def _dynamo_counts() -> dict:
