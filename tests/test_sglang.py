@@ -169,6 +169,24 @@ def test_server_openai_metrics_kv_events(tmp_path):
 
 
 @needs_sglang
+def test_dynamo_compat_twins_and_skip():
+    """SGLang's layer-boundary records replaced by plain classes Dynamo traces (fullgraph: no
+    break), same fields and results; a target that is not what is expected (not a
+    msgspec.Struct, absent) is left alone with a warning naming it."""
+    r = sglang_check("compat", "--out", "unused", timeout=300)
+    assert r["replaced"] and r["fields"] == r["orig_fields"] == ["value", "update", "owed"], r
+    assert r["compiled_ok"] and r["eager_ok"] and r["exit_rebound"], r
+    assert "sglang.srt.layers.layer_boundary.residual.stream.Contribution" in \
+        r["report"]["installed"], r
+    skipped = r["report"]["skipped"]
+    assert "not a msgspec.Struct" in skipped[
+        "sglang.srt.layers.layer_boundary.residual.stream.ResidualStream"], r
+    assert skipped["sglang.srt.layers.layer_boundary.residual.stream.Moved"] == \
+        "class not found", r
+    assert any("ResidualStream" in w and "left as is" in w for w in r["warnings"]), r
+
+
+@needs_sglang
 def test_kv_events_publisher_endpoint():
     """Why a subscriber received nothing: SGLang's ZMQ publisher *binds* only an endpoint with
     a wildcard host (``tcp://*:port``) and *connects* to any other, so with

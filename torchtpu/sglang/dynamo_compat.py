@@ -13,7 +13,7 @@ classes, in the module that defines it and wherever SGLang's modules imported it
 Python class with the same fields (in order, with the same defaults), the same methods, and
 ``__struct_fields__`` for code that reads field names: Dynamo traces a plain class's
 construction and attribute writes into the graph. Nothing else changes: the records never
-leave a forward, and none of the four is passed to ``msgspec`` functions on the paths a
+leave a forward, and none of them is passed to ``msgspec`` functions on the paths a
 platform without speculative capture runs. A target is replaced only if it is where and what
 this module expects (the module, the class, a ``msgspec.Struct`` with the expected fields);
 otherwise it is left alone with a warning naming it (the compiled programs then keep that
@@ -36,6 +36,9 @@ TARGETS = (
     (f"{_LB}.residual.stream", "DeclaredSum", ("group", "complete_sum")),
     (f"{_LB}.exit", "ExitDecision", ("defer_moe_finalize", "sum_in_reduce_scatter",
                                      "complete")),
+    # tensor parallel: an FFN output whose sum the next boundary completes
+    (f"{_LB}.output", "UnreducedOutput", ("partial", "group", "reduce_to_dp_local",
+                                          "complete_sum")),
 )
 
 _installed: dict = {}  # "module.Class" -> (original, twin)
@@ -110,11 +113,30 @@ def install() -> dict:
             _skipped[key] = f"fields {cls.__struct_fields__} are not the expected {fields}"
         else:
             _installed[key] = (cls, _twin(cls))
+    _quiet_deprecated_getters()
     for key, why in _skipped.items():
         logger.warning("torchtpu: SGLang's %s left as is (%s): compiled programs keep a "
                        "graph break there", key, why)
     rebind()
     return report()
+
+
+def _quiet_deprecated_getters() -> None:
+    """SGLang's deprecated parallel-size getters (``get_tensor_model_parallel_world_size``
+    ...) look at their caller's frame (``sys._getframe``, which Dynamo cannot trace) on every
+    call until they have warned once; the models call them inside the forward. They are
+    marked as having warned (the deprecation warning is not printed on "tpu")."""
+    ps = sys.modules.get("sglang.srt.distributed.parallel_state")
+    if ps is None:
+        try:
+            ps = importlib.import_module("sglang.srt.distributed.parallel_state")
+        except ImportError:
+            return
+    warned, names = getattr(ps, "_ALREADY_WARNED", None), getattr(ps, "_CONTEXT_NAME_OF", None)
+    if isinstance(warned, set) and isinstance(names, dict):
+        warned.update(names)
+    else:
+        _skipped["parallel_state._ALREADY_WARNED"] = "not the expected set and dict"
 
 
 def rebind() -> int:

@@ -58,10 +58,15 @@ def inactive_reason(model_runner) -> str | None:
     from .attention import TpuPagedAttnBackend
 
     p = get_parallel()
-    if p.tp_size * p.pp_size > 1:
+    if p.pp_size > 1:
+        return f"pipeline parallelism ({p.pp_size} stages)"
+    if p.tp_size > 1:
+        from .collectives import install
+
         # SGLang's all-reduce inside a compiled program is its own custom op
-        # (sglang::inplace_all_reduce), which has no lowering here yet
-        return f"{p.tp_size * p.pp_size} ranks: compiled decode buckets need one"
+        # (sglang::inplace_all_reduce): lowered by collectives.py
+        if not install():
+            return f"{p.tp_size} ranks without a lowering of sglang::inplace_all_reduce"
     backend = model_runner.attn_backend
     if not (isinstance(backend, TpuPagedAttnBackend) and backend.paged):
         # the programs build the paged attention op's metadata on the device; other backends
