@@ -74,6 +74,7 @@ def engine(args) -> dict:
         m1 = _worker_metrics()
         res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "graph_runner",
                                                 "graph_bs", "graph_dynamo", "prefill_dynamo")}
+        res["worker"]["spmd_programs"] = m1["counters"].get("compile_spmd_programs", 0)
         d0 = m0["per_kind"].get("decode", {})
         res["third_round"] = {
             "forwards": {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0)

@@ -201,12 +201,14 @@ def test_kv_events_publisher_endpoint():
 @needs_sglang
 def test_engine_tp2(tmp_path):
     """``tp_size=2``: two scheduler processes over "tpu_dist" (each joins the JAX job before
-    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU. Decode runs
-    eagerly with more than one rank (SGLang's all-reduce op has no lowering in a compiled
-    program yet: docs/notes/sglang.md)."""
-    _check_engine(sglang_check("engine", "--arch", "llama", "--tp", "2", "--out",
-                               str(tmp_path), "--engine-args", BUCKETS, timeout=1500),
-                  compiled=False)
+    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU (so as with
+    one rank). Decode and prefill are compiled there too: SGLang's all-reduce and all-gather
+    custom ops are lowered (torchtpu/sglang/collectives.py), each bucket one SPMD program."""
+    r = sglang_check("engine", "--arch", "llama", "--tp", "2", "--out", str(tmp_path),
+                     "--engine-args", BUCKETS, timeout=1500)
+    _check_engine(r)
+    w = r["worker"]
+    assert w["spmd_programs"] >= len(w["graph_bs"]) + len(w["prefill_dynamo"]), w
 
 
 @pytest.mark.slow
