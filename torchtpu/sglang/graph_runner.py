@@ -34,6 +34,8 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.utils.common import DynamicGradMode
 
+from .attention import kv_width
+
 logger = logging.getLogger(__name__)
 
 SEQ_LEN_FILL = 1  # a padding row attends to one key (slot 0), so its softmax is defined
@@ -95,9 +97,14 @@ class TpuGraphRunner:
             return
         self.capture_bs = capture_batch_sizes(model_runner)
         self.max_bs = max(self.capture_bs)
-        _raise_recompile_limit(len(self.capture_bs) + 2)
+        # a program per (bucket, KV width): widths are powers of two up to the context length
+        _raise_recompile_limit(len(self.capture_bs) * 8 + 2)
+        self.kv_full = int(model_runner.req_to_token_pool.req_to_token.shape[1])
+        self.page_size = int(model_runner.page_size)
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
-        self.batches = {bs: self._batch(bs) for bs in self.capture_bs}
+        # warmed at the smallest KV width; a wider one compiles when first met
+        w0 = kv_width(_Lens(1), self.page_size, self.kv_full)
+        self.batches = {(bs, w0): self._batch(bs, w0) for bs in self.capture_bs}
         t0 = time.perf_counter()
         # in the grad mode SGLang's scheduler runs steps in (no_grad, or inference mode with
         # SGLANG_ENABLE_TORCH_INFERENCE_MODE): Dynamo guards on it
@@ -105,16 +112,16 @@ class TpuGraphRunner:
             # first eagerly, as SGLang warms up before a CUDA graph capture: its layers cache
             # state on their first call (a norm's chosen method, a stage's exit policy behind
             # a locked functools.cached_property), which the compiled trace then only reads
-            self._step_eager(self.batches[self.capture_bs[0]])
+            self._step_eager(self.batches[(self.capture_bs[0], w0)])
             self.dynamo = {}
             for bs in reversed(self.capture_bs):
                 before = _dynamo_counts()
-                self._run(self.batches[bs])
+                self._run(self.batches[(bs, w0)])
                 self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
             # again: a second call of a warmed bucket must neither trace nor compile
             before = _dynamo_counts()
             for bs in reversed(self.capture_bs):
-                self._run(self.batches[bs])
+                self._run(self.batches[(bs, w0)])
             self.dynamo["rerun"] = {k: v - before[k] for k, v in _dynamo_counts().items()}
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
@@ -141,7 +148,7 @@ class TpuGraphRunner:
                              forward_batch=fb):
             return self._program(fb.input_ids, fb.positions, fb)
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, bs: int, width) -> ForwardBatch:
         """The bucket's forward batch (its tensors are replaced each step)."""
         dev = self.device
 
@@ -155,6 +162,7 @@ class TpuGraphRunner:
             out_cache_loc=z(), seq_lens_sum=bs * SEQ_LEN_FILL, return_logprob=False,
             positions=z(), spec_algorithm=self.model_runner.spec_algorithm,
             capture_hidden_mode=CaptureHiddenMode.NULL, global_forward_mode=ForwardMode.DECODE)
+        fb.torchtpu_kv_width = width  # attention.kv_width
         translator = getattr(self.model_runner, "kv_index_translator", None)
         if translator is not None:
             translator.bind_runner_slots(fb)
@@ -176,7 +184,10 @@ class TpuGraphRunner:
         raw = forward_batch.batch_size
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
         self.bs, self.raw_bs = bs, raw
-        fb = self.batches[bs]
+        key = (bs, kv_width(forward_batch, self.page_size, self.kv_full))
+        fb = self.batches.get(key)
+        if fb is None:
+            fb = self.batches[key] = self._batch(*key)
         pad = bs - raw
         fb.input_ids = _pad(forward_batch.input_ids, pad, 0)
         fb.req_pool_indices = _pad(forward_batch.req_pool_indices, pad, 0)
@@ -189,6 +200,13 @@ class TpuGraphRunner:
         return LogitsProcessorOutput(
             next_token_logits=out.next_token_logits[:raw],
             hidden_states=None if out.hidden_states is None else out.hidden_states[:raw])
+
+
+class _Lens:
+    """A batch whose longest sequence has ``n`` tokens (for ``kv_width``)."""
+
+    def __init__(self, n):
+        self.seq_lens_cpu = torch.tensor([n])
 
 
 def _raise_recompile_limit(n: int) -> None:

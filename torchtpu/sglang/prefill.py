@@ -37,6 +37,7 @@ from sglang.srt.model_executor.forward_context import (
     has_forward_context,
 )
 
+from .attention import kv_width
 from .graph_runner import _dynamo_counts, _pad, _raise_recompile_limit, inactive_reason
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def _pow2_at_least(n: int, lo: int = 1) -> int:
 
 
 class TpuPrefillRunner:
-    """One compiled extend program per (token bucket, request bucket)."""
+    """One compiled extend program per (token bucket, request bucket, KV width)."""
 
     def __init__(self, model_runner):
         self.model_runner = model_runner
@@ -71,6 +72,8 @@ class TpuPrefillRunner:
                   int(getattr(sa, "max_prefill_tokens", 0) or 0))
         self.max_tokens = _pow2_at_least(top if top > 0 else DEFAULT_MAX_TOKENS, MIN_TOKENS)
         self.max_reqs = int(model_runner.req_to_token_pool.size)
+        self.kv_full = int(model_runner.req_to_token_pool.req_to_token.shape[1])
+        self.page_size = int(model_runner.page_size)
         self.batches: dict = {}
         self.dynamo: dict = {}  # "tokens x requests" -> Dynamo's counts at its first call
         self.compile_s: dict = {}
@@ -78,7 +81,7 @@ class TpuPrefillRunner:
         # one Dynamo cache entry per bucket: past the recompile limit the frame would run
         # eagerly for good
         n = (self.max_tokens.bit_length() - MIN_TOKENS.bit_length() + 1) * (
-            self.max_reqs.bit_length() + 1)
+            self.max_reqs.bit_length() + 1) * 8
         _raise_recompile_limit(n)
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
 
@@ -98,7 +101,8 @@ class TpuPrefillRunner:
         n, b = int(fb.input_ids.shape[0]), int(fb.batch_size)
         if n > self.max_tokens or b > self.max_reqs or n == 0:
             return None
-        return _pow2_at_least(n, MIN_TOKENS), min(_pow2_at_least(b), self.max_reqs)
+        return (_pow2_at_least(n, MIN_TOKENS), min(_pow2_at_least(b), self.max_reqs),
+                kv_width(fb, self.page_size, self.kv_full))
 
     # ---- the program ----
 
@@ -106,7 +110,7 @@ class TpuPrefillRunner:
         self.model_runner.attn_backend.init_forward_metadata(forward_batch)
         return self.model_runner.model.forward(input_ids, positions, forward_batch)
 
-    def _batch(self, tokens: int, reqs: int) -> ForwardBatch:
+    def _batch(self, tokens: int, reqs: int, width) -> ForwardBatch:
         """The bucket's forward batch (its tensors are replaced each step)."""
         dev, mr = self.device, self.model_runner
 
@@ -124,16 +128,17 @@ class TpuPrefillRunner:
         fb.extend_seq_lens = z(reqs)
         fb.extend_prefix_lens = z(reqs)
         fb.extend_start_loc = z(reqs)
+        fb.torchtpu_kv_width = width  # attention.kv_width
         translator = getattr(mr, "kv_index_translator", None)
         if translator is not None:
             translator.bind_runner_slots(fb)
         return fb
 
     def execute(self, forward_batch, key):
-        tokens, reqs = key
+        tokens, reqs, width = key
         fb = self.batches.get(key)
         if fb is None:
-            fb = self.batches[key] = self._batch(tokens, reqs)
+            fb = self.batches[key] = self._batch(tokens, reqs, width)
         n, b = int(forward_batch.input_ids.shape[0]), int(forward_batch.batch_size)
         pt, pb = tokens - n, reqs - b
         fb.input_ids = _pad(forward_batch.input_ids, pt, 0)
@@ -145,7 +150,7 @@ class TpuPrefillRunner:
         fb.extend_prefix_lens = _pad(forward_batch.extend_prefix_lens, pb, 1)
         ctx = get_forward_context() if has_forward_context() else ForwardContext(
             attn_backend=self.model_runner.attn_backend)
-        name = f"{tokens}x{reqs}"
+        name = f"{tokens}x{reqs}" + (f"x{width}" if width else "")
         first = name not in self.dynamo
         if first:
             before, t0 = _dynamo_counts(), time.perf_counter()
