@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 MODEL = dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=4, intermediate=768,
              max_positions=2048)
-VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+VLLM_PY = os.environ.get("TORCHTPU_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
 VLLM_BENCH = os.path.join(HERE, "vllm_serving.py")
 
 
@@ -65,22 +65,30 @@ def _worker_metrics() -> dict:
         return json.load(f)
 
 
-# contender -> (attention backend, decode through compiled buckets)
+# contender -> (attention backend, decode and prefill through compiled buckets, more engine
+# arguments). SGLang's overlap scheduler (its default) runs a step's sampling bookkeeping
+# while the next forward runs; "compiled-no-overlap" measures without it.
 CONTENDERS = {
-    "compiled": ("torchtpu", True),      # paged attention op + TpuGraphRunner
-    "torchtpu-eager": ("torchtpu", False),  # paged attention op, decode eager
-    "torch_native": ("torch_native", False),  # SGLang's per-request SDPA, eager
+    "compiled": ("torchtpu", True, {}),  # paged attention op + compiled decode and prefill
+    "compiled-no-overlap": ("torchtpu", True, {"disable_overlap_schedule": True}),
+    "torchtpu-eager": ("torchtpu", False, {}),  # paged attention op, decode and prefill eager
+    "torch_native": ("torch_native", False, {}),  # SGLang's per-request SDPA, eager
 }
 
 
 def _engine_args(contender, n_requests):
-    backend, compiled = CONTENDERS[contender]
-    args = dict(attention_backend=backend)
+    backend, compiled, extra = CONTENDERS[contender]
+    args = dict(attention_backend=backend, **extra)
     if compiled:
         args["cuda_graph_max_bs_decode"] = n_requests  # buckets 1, 2, 4, .., n_requests
     else:
         args["disable_cuda_graph"] = True
     return args
+
+
+def _contender_env(contender):
+    # the eager contenders run prefill eagerly too (torchtpu/sglang/prefill.py)
+    return {} if CONTENDERS[contender][1] else {"TORCHTPU_SGLANG_COMPILE_PREFILL": "0"}
 
 
 def child_offline(path, contender, n_requests, repeats, out_tokens):
@@ -126,6 +134,8 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
                 decode_compiles_per_step=dxla / nd, decode_syncs_per_step=dd("host_syncs") / nd,
                 decode_step_ms=dd("wall_us") / nd / 1000,
                 decode_compile_graphs=dd("compile_graphs"), graph_runner=m1.get("graph_runner"),
+                # XLA compiles from the start through the warm-up round (0: a warm start)
+                warmup_xla_compiles=sum(v for k, v in c0.items() if k.endswith("xla_compiles")),
                 cpu_fallbacks=delta("cpu_fallbacks"))
 
 
@@ -235,10 +245,15 @@ def main():
     vllm = os.path.exists(VLLM_PY) and os.path.exists(VLLM_BENCH) and "vllm" not in skip
     if "offline" not in skip:
         for c in a.contenders.split(","):
-            env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")}
+            env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-"),
+                   **_contender_env(c)}
             r = _run(me + ["offline", path, c, str(n_req), str(reps), str(out_tok)], env)
             results[f"sglang-tpu-{c}"] = r
             print(c, json.dumps(r), flush=True)
+            if c == "compiled":  # a second start on the same compile cache: compiles nothing
+                r = _run(me + ["offline", path, c, str(n_req), str(reps), str(out_tok)], env)
+                results[f"sglang-tpu-{c} (warm start)"] = r
+                print(c, "warm start", json.dumps(r), flush=True)
         if vllm:
             for name, dev in (("tpu-compiled", "tpu"), ("vllm-cpu", "cpu")):
                 r = _run([VLLM_PY, VLLM_BENCH, "--child", "offline", path, name, str(n_req),
@@ -248,7 +263,7 @@ def main():
                 print(name, json.dumps(r), flush=True)
     if "server" not in skip:
         for c in a.server.split(","):
-            r = _run(me + ["server", path, c, "8", str(out_tok // 2)], {})
+            r = _run(me + ["server", path, c, "8", str(out_tok // 2)], _contender_env(c))
             results[f"server-sglang-tpu-{c}"] = r
             print("server", c, json.dumps(r), flush=True)
         if vllm:
@@ -264,13 +279,13 @@ def main():
         print("(vLLM rows: .venv-vllm or benchmarks/vllm_serving.py absent, not run)")
     print("\n| offline | start-up s | output tok/s | forwards (decode/extend) | XLA compiles "
           "| per forward | host syncs per forward | per decode step: XLA compiles | host syncs "
-          "| ms | new cache entries |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ms | new cache entries | XLA compiles through warm-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if name.startswith("server"):
             continue
         if "error" in r:
-            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | | | | |")
+            print(f"| {name} | error: {r['error'][-200:]!r} | | | | | | | | | | |")
             continue
         tps = r["tokens"] / r["median_s"]
         f = r.get("forwards") or {}
@@ -280,7 +295,19 @@ def main():
               f"{r.get('syncs_per_step', float('nan')):.2f} | "
               f"{r.get('decode_compiles_per_step', float('nan')):.3f} | "
               f"{r.get('decode_syncs_per_step', float('nan')):.2f} | "
-              f"{r.get('decode_step_ms', float('nan')):.0f} | {r.get('compiles', '-')} |")
+              f"{r.get('decode_step_ms', float('nan')):.0f} | {r.get('compiles', '-')} | "
+              f"{r.get('warmup_xla_compiles', '-')} |")
+    ok = {k: r for k, r in results.items() if "error" not in r and "tokens" in r}
+    tps = {k: r["tokens"] / r["median_s"] for k, r in ok.items()}
+    comp, eager = ok.get("sglang-tpu-compiled"), ok.get("sglang-tpu-torchtpu-eager")
+    if comp and eager:
+        print(f"\ncompiled decode step {comp['decode_step_ms']:.1f} ms vs eager "
+              f"{eager['decode_step_ms']:.1f} ms: {eager['decode_step_ms'] / comp['decode_step_ms']:.2f}x; "
+              f"offline tok/s compiled / eager: "
+              f"{tps['sglang-tpu-compiled'] / tps['sglang-tpu-torchtpu-eager']:.2f}x")
+    if comp and "vllm-tpu-compiled" in tps:
+        print(f"SGLang on tpu / vLLM on tpu offline tok/s: "
+              f"{tps['sglang-tpu-compiled'] / tps['vllm-tpu-compiled']:.2f}x")
     print("\n| server, 8 streams | TTFT s | ITL ms |")
     print("|---|---|---|")
     for name, r in results.items():

@@ -72,7 +72,9 @@ def engine(args) -> dict:
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["greedy_third"] = [o["output_ids"] for o in out]
         m1 = _worker_metrics()
-        res["worker"] = {k: m1[k] for k in ("attention", "kv_pool", "graph_runner", "graph_bs")}
+        res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "graph_runner",
+                                                "graph_bs", "graph_dynamo", "prefill_dynamo")}
+        res["worker"]["spmd_programs"] = m1["counters"].get("compile_spmd_programs", 0)
         d0 = m0["per_kind"].get("decode", {})
         res["third_round"] = {
             "forwards": {k: m1["forwards"].get(k, 0) - m0["forwards"].get(k, 0)
@@ -384,9 +386,56 @@ def pd(args) -> dict:
     return res
 
 
+def compat(args) -> dict:
+    """torchtpu/sglang/dynamo_compat.py on SGLang's own classes: the twins keep the fields,
+    defaults and methods; Dynamo traces their construction and writes without a graph break
+    (fullgraph); a target that is not what the module expects is skipped, saying why."""
+    import logging
+
+    import torch
+    from sglang.srt.layers.layer_boundary.residual import stream
+
+    from torchtpu.sglang import dynamo_compat as dc
+
+    orig = stream.Contribution
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    dc.logger.addHandler(handler)
+    dc.TARGETS = dc.TARGETS + (
+        ("sglang.srt.layers.layer_boundary.residual.stream", "ResidualStream",
+         ("residual",)),  # not a msgspec.Struct: skipped
+        ("sglang.srt.layers.layer_boundary.residual.stream", "Moved", ("value",)),  # absent
+    )
+    dc._installed.clear()
+    dc._skipped.clear()
+    rep = dc.install()
+    twin = stream.Contribution
+    res = {"report": rep, "warnings": records, "replaced": twin is not orig,
+           "fields": list(twin.__struct_fields__), "orig_fields": list(orig.__struct_fields__)}
+
+    def f(x):
+        c = stream.Contribution(x * 2, None)  # owed defaults to None
+        y = c.complete() + 1
+        c.release()
+        return y, c.value is None and c.owed is None
+
+    x = torch.arange(4.0)
+    torch._dynamo.reset()
+    y, released = torch.compile(f, backend="eager", fullgraph=True)(x)
+    res["compiled_ok"] = bool(torch.equal(y, x * 2 + 1)) and bool(released)
+    res["eager_ok"] = bool(torch.equal(f(x)[0], x * 2 + 1))
+    # the exit module now builds the twin too
+    from sglang.srt.layers.layer_boundary import exit as exit_mod
+
+    res["exit_rebound"] = exit_mod.ExitDecision is not None and \
+        getattr(exit_mod.ExitDecision, "__torchtpu_twin_of__", None) is not None
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["engine", "server", "kvpub", "pd"])
+    ap.add_argument("what", choices=["engine", "server", "kvpub", "pd", "compat"])
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -396,7 +445,8 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
-    res = {"engine": engine, "server": server, "kvpub": kvpub, "pd": pd}[args.what](args)
+    res = {"engine": engine, "server": server, "kvpub": kvpub, "pd": pd,
+           "compat": compat}[args.what](args)
     print("SGLANG_CHECK " + json.dumps(res), flush=True)
 
 

@@ -67,7 +67,23 @@ def _check_compiled_decode(r, layers):
     next: sampling, bookkeeping, the forward) compiles nothing (XLA or Dynamo), syncs with
     the host once (the sampled ids) and donates each layer's KV pages to the program."""
     assert r["worker"]["graph_runner"] == "TpuGraphRunner", r["worker"]
+    # each bucket's decode forward is ONE Dynamo graph, without a graph break inside the model
+    # (SGLang's layer-boundary records: torchtpu/sglang/dynamo_compat.py), and a warmed
+    # bucket called again traces nothing
+    dyn = r["worker"]["graph_dynamo"]
+    assert sorted(k for k in dyn if k != "rerun") == sorted(map(str, r["worker"]["graph_bs"]))
+    for bs, d in dyn.items():
+        want = {"graph_breaks": 0, "graphs": 0 if bs == "rerun" else 1}
+        assert {k: d[k] for k in want} == want, (bs, dyn)
+    # prefill (extend) too: one graph per (tokens, requests) bucket, no break, and every
+    # extend step of the third round ran through a bucket's program (prefill.py)
+    pre = r["worker"]["prefill_dynamo"]
+    assert pre, r["worker"]
+    for key, d in pre.items():
+        assert (d["graph_breaks"], d["graphs"]) == (0, 1), (key, pre)
     third = r["third_round"]
+    assert third["forwards"]["extend"] > 0
+    assert third["forwards"].get("prefill_graph", 0) == third["forwards"]["extend"], third
     assert third["forwards"]["decode"] > 0
     assert third["forwards"].get("graph", 0) == third["forwards"]["decode"], third
     n = third["intervals"].get("decode", 0)
@@ -153,6 +169,24 @@ def test_server_openai_metrics_kv_events(tmp_path):
 
 
 @needs_sglang
+def test_dynamo_compat_twins_and_skip():
+    """SGLang's layer-boundary records replaced by plain classes Dynamo traces (fullgraph: no
+    break), same fields and results; a target that is not what is expected (not a
+    msgspec.Struct, absent) is left alone with a warning naming it."""
+    r = sglang_check("compat", "--out", "unused", timeout=300)
+    assert r["replaced"] and r["fields"] == r["orig_fields"] == ["value", "update", "owed"], r
+    assert r["compiled_ok"] and r["eager_ok"] and r["exit_rebound"], r
+    assert "sglang.srt.layers.layer_boundary.residual.stream.Contribution" in \
+        r["report"]["installed"], r
+    skipped = r["report"]["skipped"]
+    assert "not a msgspec.Struct" in skipped[
+        "sglang.srt.layers.layer_boundary.residual.stream.ResidualStream"], r
+    assert skipped["sglang.srt.layers.layer_boundary.residual.stream.Moved"] == \
+        "class not found", r
+    assert any("ResidualStream" in w and "left as is" in w for w in r["warnings"]), r
+
+
+@needs_sglang
 def test_kv_events_publisher_endpoint():
     """Why a subscriber received nothing: SGLang's ZMQ publisher *binds* only an endpoint with
     a wildcard host (``tcp://*:port``) and *connects* to any other, so with
@@ -167,12 +201,14 @@ def test_kv_events_publisher_endpoint():
 @needs_sglang
 def test_engine_tp2(tmp_path):
     """``tp_size=2``: two scheduler processes over "tpu_dist" (each joins the JAX job before
-    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU. Decode runs
-    eagerly with more than one rank (SGLang's all-reduce op has no lowering in a compiled
-    program yet: docs/notes/sglang.md)."""
-    _check_engine(sglang_check("engine", "--arch", "llama", "--tp", "2", "--out",
-                               str(tmp_path), "--engine-args", BUCKETS, timeout=1500),
-                  compiled=False)
+    its first device use: torchtpu.sglang.plugin), the same tokens as HF on CPU (so as with
+    one rank). Decode and prefill are compiled there too: SGLang's all-reduce and all-gather
+    custom ops are lowered (torchtpu/sglang/collectives.py), each bucket one SPMD program."""
+    r = sglang_check("engine", "--arch", "llama", "--tp", "2", "--out", str(tmp_path),
+                     "--engine-args", BUCKETS, timeout=1500)
+    _check_engine(r)
+    w = r["worker"]
+    assert w["spmd_programs"] >= len(w["graph_bs"]) + len(w["prefill_dynamo"]), w
 
 
 @pytest.mark.slow

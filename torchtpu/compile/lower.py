@@ -36,6 +36,9 @@ from ..runtime.metrics import count
 aten = torch.ops.aten
 _warned: set = set()
 _WITH_EFFECTS = torch.ops.higher_order.with_effects
+# a mutable custom op's call, functionalized: (op, **its arguments)
+_FUNCTIONALIZED = tuple(getattr(torch.ops.higher_order, n) for n in (
+    "auto_functionalized", "auto_functionalized_v2") if hasattr(torch.ops.higher_order, n))
 _late_lowerings: list = []  # registered once, when the first graph is lowered
 
 
@@ -201,6 +204,8 @@ class GraphLowering:
             target, args = (n.target, n.args) if n.op == "call_function" else (None, ())
             if target is _WITH_EFFECTS:  # an effectful op (send/recv): (token, op, *args)
                 target, args = args[1], args[2:]
+            elif target in _FUNCTIONALIZED:  # a collective that writes its input in place
+                target, args = args[0], ()
             low = registry.get(target) if isinstance(target, OpOverload) else None
             spec = low.meta.get("mesh") if low is not None else None
             if spec is None:

@@ -63,9 +63,16 @@ def plugin() -> None:
 
     HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
                           _rank_env, HookType.BEFORE)
+    from . import dynamo_compat
     from .disagg import install
 
     install()  # the "torchtpu" KV transfer backend (prefill/decode disaggregation)
+    # plain-class twins of the layer-boundary records, before any model is built: no graph
+    # break inside a compiled forward (dynamo_compat.py)
+    dynamo_compat.install()
+    from .prefill import install as install_prefill
+
+    install_prefill()  # extend steps through bucketed compiled programs (prefill.py)
     if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
                               _write_metrics, HookType.AFTER)
@@ -126,6 +133,9 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
     _last_ops.update(ops)
     if getattr(result, "can_run_graph", False):
         _forwards["graph"] = _forwards.get("graph", 0) + 1
+    prefill = getattr(runner, "_torchtpu_prefill", None)
+    if prefill is not None:
+        _forwards["prefill_graph"] = prefill.served
     path = f"{os.environ['TORCHTPU_SGLANG_METRICS_FILE']}.{os.environ.get('RANK', '0')}"
     with open(path + ".tmp", "w") as f:
         json.dump({"forwards": _forwards, "intervals": _intervals, "counters": counters,
@@ -134,6 +144,10 @@ def _write_metrics(result, runner, forward_batch, *args, **kwargs):
                    "attention": type(runner.attn_backend).__name__,
                    "kv_pool": type(runner.token_to_kv_pool).__name__,
                    "graph_runner": type(runner.decode_cuda_graph_runner).__name__,
+                   "graph_dynamo": {str(k): v for k, v in (getattr(
+                       runner.decode_cuda_graph_runner, "dynamo", None) or {}).items()},
+                   "prefill_dynamo": dict(getattr(getattr(runner, "_torchtpu_prefill", None),
+                                                  "dynamo", None) or {}),
                    "graph_bs": list(getattr(runner.decode_cuda_graph_runner, "capture_bs",
                                             None) or [])}, f)
     os.replace(path + ".tmp", path)

@@ -37,6 +37,26 @@ class _Metadata:
         self.cu_q_lens, self.num_seqs = cu_q_lens, num_seqs
 
 
+MIN_KV_WIDTH = 64
+
+
+def kv_width(forward_batch, page_size: int, full: int) -> int | None:
+    """The page-table width a compiled program needs for ``forward_batch``: the longest
+    sequence (SGLang's host copy of the lengths, so no sync) rounded up to a power of two
+    (at least ``MIN_KV_WIDTH``) and to whole pages, at most the table's ``full`` width; None
+    (the full table) without the host lengths. The paged attention op's cost grows with the
+    page table's width, which is SGLang's maximum context length otherwise."""
+    lens = getattr(forward_batch, "seq_lens_cpu", None)
+    if lens is None or lens.numel() == 0:
+        return None
+    w = MIN_KV_WIDTH
+    top = int(lens.max())
+    while w < top:
+        w *= 2
+    w = -(-w // page_size) * page_size
+    return w if w < full else None
+
+
 class TpuPagedAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
@@ -54,7 +74,11 @@ class TpuPagedAttnBackend(TorchNativeAttnBackend):
         if mode.is_idle() or fb.req_pool_indices is None:
             return None
         P = self.page_size
-        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices]
+        table = self.req_to_token_pool.req_to_token
+        width = getattr(fb, "torchtpu_kv_width", None)
+        if width is not None:  # a compiled bucket's KV width (kv_width): no longer than that
+            table = table[:, :width]
+        rows = table[fb.req_pool_indices]
         if P > 1:
             rows = rows[:, ::P]
         page_indices = torch.div(rows, P, rounding_mode="floor").to(torch.int32)

@@ -34,6 +34,8 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.utils.common import DynamicGradMode
 
+from .attention import kv_width
+
 logger = logging.getLogger(__name__)
 
 SEQ_LEN_FILL = 1  # a padding row attends to one key (slot 0), so its softmax is defined
@@ -58,10 +60,15 @@ def inactive_reason(model_runner) -> str | None:
     from .attention import TpuPagedAttnBackend
 
     p = get_parallel()
-    if p.tp_size * p.pp_size > 1:
+    if p.pp_size > 1:
+        return f"pipeline parallelism ({p.pp_size} stages)"
+    if p.tp_size > 1:
+        from .collectives import install
+
         # SGLang's all-reduce inside a compiled program is its own custom op
-        # (sglang::inplace_all_reduce), which has no lowering here yet
-        return f"{p.tp_size * p.pp_size} ranks: compiled decode buckets need one"
+        # (sglang::inplace_all_reduce): lowered by collectives.py
+        if not install():
+            return f"{p.tp_size} ranks without a lowering of sglang::inplace_all_reduce"
     backend = model_runner.attn_backend
     if not (isinstance(backend, TpuPagedAttnBackend) and backend.paged):
         # the programs build the paged attention op's metadata on the device; other backends
@@ -90,29 +97,45 @@ class TpuGraphRunner:
             return
         self.capture_bs = capture_batch_sizes(model_runner)
         self.max_bs = max(self.capture_bs)
-        # Dynamo compiles a frame once per bucket, and the frames SGLang's layer-boundary code
-        # splits a decoder layer into once per layer too (they guard on the layer's id): past
-        # the recompile limit a frame would run eagerly for good
-        cfg = torch._dynamo.config
-        layers = int(getattr(model_runner.model_config, "num_hidden_layers", 0) or 0)
-        n = len(self.capture_bs) * (layers + 2) + 4
-        cfg.recompile_limit = max(cfg.recompile_limit, n)
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
+        # a program per (bucket, KV width): widths are powers of two up to the context length
+        _raise_recompile_limit(len(self.capture_bs) * 8 + 2)
+        self.kv_full = int(model_runner.req_to_token_pool.req_to_token.shape[1])
+        self.page_size = int(model_runner.page_size)
         self._program = torch.compile(self._step, backend="tpu", dynamic=False)
-        self.batches = {bs: self._batch(bs) for bs in self.capture_bs}
+        # warmed at the smallest KV width; a wider one compiles when first met
+        w0 = kv_width(_Lens(1), self.page_size, self.kv_full)
+        self.batches = {(bs, w0): self._batch(bs, w0) for bs in self.capture_bs}
         t0 = time.perf_counter()
         # in the grad mode SGLang's scheduler runs steps in (no_grad, or inference mode with
         # SGLANG_ENABLE_TORCH_INFERENCE_MODE): Dynamo guards on it
         with DynamicGradMode():
-            # twice: SGLang's layers cache state on their first call (a norm's chosen
-            # method), which the second call's guards see
-            for _ in range(2):
-                for bs in reversed(self.capture_bs):
-                    self._run(self.batches[bs])
+            # first eagerly, as SGLang warms up before a CUDA graph capture: its layers cache
+            # state on their first call (a norm's chosen method, a stage's exit policy behind
+            # a locked functools.cached_property), which the compiled trace then only reads
+            self._step_eager(self.batches[(self.capture_bs[0], w0)])
+            self.dynamo = {}
+            for bs in reversed(self.capture_bs):
+                before = _dynamo_counts()
+                self._run(self.batches[(bs, w0)])
+                self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
+            # again: a second call of a warmed bucket must neither trace nor compile
+            before = _dynamo_counts()
+            for bs in reversed(self.capture_bs):
+                self._run(self.batches[(bs, w0)])
+            self.dynamo["rerun"] = {k: v - before[k] for k, v in _dynamo_counts().items()}
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
+        breaks = {bs: d["graph_breaks"] for bs, d in self.dynamo.items() if d["graph_breaks"]}
+        if breaks:
+            logger.warning("torchtpu: decode programs with graph breaks (bucket: count) %s; "
+                           "TORCH_LOGS=graph_breaks names them", breaks)
         logger.info("torchtpu: compiled decode buckets %s in %.1f s", self.capture_bs,
                     self.warm_up_s)
+
+    def _step_eager(self, fb):
+        with forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend),
+                             forward_batch=fb):
+            return self._step(fb.input_ids, fb.positions, fb)
 
     # ---- the program ----
 
@@ -125,7 +148,7 @@ class TpuGraphRunner:
                              forward_batch=fb):
             return self._program(fb.input_ids, fb.positions, fb)
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, bs: int, width) -> ForwardBatch:
         """The bucket's forward batch (its tensors are replaced each step)."""
         dev = self.device
 
@@ -139,6 +162,7 @@ class TpuGraphRunner:
             out_cache_loc=z(), seq_lens_sum=bs * SEQ_LEN_FILL, return_logprob=False,
             positions=z(), spec_algorithm=self.model_runner.spec_algorithm,
             capture_hidden_mode=CaptureHiddenMode.NULL, global_forward_mode=ForwardMode.DECODE)
+        fb.torchtpu_kv_width = width  # attention.kv_width
         translator = getattr(self.model_runner, "kv_index_translator", None)
         if translator is not None:
             translator.bind_runner_slots(fb)
@@ -160,7 +184,10 @@ class TpuGraphRunner:
         raw = forward_batch.batch_size
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, raw)]
         self.bs, self.raw_bs = bs, raw
-        fb = self.batches[bs]
+        key = (bs, kv_width(forward_batch, self.page_size, self.kv_full))
+        fb = self.batches.get(key)
+        if fb is None:
+            fb = self.batches[key] = self._batch(*key)
         pad = bs - raw
         fb.input_ids = _pad(forward_batch.input_ids, pad, 0)
         fb.req_pool_indices = _pad(forward_batch.req_pool_indices, pad, 0)
@@ -173,6 +200,29 @@ class TpuGraphRunner:
         return LogitsProcessorOutput(
             next_token_logits=out.next_token_logits[:raw],
             hidden_states=None if out.hidden_states is None else out.hidden_states[:raw])
+
+
+class _Lens:
+    """A batch whose longest sequence has ``n`` tokens (for ``kv_width``)."""
+
+    def __init__(self, n):
+        self.seq_lens_cpu = torch.tensor([n])
+
+
+def _raise_recompile_limit(n: int) -> None:
+    """Dynamo keeps one cache entry per bucket of a program's frame: at least ``n``."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, n)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
+
+
+def _dynamo_counts() -> dict:
+    """Dynamo's process-wide counts: graph breaks, graphs traced, frames it gave up on."""
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
+            "frames": counters["frames"]["total"]}
 
 
 def _pad(t: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
