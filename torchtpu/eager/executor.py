@@ -71,13 +71,7 @@ class Traced:
         if tv is float or tv is int:
             if v != v or v == 0:  # nan is never equal to itself; 0.0 == -0.0 == 0 as keys
                 return v
-            k = (tv, v)
-            d = _SCALARS.get(k)
-            if d is None:
-                if len(_SCALARS) >= 4096:
-                    _SCALARS.clear()
-                d = _SCALARS[k] = jax.device_put(v)  # uncommitted: usable on any device
-            return d
+            return _device_scalar((tv, v), v)
         return self.flat()
 
     def key(self):
@@ -147,12 +141,16 @@ def offset_value(off: int):
     """A view's traced storage offset as a jit argument: a cached weakly typed device scalar
     (as ``Traced.device_value``: a Python int costs jit a host-to-device transfer per call);
     the C++ fast path passes the same object for the same offset."""
-    k = (int, off)
+    return _device_scalar((int, off), off)
+
+
+def _device_scalar(k, v):
+    """The cached device scalar of Python number ``v`` under key ``k`` (type, value)."""
     d = _SCALARS.get(k)
     if d is None:
         if len(_SCALARS) >= 4096:
             _SCALARS.clear()
-        d = _SCALARS[k] = jax.device_put(off)  # uncommitted: usable on any device
+        d = _SCALARS[k] = jax.device_put(v)  # uncommitted: usable on any device
     return d
 
 
