@@ -232,3 +232,112 @@ def test_ragged_paged_attention_prefill_blocks_of_one_sequence(kw):
     ref = pa.dense_reference(*case, sm_scale=0.3, **kw)
     out = torch.tpu.ops.ragged_paged_attention(*_torch(*case, device="tpu"), sm_scale=0.3, **kw)
     np.testing.assert_allclose(out.cpu().double().numpy(), ref, atol=3e-5, rtol=3e-5)
+
+
+# ---- cost: a write or a read of the cache never copies the whole cache ----
+
+def _cache_copies(hlo: str, shape) -> list[str]:
+    """The instructions of an optimized HLO module that copy an array of the cache's shape
+    (in any layout: a layout change is a full copy too)."""
+    import re
+
+    dims = ",".join(str(d) for d in shape)
+    pat = re.compile(r"= \w+\[" + dims + r"\]\{[^}]*\} copy(-start)?\(")
+    return [line.strip()[:200] for line in hlo.splitlines() if pat.search(line)]
+
+
+def _decode_inputs(slots_n, page, B=8, width=64, Hkv=2, D=16, G=2, seed=0):
+    """A decode step's inputs over a cache of ``slots_n`` slots in pages of ``page``."""
+    rng = np.random.default_rng(seed)
+    P = slots_n // page + 1
+    kv = rng.standard_normal((P, page, 2 * Hkv, D)).astype(np.float32)
+    q = rng.standard_normal((B, Hkv * G, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, D)).astype(np.float32)
+    pps = width // page
+    pi = rng.permutation(P)[:B * pps].reshape(B, pps).astype(np.int32)
+    kvl = rng.integers(1, width, B).astype(np.int32)
+    # each sequence's new token goes to its last position's slot
+    slots = np.array([pi[b, (kvl[b] - 1) // page] * page + (kvl[b] - 1) % page
+                      for b in range(B)], np.int32)
+    cu = np.arange(B + 1, dtype=np.int32)
+    return kv, q, k, v, slots, kvl, pi, cu, np.array([B], np.int32)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_kv_write_and_decode_attention_do_not_copy_the_cache(page):
+    """The lowered write, and a decode step (write + attention) with the cache donated, update
+    the cache in place: their optimized HLO copies no array of the cache's shape. Through a
+    flattened [slots, heads, dim] view, a page size of 1 (SGLang's) made XLA:CPU copy the
+    whole cache in every write (a decode step's time grew with the pool, not the batch)."""
+    import jax
+
+    inputs = _decode_inputs(4096, page)
+    kv = inputs[0]
+
+    def step(kv, q, k, v, slots, kvl, pi, cu, ns):
+        kv = pa.kv_cache_update(kv, k, v, slots)
+        return kv, pa.ragged_paged_attention(q, kv, kvl, pi, cu, ns, sm_scale=0.25, impl="xla")
+
+    write = lambda kv, k, v, slots: pa.kv_cache_update(kv, k, v, slots)  # noqa: E731
+    for fn, args in ((write, (inputs[0], inputs[2], inputs[3], inputs[4])), (step, inputs)):
+        hlo = jax.jit(fn, donate_argnums=0).lower(*args).compile().as_text()
+        assert not _cache_copies(hlo, kv.shape), _cache_copies(hlo, kv.shape)
+    if page == 1:  # the check finds the copy the flattened write made
+        def flat_write(kv, k, v, slots):
+            new = jax.numpy.stack([k, v], axis=2).reshape(k.shape[0], -1, k.shape[2])
+            return kv.reshape(-1, *kv.shape[2:]).at[slots].set(new).reshape(kv.shape)
+
+        hlo = jax.jit(flat_write, donate_argnums=0).lower(
+            inputs[0], inputs[2], inputs[3], inputs[4]).compile().as_text()
+        assert _cache_copies(hlo, kv.shape)
+
+
+def test_compiled_and_eager_decode_steps_over_a_page_size_1_pool():
+    """SGLang's layout (page size 1): the compiled decode step (write + attention, the cache
+    donated) and the eager write's program copy no cache-sized array, and their results equal
+    the CPU kernels'."""
+    from torchtpu.compile import backend
+    from torchtpu.runtime import program_cache
+
+    kv, q, k, v, slots, kvl, pi, cu, ns = _torch(*_decode_inputs(2048, 1))
+    texts = []
+    orig_compile, orig_build = backend.CompiledGraph._compile, program_cache.Program._build
+
+    def spy_compile(self, *a, **kw):
+        entry = orig_compile(self, *a, **kw)
+        texts.append(("compiled", entry.compiled.as_text()))
+        return entry
+
+    def spy_build(self, *a, **kw):
+        built = orig_build(self, *a, **kw)
+        texts.append(("eager", built[0].as_text()))
+        return built
+
+    def step(kv, q, k, v, slots, kvl, pi, cu, ns):
+        torch.tpu.ops.kv_cache_update_(kv, k, v, slots)
+        return torch.tpu.ops.ragged_paged_attention(q, kv, kvl, pi, cu, ns, sm_scale=0.25)
+
+    kv_cpu = kv.clone()
+    want = step(kv_cpu, q, k, v, slots, kvl, pi, cu, ns)
+    backend.CompiledGraph._compile = spy_compile
+    program_cache.Program._build = spy_build
+    try:
+        torch._dynamo.reset()
+        args = [t.to("tpu") for t in (q, k, v, slots, kvl, pi, cu, ns)]
+        kv_c = kv.to("tpu")
+        got_c = torch.compile(step, backend="tpu", fullgraph=True)(kv_c, *args)
+        kv_e = kv.to("tpu")
+        got_e = step(kv_e, *args)
+        torch.tpu.synchronize()
+    finally:
+        backend.CompiledGraph._compile = orig_compile
+        program_cache.Program._build = orig_build
+        torch._dynamo.reset()
+    for got, kv_t in ((got_c, kv_c), (got_e, kv_e)):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv_t.cpu(), kv_cpu, rtol=0, atol=0)
+    kinds = [kind for kind, _ in texts]
+    assert "compiled" in kinds and "eager" in kinds, kinds
+    for kind, hlo in texts:
+        assert not _cache_copies(hlo, kv.shape), (kind, _cache_copies(hlo, kv.shape))

@@ -405,9 +405,10 @@ def kv_cache_update(kv_pages, key, value, slot_mapping):
     kv = jnp.stack([key, value], axis=2).reshape(T, H2, D).astype(kv_pages.dtype)
     slots = slot_mapping.astype(jnp.int32)
     slots = jnp.where(slots >= 0, slots, P * page)  # out of range: dropped
-    flat = kv_pages.reshape(P * page, H2, D)
-    flat = flat.at[slots].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(kv_pages.shape)
+    # scattered at (page, row) into the 4-D cache itself: through a flattened [slots, H2, D]
+    # view, a page size of 1 (SGLang's default) leaves XLA a reshape whose size-1 dimension
+    # it may lay out differently, and it then copies the whole cache on every write
+    return kv_pages.at[slots // page, slots % page].set(kv, mode="drop", unique_indices=False)
 
 
 def kv_cache_update_check(kv_pages, key, value, slot_mapping):
