@@ -14,7 +14,8 @@ Each contender runs in its own process (SGLang resolves its platform once per pr
   in the vLLM benchmark;
 - per model forward (decode and extend steps) during the timed rounds, after the warm-up
   round: XLA compiles and host syncs from the scheduler's ``torch.tpu.metrics()`` counters
-  (``TORCHTPU_SGLANG_METRICS_FILE``: torchtpu.sglang writes them after every forward), and
+  (``TORCHTPU_SGLANG_METRICS_FILE``: torchtpu.sglang keeps them per forward and writes them
+  when asked, off the timed steps), and
   the new entries in the contender's own compile cache folder (``TORCHTPU_CACHE_DIR``);
 - server: time to first token and inter-token latency of 8 concurrent streams through
   ``launch_server --device tpu`` (``/v1/completions``, ``stream=True``).
@@ -60,9 +61,10 @@ def _entries(folder) -> int:
 
 
 def _worker_metrics() -> dict:
-    """The scheduler's counters (torchtpu.sglang writes them after every forward)."""
-    with open(os.environ["TORCHTPU_SGLANG_METRICS_FILE"] + ".0") as f:
-        return json.load(f)
+    """The scheduler's counters (torchtpu.sglang keeps them per forward, writes when asked)."""
+    from torchtpu.sglang import metrics_file
+
+    return metrics_file.read()
 
 
 # contender -> (attention backend, decode and prefill through compiled buckets, more engine
@@ -91,13 +93,13 @@ def _contender_env(contender):
     return {} if CONTENDERS[contender][1] else {"TORCHTPU_SGLANG_COMPILE_PREFILL": "0"}
 
 
-def child_offline(path, contender, n_requests, repeats, out_tokens):
+def child_offline(path, contender, n_requests, repeats, out_tokens, pool_tokens=32768):
     import sglang as sgl
 
     os.environ["TORCHTPU_SGLANG_METRICS_FILE"] = os.path.join(
         tempfile.mkdtemp(prefix="bench-metrics-"), "m")
     t0 = time.perf_counter()
-    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=32768,
+    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=pool_tokens,
                      disable_radix_cache=True, random_seed=0, log_level="error",
                      **_engine_args(contender, n_requests))
     start_s = time.perf_counter() - t0
@@ -224,11 +226,13 @@ def main():
                     help=f"SGLang contenders to run offline (comma list of {list(CONTENDERS)})")
     ap.add_argument("--server", default="compiled,torchtpu-eager",
                     help="SGLang contenders to serve (comma list)")
+    ap.add_argument("--pool-tokens", type=int, default=32768,
+                    help="the KV pool's size (SGLang's --max-total-tokens) offline")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
         if kind == "offline":
-            r = child_offline(path, rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+            r = child_offline(path, rest[0], *[int(x) for x in rest[1:]])
         else:
             r = child_server(path, rest[0], int(rest[1]), int(rest[2]))
         print("RESULT " + json.dumps(r), flush=True)
@@ -247,11 +251,13 @@ def main():
         for c in a.contenders.split(","):
             env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-"),
                    **_contender_env(c)}
-            r = _run(me + ["offline", path, c, str(n_req), str(reps), str(out_tok)], env)
+            offline = me + ["offline", path, c, str(n_req), str(reps), str(out_tok),
+                            str(a.pool_tokens)]
+            r = _run(offline, env)
             results[f"sglang-tpu-{c}"] = r
             print(c, json.dumps(r), flush=True)
             if c == "compiled":  # a second start on the same compile cache: compiles nothing
-                r = _run(me + ["offline", path, c, str(n_req), str(reps), str(out_tok)], env)
+                r = _run(offline, env)
                 results[f"sglang-tpu-{c} (warm start)"] = r
                 print(c, "warm start", json.dumps(r), flush=True)
         if vllm:
@@ -274,7 +280,8 @@ def main():
                 print("server", name, json.dumps(r), flush=True)
 
     print(f"\n## SGLang serving (tiny Llama {MODEL['layers']}x{MODEL['hidden']}, float32, "
-          f"{n_req} requests x {out_tok} tokens), load {os.getloadavg()[0]:.1f}")
+          f"{n_req} requests x {out_tok} tokens, KV pool {a.pool_tokens} tokens), "
+          f"load {os.getloadavg()[0]:.1f}")
     if not vllm:
         print("(vLLM rows: .venv-vllm or benchmarks/vllm_serving.py absent, not run)")
     print("\n| offline | start-up s | output tok/s | forwards (decode/extend) | XLA compiles "

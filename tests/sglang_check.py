@@ -48,7 +48,7 @@ def engine(args) -> dict:
     n = args.max_tokens
     greedy = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
     res = {"arch": args.arch}
-    # the scheduler's torch.tpu.metrics() after every forward (torchtpu.sglang)
+    # the scheduler's torch.tpu.metrics() per forward, read when asked (torchtpu.sglang)
     os.environ.setdefault("TORCHTPU_SGLANG_METRICS_FILE", os.path.join(args.out, "metrics"))
     t = time.time()
     llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=4096,
@@ -99,9 +99,11 @@ def engine(args) -> dict:
     return res
 
 
-def _worker_metrics() -> dict:
-    with open(os.environ["TORCHTPU_SGLANG_METRICS_FILE"] + ".0") as f:
-        return json.load(f)
+def _worker_metrics(base=None) -> dict:
+    """Rank 0's counters, written when asked (torchtpu/sglang/metrics_file.py)."""
+    from torchtpu.sglang import metrics_file
+
+    return metrics_file.read(base)
 
 
 def _free_port() -> int:
@@ -367,8 +369,7 @@ def pd(args) -> dict:
         res["left_in_kv_dir"] = sorted(os.listdir(kv_dir))
         # what each instance ran: the decode instance never runs a prompt through the model
         for mode in ("prefill", "decode"):
-            with open(os.path.join(args.out, f"{mode}.m.0")) as f:
-                m = json.load(f)
+            m = _worker_metrics(os.path.join(args.out, f"{mode}.m"))
             res[f"{mode}_forwards"] = m["forwards"]
             res[f"{mode}_worker"] = {k: m[k] for k in ("attention", "kv_pool", "graph_runner")}
     finally:

@@ -74,84 +74,13 @@ def plugin() -> None:
 
     install_prefill()  # extend steps through bucketed compiled programs (prefill.py)
     if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
+        # counters per forward in memory, written when a reader asks (metrics_file.py)
+        from . import metrics_file
+
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.forward",
-                              _write_metrics, HookType.AFTER)
-
-
-_forwards = {"decode": 0, "extend": 0, "other": 0}
-_per_kind: dict = {}
-_last: dict = {}
-_per_kind_ops: dict = {}
-_intervals: dict = {}
-_prev_kind = "start"
-_prev_t = None
-_last_ops: dict = {}
-
-
-def _write_metrics(result, runner, forward_batch, *args, **kwargs):
-    """After each model forward of a worker: its ``torch.tpu.metrics()`` counters and forward
-    counts, to ``$TORCHTPU_SGLANG_METRICS_FILE.<rank>`` (benchmarks read compiles and host
-    syncs per step from it; the workers are SGLang's subprocesses). ``per_kind`` charges the
-    counters' growth since the previous forward ended (the previous step's sampling and
-    bookkeeping, then this forward) to ``decode`` when both forwards are decode steps (a
-    decode step in steady state), else to ``<previous>-><this>`` (e.g. ``extend->decode``:
-    what follows a prefill, the radix cache's insertions included); ``intervals`` counts
-    them; ``forwards["graph"]`` counts the forwards the decode graph runner served. Opt-in: a
-    file write per step."""
-    import json
-    import time
-
-    import torch
-
-    global _prev_kind, _prev_t
-    now = time.perf_counter()
-    mode = forward_batch.forward_mode
-    kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
-    _forwards[kind] += 1
-    key = kind if _prev_kind == kind else f"{_prev_kind}->{kind}"
-    _prev_kind = kind
-    _intervals[key] = _intervals.get(key, 0) + 1
-    snap = torch.tpu.metrics()
-    counters = snap["counters"]
-    acc = _per_kind.setdefault(key, {})
-    for k, v in counters.items():
-        d = v - _last.get(k, 0)
-        if d:
-            acc[k] = acc.get(k, 0) + d
-    if _prev_t is not None:  # wall time of the interval, in microseconds
-        acc["wall_us"] = acc.get("wall_us", 0) + int((now - _prev_t) * 1e6)
-    _prev_t = now
-    _last.clear()
-    _last.update(counters)
-    ops = snap["per_op"].get("eager_compiles", {})
-    acc = _per_kind_ops.setdefault(key, {})
-    for op, v in ops.items():
-        d = v - _last_ops.get(op, 0)
-        if d:
-            acc[op] = acc.get(op, 0) + d
-    _last_ops.clear()
-    _last_ops.update(ops)
-    if getattr(result, "can_run_graph", False):
-        _forwards["graph"] = _forwards.get("graph", 0) + 1
-    prefill = getattr(runner, "_torchtpu_prefill", None)
-    if prefill is not None:
-        _forwards["prefill_graph"] = prefill.served
-    path = f"{os.environ['TORCHTPU_SGLANG_METRICS_FILE']}.{os.environ.get('RANK', '0')}"
-    with open(path + ".tmp", "w") as f:
-        json.dump({"forwards": _forwards, "intervals": _intervals, "counters": counters,
-                   "per_kind": _per_kind, "per_op": snap["per_op"],
-                   "per_kind_eager_compiles": _per_kind_ops,
-                   "attention": type(runner.attn_backend).__name__,
-                   "kv_pool": type(runner.token_to_kv_pool).__name__,
-                   "graph_runner": type(runner.decode_cuda_graph_runner).__name__,
-                   "graph_dynamo": {str(k): v for k, v in (getattr(
-                       runner.decode_cuda_graph_runner, "dynamo", None) or {}).items()},
-                   "prefill_dynamo": dict(getattr(getattr(runner, "_torchtpu_prefill", None),
-                                                  "dynamo", None) or {}),
-                   "graph_bs": list(getattr(runner.decode_cuda_graph_runner, "capture_bs",
-                                            None) or [])}, f)
-    os.replace(path + ".tmp", path)
-    return None
+                              metrics_file.after_forward, HookType.AFTER)
+        HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle",
+                              metrics_file.after_idle, HookType.AFTER)
 
 
 def _rank_env(*args, **kwargs):
