@@ -18,6 +18,8 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
   2d_fsdp  dp=2 x tp=2 under a budget only FSDP over TP fits
   sp       a budget only sequence parallelism meets on a tp-only mesh (TorchTitan's SP)
   sp_compile, 2d_sp  the same compiled; on dp=2 x tp=2
+  hf_sp, 2d_hf_sp  a tiny HF Llama (its own loss) under 0.9 x pure FSDP's memory: sequence
+           parallelism entered at the first decoder layer + loss parallelism (tp-only; 2 x 2)
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
@@ -44,10 +46,10 @@ STEPS, BATCH, SEQ = 3, 4, 8
 checked = []
 
 
-def batches(vocab):
+def batches(vocab, seq=SEQ, steps=STEPS):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=g),
-             torch.randint(0, vocab, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [(torch.randint(0, vocab, (BATCH, seq), generator=g),
+             torch.randint(0, vocab, (BATCH, seq), generator=g)) for _ in range(steps)]
 
 
 def train(model, data, device, hf=False, adam=False, run=None):
@@ -79,12 +81,13 @@ def full(p):
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
 
 
-def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False):
+def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq=SEQ,
+          steps=STEPS):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     vocab = VOCAB if not hf else model.config.vocab_size
-    data = batches(vocab)
+    data = batches(vocab, seq, steps)
     ref_losses, ref_grads = train(ref, data, "cpu", hf, adam)
     if edit is not None:
         plan = edit(plan)
@@ -134,11 +137,11 @@ def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False):
               f"losses {losses}", flush=True)
 
 
-def search(model, world, shape, budget, hf=False):
-    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+def search(model, world, shape, budget, hf=False, seq=SEQ, **kw_):
+    x = torch.randint(0, VOCAB, (BATCH, seq))
     args, kw = ((), {"input_ids": x, "labels": x}) if hf else ((x,), {})
     return td.auto_parallelize(model, world, args, memory_budget=budget, device_spec="cpu",
-                               mesh_shapes=[shape], verify=False, example_kwargs=kw)
+                               mesh_shapes=[shape], verify=False, example_kwargs=kw, **kw_)
 
 
 def main():
@@ -204,6 +207,25 @@ def main():
                           hf=True)
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("hf", plan, tiny_llama, hf=True)
+        elif cfg in ("hf_sp", "2d_hf_sp"):
+            # HF Llama computing its own loss, under 0.9 x pure FSDP's memory: sequence
+            # parallelism entered at the first decoder layer (HF builds its mask and rotary
+            # tables from the embedding's output: they stay replicated) and loss parallelism
+            # (vocab-sharded logits into HF's own cross-entropy); 5 steps
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            seq, vocab = 32, 512
+            torch.manual_seed(0)
+            hfm = tiny_llama(vocab)
+            x = torch.randint(0, VOCAB, (BATCH, seq))
+            fsdp = plan_for(hfm, world, (), dp=world, tp=1, tp_units=None, device_spec="cpu",
+                            example_kwargs={"input_ids": x, "labels": x})
+            shape = (2, world // 2) if cfg == "2d_hf_sp" else (1, world)
+            plan = search(hfm, world, shape, 0.9 * fsdp.predicted["memory_bytes"], hf=True,
+                          seq=seq, objective="memory")
+            assert plan.sequence_parallel and plan.loss_parallel, plan
+            assert plan.sp_modules["entry"][0] == "model.layers.0", plan.sp_modules
+            check(cfg, plan, lambda: tiny_llama(vocab), hf=True, seq=seq, steps=5)
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()
