@@ -72,7 +72,9 @@ def test_tight_budget_forces_tensor_parallel():
 def test_budget_forces_fsdp_and_infeasible_budget_is_clear():
     torch.manual_seed(0)
     m, x = Transformer(), tokens()
-    budget = 0.8 * replicated_memory(m, 2, x)
+    # FSDP2 keeps one instance of each group unsharded (parameters and gradients): on 2
+    # devices a 2-layer model's FSDP plan needs 0.82 x the replicated plan's memory
+    budget = 0.9 * replicated_memory(m, 2, x)
     plan = td.auto_parallelize(m, 2, (x,), memory_budget=budget, device_spec="cpu",
                                mesh_shapes=[(2, 1)], verify=False)
     assert any(g["dp"] == "fsdp" for g in plan.groups.values())
