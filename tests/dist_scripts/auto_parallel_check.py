@@ -154,12 +154,13 @@ def main():
     probe = Transformer()
     for cfg in configs:
         if cfg == "fsdp":
-            # a budget below the replicated model's memory (0.9 x): sharding is forced
-            plan = search(probe, world, (world, 1), 0.9 * _replicated_memory(probe, world))
+            # a budget near pure FSDP's memory: sharding is forced (FSDP2 holds one instance
+            # per group unsharded, so 0.8 x the replicated memory no longer fits 2 ranks)
+            plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
             check("fsdp", plan, Transformer)
         elif cfg == "tp":
-            plan = search(probe, world, (1, world), 0.9 * _replicated_memory(probe, world))
+            plan = search(probe, world, (1, world), 0.8 * _replicated_memory(probe, world))
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("tp", plan, Transformer)
         elif cfg in ("sp", "sp_compile", "2d_sp"):
@@ -183,10 +184,20 @@ def main():
             # module and to one CPU process
             shape = {"fsdp_compile": (world, 1), "tp_compile": (1, world),
                      "2d_compile": (2, world // 2)}[cfg]
-            plan = search(probe, world, shape, 0.9 * _replicated_memory(probe, world))
+            if shape[1] == 1:
+                # pure FSDP, hand-written: a searched plan that replicates every root parameter
+                # (the embedding and head: FSDP2 holds them unsharded anyway on 2 ranks) fails
+                # AOTAutograd's partitioner in torch 2.13 ("Node view was invalid, but is
+                # output"); eager trains it (fsdp, mixed, meta)
+                from torchtpu.distributed.auto_parallel import plan_for
+
+                plan = plan_for(probe, world, (torch.randint(0, VOCAB, (BATCH, SEQ)),),
+                                dp=world, tp=1, tp_units=None, device_spec="cpu")
+            else:
+                plan = search(probe, world, shape, 0.8 * _replicated_memory(probe, world))
             check(cfg, plan, Transformer, compiled=True)
         elif cfg == "mixed":
-            plan = search(probe, world, (world, 1), 0.9 * _replicated_memory(probe, world))
+            plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             path = os.path.join(tempfile.gettempdir(), f"auto_plan_{os.getpid()}.json")
 
             def edit(p):
@@ -203,7 +214,7 @@ def main():
         elif cfg == "hf":
             torch.manual_seed(0)
             hfm = tiny_llama()
-            plan = search(hfm, world, (1, world), 0.9 * _replicated_memory(hfm, world, hf=True),
+            plan = search(hfm, world, (1, world), 0.8 * _replicated_memory(hfm, world, hf=True),
                           hf=True)
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("hf", plan, tiny_llama, hf=True)
@@ -229,12 +240,12 @@ def main():
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()
-            plan = search(hfm, world, (world, 1), 0.9 * _replicated_memory(hfm, world, hf=True),
+            plan = search(hfm, world, (world, 1), _fsdp_memory(hfm, world, hf=True),
                           hf=True)
             assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
             check("hf_fsdp", plan, tiny_llama, hf=True)
         elif cfg == "meta":  # built on meta, materialised by apply (reset_parameters)
-            plan = search(probe, world, (world, 1), 0.9 * _replicated_memory(probe, world))
+            plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             torch.manual_seed(dist.get_rank())  # ranks seeded apart: apply must agree them
             with torch.device("meta"):
                 model = Transformer()
@@ -262,7 +273,7 @@ def main():
             if dist.get_rank() == 0:
                 print(f"OK meta losses {losses}", flush=True)
         elif cfg == "2d":
-            plan = search(probe, world, (2, world // 2), 0.9 * _replicated_memory(probe, world))
+            plan = search(probe, world, (2, world // 2), 0.8 * _replicated_memory(probe, world))
             check("2d", plan, Transformer)
         elif cfg == "2d_fsdp":  # FSDP over TP's DTensors on the 2-D mesh
             from torchtpu.distributed.auto_parallel import plan_for
@@ -277,6 +288,18 @@ def main():
     if dist.get_rank() == 0:
         print("ALL OK", len(checked), flush=True)
     dist.destroy_process_group()
+
+
+def _fsdp_memory(model, world, hf=False):
+    """The cost model's memory of pure FSDP (every group sharded over every rank) times 1.01:
+    a budget only (nearly) all-FSDP plans meet."""
+    from torchtpu.distributed.auto_parallel import plan_for
+
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    kw = {"example_kwargs": {"input_ids": x, "labels": x}} if hf else {}
+    p = plan_for(model, world, () if hf else (x,), dp=world, tp=1, tp_units=None,
+                 device_spec="cpu", **kw)
+    return 1.01 * p.predicted["memory_bytes"]
 
 
 def _replicated_memory(model, world, hf=False):
