@@ -4,12 +4,14 @@ For TorchTitan's llama3 debug model and a ~1B Llama (Llama-3.2-1B's shapes with 
 1.5B parameters, as an HF
 LlamaForCausalLM built on "meta": analysed and compiled, never run), on meshes of 4 and 8
 devices: the auto plan (searched for TPU v6e, verified by compiling its top 3 for the mesh's
-virtual XLA:CPU devices), TorchTitan's FSDP+TP (tp=2, every TP unit; SP is not in the search
-space), pure FSDP and DDP. Per plan: predicted per-device memory and collective bytes, predicted
-step time on v5e and v6e, XLA's compiled per-device memory and collective bytes (all four plans
+virtual XLA:CPU devices), TorchTitan's FSDP+TP (tp=2, every TP unit, with SP and loss
+parallelism where the model admits them, as TorchTitan's defaults), pure FSDP and DDP. Per
+plan: predicted per-device memory and collective bytes, predicted step time on v5e and v6e, XLA's compiled per-device memory and collective bytes (all four plans
 compiled as SPMD programs), the compiled collectives the cost model did not predict; per model
 and mesh: Kendall's tau between predicted and compiled step time over the plans, solver and
-verification wall time. Then a budget below pure FSDP's predicted memory: the auto plan must fit.
+verification wall time. Then a budget below pure FSDP's predicted memory: the auto plan must fit
+(the 1B model computes its own loss, ``labels=``: sequence parallelism entered at the first
+decoder layer and loss parallelism are in the search).
 Measured step times (models in --measure, default the debug model): every plan's train step,
 compiled as one SPMD program with XLA's full optimisation, run on the mesh's virtual XLA:CPU
 devices in one subprocess (median of --reps runs after a warm-up, each ended by
@@ -62,7 +64,22 @@ def llama_1b():
     with torch.device("meta"):
         m = LlamaForCausalLM(cfg)
     x = torch.randint(0, 128256, (8, 1024))
-    return "Llama-3.2-1B shapes, untied head (HF, 1.5B)", m, (), {"input_ids": x}
+    # trained as HF models are: the model computes its own loss (labels=), which is what loss
+    # parallelism can shard
+    return "Llama-3.2-1B shapes, untied head (HF, 1.5B)", m, (), {"input_ids": x, "labels": x}
+
+
+def titan_plan(model, n, a, common):
+    """TorchTitan's llama3 plan: FSDP x TP=2 over every unit, with sequence parallelism and
+    loss parallelism (its defaults) where the model admits them."""
+    from torchtpu.distributed.auto_parallel import plan_for
+
+    for sp, lp in ((True, True), (True, False), (False, True), (False, False)):
+        try:
+            return plan_for(model, n, a, dp=n // 2, tp=2, sequence_parallel=sp,
+                            loss_parallel=lp, **common)
+        except ValueError:
+            continue
 
 
 def mib(b):
@@ -93,7 +110,7 @@ def main():
             wall = time.perf_counter() - t0
             common = dict(example_kwargs=kw, device_spec="v6e")
             plans = {"auto": auto,
-                     "titan fsdp+tp": plan_for(model, n, a, dp=n // 2, tp=2, **common),
+                     "titan fsdp+tp": titan_plan(model, n, a, common),
                      "fsdp": plan_for(model, n, a, dp=n, tp=1, tp_units=None, **common),
                      "ddp": plan_for(model, n, a, dp=n, tp=1, tp_units=None,
                                      data_parallel="replicate", **common)}
@@ -114,7 +131,9 @@ def main():
                   f"compiling the 3 hand-written plans {t_hand:.2f} s")
             print(f"   auto plan: dp={auto.dp} x tp={auto.tp}, TP units "
                   f"{[u for u, d in auto.units.items() if d['choice'] != 'none']}, dp "
-                  f"{sorted({d['dp'] for d in auto.groups.values()})}")
+                  f"{sorted({d['dp'] for d in auto.groups.values()})}, sequence parallel "
+                  f"{auto.sequence_parallel}, loss parallel {auto.loss_parallel}; search: "
+                  f"SP {auto.search['sequence_parallel']}, LP {auto.search['loss_parallel']}")
             print(f"   {'plan':<15}{'mesh':>8}{'pred MiB':>10}{'XLA MiB':>10}"
                   f"{'pred coll MiB':>14}{'XLA coll MiB':>13}{'v5e ms':>9}{'v6e ms':>9}"
                   f"{'XLA v6e ms':>11}  unpredicted")
@@ -154,8 +173,9 @@ def main():
                                          memory_budget=budget, verify=False)
                 print(f"   budget 0.9 x FSDP's memory ({mib(budget).strip()} MiB): dp={tight.dp} "
                       f"x tp={tight.tp}, {mib(tight.predicted['memory_bytes']).strip()} MiB, "
-                      f"TP units {[u for u, d in tight.units.items() if d['choice'] != 'none']} "
-                      f"({time.perf_counter() - t2:.2f} s)")
+                      f"TP units {[u for u, d in tight.units.items() if d['choice'] != 'none']}, "
+                      f"sequence parallel {tight.sequence_parallel}, loss parallel "
+                      f"{tight.loss_parallel} ({time.perf_counter() - t2:.2f} s)")
             except ValueError as e:
                 print(f"   budget 0.9 x FSDP's memory: {e}")
 

@@ -79,10 +79,10 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def tiny_llama():
+def tiny_llama(vocab=VOCAB):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN,
                       num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=2,
                       max_position_embeddings=64, attn_implementation="sdpa")
     return LlamaForCausalLM(cfg)

@@ -18,6 +18,8 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
   2d_fsdp  dp=2 x tp=2 under a budget only FSDP over TP fits
   sp       a budget only sequence parallelism meets on a tp-only mesh (TorchTitan's SP)
   sp_compile, 2d_sp  the same compiled; on dp=2 x tp=2
+  hf_sp, 2d_hf_sp  a tiny HF Llama (its own loss) under 0.9 x pure FSDP's memory: sequence
+           parallelism entered at the first decoder layer + loss parallelism (tp-only; 2 x 2)
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
@@ -44,10 +46,10 @@ STEPS, BATCH, SEQ = 3, 4, 8
 checked = []
 
 
-def batches(vocab):
+def batches(vocab, seq=SEQ, steps=STEPS):
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=g),
-             torch.randint(0, vocab, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [(torch.randint(0, vocab, (BATCH, seq), generator=g),
+             torch.randint(0, vocab, (BATCH, seq), generator=g)) for _ in range(steps)]
 
 
 def train(model, data, device, hf=False, adam=False, run=None):
@@ -79,12 +81,13 @@ def full(p):
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
 
 
-def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False):
+def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq=SEQ,
+          steps=STEPS):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     vocab = VOCAB if not hf else model.config.vocab_size
-    data = batches(vocab)
+    data = batches(vocab, seq, steps)
     ref_losses, ref_grads = train(ref, data, "cpu", hf, adam)
     if edit is not None:
         plan = edit(plan)
@@ -134,11 +137,11 @@ def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False):
               f"losses {losses}", flush=True)
 
 
-def search(model, world, shape, budget, hf=False):
-    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+def search(model, world, shape, budget, hf=False, seq=SEQ, **kw_):
+    x = torch.randint(0, VOCAB, (BATCH, seq))
     args, kw = ((), {"input_ids": x, "labels": x}) if hf else ((x,), {})
     return td.auto_parallelize(model, world, args, memory_budget=budget, device_spec="cpu",
-                               mesh_shapes=[shape], verify=False, example_kwargs=kw)
+                               mesh_shapes=[shape], verify=False, example_kwargs=kw, **kw_)
 
 
 def main():
@@ -151,8 +154,9 @@ def main():
     probe = Transformer()
     for cfg in configs:
         if cfg == "fsdp":
-            # a budget below the replicated model's memory: sharding is forced
-            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            # a budget near pure FSDP's memory: sharding is forced (FSDP2 holds one instance
+            # per group unsharded, so 0.8 x the replicated memory no longer fits 2 ranks)
+            plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
             check("fsdp", plan, Transformer)
         elif cfg == "tp":
@@ -180,10 +184,20 @@ def main():
             # module and to one CPU process
             shape = {"fsdp_compile": (world, 1), "tp_compile": (1, world),
                      "2d_compile": (2, world // 2)}[cfg]
-            plan = search(probe, world, shape, 0.8 * _replicated_memory(probe, world))
+            if shape[1] == 1:
+                # pure FSDP, hand-written: a searched plan that replicates every root parameter
+                # (the embedding and head: FSDP2 holds them unsharded anyway on 2 ranks) fails
+                # AOTAutograd's partitioner in torch 2.13 ("Node view was invalid, but is
+                # output"); eager trains it (fsdp, mixed, meta)
+                from torchtpu.distributed.auto_parallel import plan_for
+
+                plan = plan_for(probe, world, (torch.randint(0, VOCAB, (BATCH, SEQ)),),
+                                dp=world, tp=1, tp_units=None, device_spec="cpu")
+            else:
+                plan = search(probe, world, shape, 0.8 * _replicated_memory(probe, world))
             check(cfg, plan, Transformer, compiled=True)
         elif cfg == "mixed":
-            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             path = os.path.join(tempfile.gettempdir(), f"auto_plan_{os.getpid()}.json")
 
             def edit(p):
@@ -204,15 +218,34 @@ def main():
                           hf=True)
             assert any(u["choice"] != "none" for u in plan.units.values()), plan
             check("hf", plan, tiny_llama, hf=True)
+        elif cfg in ("hf_sp", "2d_hf_sp"):
+            # HF Llama computing its own loss, under 0.9 x pure FSDP's memory: sequence
+            # parallelism entered at the first decoder layer (HF builds its mask and rotary
+            # tables from the embedding's output: they stay replicated) and loss parallelism
+            # (vocab-sharded logits into HF's own cross-entropy); 5 steps
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            seq, vocab = 32, 512
+            torch.manual_seed(0)
+            hfm = tiny_llama(vocab)
+            x = torch.randint(0, VOCAB, (BATCH, seq))
+            fsdp = plan_for(hfm, world, (), dp=world, tp=1, tp_units=None, device_spec="cpu",
+                            example_kwargs={"input_ids": x, "labels": x})
+            shape = (2, world // 2) if cfg == "2d_hf_sp" else (1, world)
+            plan = search(hfm, world, shape, 0.9 * fsdp.predicted["memory_bytes"], hf=True,
+                          seq=seq, objective="memory")
+            assert plan.sequence_parallel and plan.loss_parallel, plan
+            assert plan.sp_modules["entry"][0] == "model.layers.0", plan.sp_modules
+            check(cfg, plan, lambda: tiny_llama(vocab), hf=True, seq=seq, steps=5)
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()
-            plan = search(hfm, world, (world, 1), 0.8 * _replicated_memory(hfm, world, hf=True),
+            plan = search(hfm, world, (world, 1), _fsdp_memory(hfm, world, hf=True),
                           hf=True)
             assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
             check("hf_fsdp", plan, tiny_llama, hf=True)
         elif cfg == "meta":  # built on meta, materialised by apply (reset_parameters)
-            plan = search(probe, world, (world, 1), 0.8 * _replicated_memory(probe, world))
+            plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             torch.manual_seed(dist.get_rank())  # ranks seeded apart: apply must agree them
             with torch.device("meta"):
                 model = Transformer()
@@ -255,6 +288,18 @@ def main():
     if dist.get_rank() == 0:
         print("ALL OK", len(checked), flush=True)
     dist.destroy_process_group()
+
+
+def _fsdp_memory(model, world, hf=False):
+    """The cost model's memory of pure FSDP (every group sharded over every rank) times 1.01:
+    a budget only (nearly) all-FSDP plans meet."""
+    from torchtpu.distributed.auto_parallel import plan_for
+
+    x = torch.randint(0, VOCAB, (BATCH, SEQ))
+    kw = {"example_kwargs": {"input_ids": x, "labels": x}} if hf else {}
+    p = plan_for(model, world, () if hf else (x,), dp=world, tp=1, tp_units=None,
+                 device_spec="cpu", **kw)
+    return 1.01 * p.predicted["memory_bytes"]
 
 
 def _replicated_memory(model, world, hf=False):

@@ -74,12 +74,14 @@ class _Search:
                                           self.optimizer_states)
         return self._costs[(dp, tp)]
 
-    def plan(self, dp, tp, unit_choice, group_choice, sp, term) -> Plan:
+    def plan(self, dp, tp, unit_choice, group_choice, sp, lp, term) -> Plan:
         c = self.costs(dp, tp)
         p = Plan.from_choice(dp, tp, self.spec.name, self.units, unit_choice, group_choice,
-                             c.owner, term, sp)
+                             c.owner, term, sp, lp)
         if sp:
             p.sp_modules = self.sp_modules()
+        if lp:
+            p.loss_head = c.head
         return p
 
     def sp_modules(self) -> dict:
@@ -91,7 +93,8 @@ class _Search:
         for b in self.an.blocks:
             blocks[self.an.namer(b.fqn)] = [b.act_arg, b.nargs]
         return {"norms": sorted({self.an.namer(f) for f in sp_norms(self.an, self.modules)}),
-                "blocks": blocks}
+                "blocks": blocks,
+                "entry": list(self.an.sp_entry) if self.an.sp_entry is not None else None}
 
     def sec_per_flop(self) -> float:
         fp32 = any(size == 4 for _, size in self.an.params.values())
@@ -100,14 +103,17 @@ class _Search:
 
 
 def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
-             data_parallel="fsdp", sequence_parallel: bool = False, example_kwargs=None,
-             device_spec="v6e", optimizer_states: int = 2) -> Plan:
+             data_parallel="fsdp", sequence_parallel: bool = False,
+             loss_parallel: bool = False, example_kwargs=None, device_spec="v6e",
+             optimizer_states: int = 2) -> Plan:
     """A hand-written plan in the same space, with the cost model's prediction: ``dp`` x ``tp``,
     every TP unit sharded (``tp_units="all"``), none (``None``) or those named (a list of unit
     names), every parameter ``data_parallel`` ("fsdp" or "replicate") over dp. TorchTitan's
     FSDP+TP, pure FSDP and DDP are ``plan_for(..., tp_units="all")``, ``(dp=n, tp=1)`` and
     ``(dp=n, tp=1, data_parallel="replicate")``; ``sequence_parallel=True`` (with every unit
-    sharded) is TorchTitan's SP, where the model allows it (else a ValueError says why not)."""
+    sharded) is TorchTitan's SP, where the model allows it (else a ValueError says why not);
+    ``loss_parallel=True`` keeps the head's logits sharded on the vocabulary for the model's
+    own cross-entropy (a model that computes its loss itself, HF's ``labels=``)."""
     from .cost import evaluate
 
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
@@ -125,7 +131,8 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
         raise ValueError("plan_for: sequence parallelism does not apply here: " + (
             s.an.sp_blocker or "it needs tp > 1, every TP unit sharded and a sequence length "
                                "divisible by tp"))
-    return s.plan(dp, tp, uc, gc, sequence_parallel, evaluate(c, uc, gc, sequence_parallel))
+    return s.plan(dp, tp, uc, gc, sequence_parallel, loss_parallel,
+                  evaluate(c, uc, gc, sequence_parallel, loss_parallel))
 
 
 def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwargs=None,
@@ -140,7 +147,7 @@ def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwa
     c = s.costs(plan.dp, plan.tp)
     return _term_dict(evaluate(c, {u: d["choice"] for u, d in plan.units.items()},
                                {g: d["dp"] for g, d in plan.groups.items()},
-                               plan.sequence_parallel))
+                               plan.sequence_parallel, plan.loss_parallel))
 
 
 def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spec="v6e",
@@ -166,24 +173,27 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
     t1 = time.perf_counter()
     found = []
     for dp, tp in s.shapes(mesh_shapes):
-        for uc, gc, sp, term in solve(s.costs(dp, tp), budget, objective, top_k):
-            found.append((dp, tp, uc, gc, sp, term))
+        for sol in solve(s.costs(dp, tp), budget, objective, top_k):
+            found.append((dp, tp) + sol)
     t2 = time.perf_counter()
     if not found:
         best = None
         for dp, tp in s.shapes(mesh_shapes):
-            for uc, gc, sp, term in solve(s.costs(dp, tp), math.inf, "memory", 1):
-                if best is None or term.memory < best[5].memory:
-                    best = (dp, tp, uc, gc, sp, term)
+            for sol in solve(s.costs(dp, tp), math.inf, "memory", 1):
+                if best is None or sol[-1].memory < best[-1].memory:
+                    best = (dp, tp) + sol
         raise ValueError(
             f"auto_parallelize: no plan fits memory_budget={_size(budget)} per device; the "
-            f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[5].memory)} per "
+            f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[-1].memory)} per "
             f"device")
-    key = (lambda f: f[5].time) if objective == "step_time" else (lambda f: f[5].memory)
+    key = (lambda f: f[-1].time) if objective == "step_time" else (lambda f: f[-1].memory)
     found.sort(key=key)
     plans = [s.plan(*f) for f in found[:top_k]]
     search = {"analyse_s": t1 - t0, "solve_s": t2 - t1, "candidates": len(found),
-              "sequence_parallel": s.an.sp_blocker or "possible",
+              "sequence_parallel": s.an.sp_blocker or (
+                  "possible" + (f", entered at {s.an.sp_entry[0]}" if s.an.sp_entry else "")),
+              "loss_parallel": "possible" if s.an.loss_inside else
+              "the model does not compute a cross-entropy on its head's output",
               "not_tp_blocks": s.an.not_blocks,
               "factorisations": [list(x) for x in s.shapes(mesh_shapes)]}
     if verify:

@@ -5,7 +5,7 @@ on CPU or already on meta is analysed without touching its memory. Forward hooks
 module, the call order of the ``nn.Linear`` / ``nn.Embedding`` leaves and the tensors they
 read and write; ``FlopCounterMode`` counts forward and backward FLOPs per module;
 ``saved_tensors_hooks`` attribute the bytes autograd keeps for backward to the innermost module
-running when they were saved.
+running when they were saved (a tensor saved by several ops -- the input of q, k and v -- once).
 
 Groups: a parameter's name with its ``ModuleList`` indices replaced by ``*``
 (``layers.*.attention.wq.weight``), so repeated layers share one decision.
@@ -57,6 +57,7 @@ class Leaf:
     in_id: int
     out_bytes: int  # bytes of its output at the analysed batch
     in_bytes: int
+    out_shape: tuple = ()
 
 
 @dataclass
@@ -87,6 +88,13 @@ class Analysis:
     seq_len: int = 0  # dim 1 of the first input (tokens), 0 if it has none
     sp_blocker: str = "not analysed"  # why sequence parallelism cannot apply ("" if it can)
     not_blocks: dict = field(default_factory=dict)  # group -> why it is not a TP block
+    # where sequence parallelism starts: None at the embedding's output (TorchTitan's), or
+    # (first repeated layer's fqn, its stream argument: index or kwarg name, its positional
+    # count): the prologue (embedding, mask, positions, rotary tables) stays replicated
+    sp_entry: object = None
+    layers: list = field(default_factory=list)  # the repeated layers holding TP blocks
+    loss_inside: bool = False  # the model applies F.cross_entropy to its head's output
+    loss_saved: int = 0  # bytes autograd saves inside that cross_entropy
 
 
 class _Flops(TorchDispatchMode):
@@ -203,7 +211,9 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     leaves = {}
     block_inputs = {}
     call_args = {}  # module fqn -> (positional arg ids, {kwarg name: id}) of its first call
+    arg_shapes = {}  # module fqn -> the same with the float tensors' shapes (else None)
     saved = defaultdict(int)
+    seen = {}
     hooks = []
 
     def pre(mod, a, kw):
@@ -212,6 +222,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         first = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)), None)
         block_inputs.setdefault(fqn, (id(first), _nbytes(first)))
         call_args.setdefault(fqn, ([id(x) for x in a], {k: id(v) for k, v in kw.items()}))
+        arg_shapes.setdefault(fqn, ([_shape(x) for x in a], {k: _shape(v) for k, v in kw.items()}))
 
     def post(mod, a, kw, out):
         fqn = stack.pop()
@@ -220,7 +231,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
             if fqn not in leaves:
                 leaf_order.append(fqn)
             leaves[fqn] = Leaf(fqn, "linear" if isinstance(mod, nn.Linear) else "embedding",
-                               id(x), _nbytes(out), _nbytes(x))
+                               id(x), _nbytes(out), _nbytes(x), tuple(out.shape))
             for anc in stack:
                 calls[anc].append(fqn)
 
@@ -230,13 +241,21 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
 
     def pack(t):
         base = t._base if t._base is not None else t
+        key = (id(base), t.storage_offset(), tuple(t.shape))
+        if key in seen:  # saved again (q, k and v save their one input): stored once
+            return t
+        seen[key] = base  # alive: its id is not reused
         if not (base.is_leaf and base.requires_grad):  # parameters are counted apart
             saved[stack[-1] if stack else ""] += _nbytes(t)
+            if lw.depth:
+                lw.saved += _nbytes(t)
         return t
 
     fc = _Flops(stack)
+    lw = _LossWatch(leaf_order)
     try:
-        with fm, eager(), fc, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fm, eager(), fc, lw, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = torch.func.functional_call(model, (meta_params, meta_buffers), margs, mkwargs)
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
                     and t.is_floating_point()]
@@ -308,11 +327,85 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
                   sum(_nbytes(t) for t in tensors), out_bytes, leaf_order,
                   tensors[0].shape[1] if tensors[0].dim() >= 2 else 0)
     an.not_blocks = {gn(k): v for k, v in refused.items()}
+    head = leaves.get(leaf_order[-1]) if leaf_order else None
+    an.loss_inside = bool(head is not None and head.kind == "linear" and
+                          lw.last_leaf == head.fqn and mods[head.fqn].out_features in lw.classes)
+    an.loss_saved = lw.saved if an.loss_inside else 0
+    an.layers = _layers(an, mods)
     an.sp_blocker = _sp_blocker(model, an, mods)
     if not an.sp_blocker:
-        an.sp_blocker = _sp_shapes(model, an, fm, (meta_params, meta_buffers), margs, mkwargs,
-                                   [tuple(o.shape) for o in outs])
+        state, want = (meta_params, meta_buffers), [tuple(o.shape) for o in outs]
+        at_embedding = _sp_shapes(model, an, fm, state, margs, mkwargs, want)
+        an.sp_blocker = at_embedding
+        entry = _layer_entry(an, mods, arg_shapes, leaves) if at_embedding else None
+        if isinstance(entry, str):
+            an.sp_blocker = f"{at_embedding}; entering at the first layer: {entry}"
+        elif entry is not None:
+            at_layer = _sp_shapes(model, an, fm, state, margs, mkwargs, want, entry)
+            if at_layer:
+                an.sp_blocker = f"{at_embedding}; entering at the first layer: {at_layer}"
+            else:
+                an.sp_blocker, an.sp_entry = "", entry
     return an
+
+
+def _shape(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+
+
+class _LossWatch(torch.overrides.TorchFunctionMode):
+    """Notes ``F.cross_entropy`` calls inside the forward that come after the last Linear (a
+    loss the model computes itself, HF's ``labels=``): their class counts, and the bytes
+    autograd saves inside them (``depth`` > 0 while one runs)."""
+
+    def __init__(self, leaf_order):
+        super().__init__()
+        self.leaf_order, self.depth, self.saved = leaf_order, 0, 0
+        self.classes, self.last_leaf = set(), None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.cross_entropy:
+            return func(*args, **kwargs)
+        x = args[0] if args else kwargs["input"]
+        self.classes.add(x.shape[1] if x.dim() > 1 else x.shape[0])
+        self.last_leaf = self.leaf_order[-1] if self.leaf_order else None
+        self.depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.depth -= 1
+
+
+def _layers(an: Analysis, mods: dict) -> list:
+    """The repeated layers (children of a ModuleList / ModuleDict) holding TP blocks, in call
+    order."""
+    res = []
+    for b in sorted(an.blocks, key=lambda b: an.leaf_order.index(b.ins[0])):
+        parts = b.fqn.split(".")
+        for i in range(1, len(parts)):
+            layer = ".".join(parts[:i + 1])
+            if an.namer(layer).endswith("*") and layer != b.fqn:
+                if layer not in res:
+                    res.append(layer)
+                break
+    return res
+
+
+def _layer_entry(an: Analysis, mods: dict, arg_shapes: dict, leaves: dict):
+    """(first layer's fqn, its stream argument, its positional count) for sequence parallelism
+    entered at the first repeated layer, or why not (a str): the stream is the layer's one
+    floating argument shaped like the embedding's output."""
+    if not an.layers:
+        return "no repeated layer holds the TP blocks"
+    first = an.layers[0]
+    emb = leaves[an.leaf_order[0]]
+    pos, kws = arg_shapes.get(first, ([], {}))
+    want = emb.out_shape
+    hits = [i for i, s in enumerate(pos) if s == want] + [k for k, s in kws.items() if s == want]
+    if len(hits) != 1:
+        return f"{first} takes {len(hits)} arguments shaped like the embedding's output {want}"
+    return (first, hits[0], len(pos))
 
 
 def sp_norms(an: Analysis, mods: dict) -> list:
@@ -355,17 +448,18 @@ def _sp_blocker(model: nn.Module, an: Analysis, mods: dict) -> str:
 class _Stream(TorchDispatchMode):
     """Watches the ops that read the sequence-sharded stream outside the blocks, norms and
     leaves (``inside`` counts those open): each must act on every token alone (a pointwise op,
-    a copy or a dtype cast), else ``bad`` names it (a mean over the sequence, a cumulative sum
+    a copy or a dtype cast; metadata queries, ``prim.device``, pass), else ``bad`` names it (a mean over the sequence, a cumulative sum
     or a token shift between the blocks would be wrong on a rank's half of the tokens)."""
 
     _OK = ("_to_copy", "clone", "copy_", "detach", "alias")
 
     def __init__(self):
         super().__init__()
-        self.ids, self.inside, self.busy, self.bad = set(), 0, False, None
+        self.ids, self.inside, self.busy, self.bad, self.keep = set(), 0, False, None, []
 
     def mark(self, t):
         self.ids.add(id(t))
+        self.keep.append(t)  # alive, so that its id is never reused by another tensor
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -374,7 +468,7 @@ class _Stream(TorchDispatchMode):
             return out
         if any(id(t) in self.ids for t in pytree.tree_leaves((args, kwargs))
                if isinstance(t, torch.Tensor)):
-            if torch.Tag.pointwise not in func.tags and \
+            if torch.Tag.pointwise not in func.tags and func.namespace != "prim" and \
                     func.overloadpacket.__name__ not in self._OK and self.bad is None:
                 self.bad = str(func)
             for t in pytree.tree_leaves(out):
@@ -383,9 +477,10 @@ class _Stream(TorchDispatchMode):
         return out
 
 
-def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want) -> str:
+def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want, entry=None) -> str:
     """The forward re-run on fake tensors as one rank of tp=2 sequence parallelism sees it
-    (the embedding's output cut to half the sequence, each block's input gathered and its
+    (the stream cut to half the sequence where SP starts: the embedding's output, or with
+    ``entry`` the first repeated layer's stream argument; each block's input gathered and its
     output cut, the head's input gathered): "" if it runs, gives the same output shapes and
     every op on the stream between the blocks acts on each token alone (``_Stream``), else
     why not (code between the blocks that reads the sequence length, such as a causal mask or
@@ -411,26 +506,45 @@ def _sp_shapes(model, an: Analysis, fm, state, margs, mkwargs, want) -> str:
             return a, kw
         return hook
 
-    def leave(cut):
+    def leave(cut, mark=True):
         def hook(mod, a, out):
             watch.inside -= 1
-            if cut:
+            if cut:  # the stream in what it returns (a block may return a tuple)
                 watch.busy = True
-                out = out.narrow(1, 0, half)
+                out = pytree.tree_map(lambda t: t.narrow(1, 0, half) if isinstance(
+                    t, torch.Tensor) and t.dim() > 1 and t.shape[1] == 2 * half else t, out)
                 watch.busy = False
+            if not mark:
+                return out
             return pytree.tree_map(lambda t: watch.mark(t) if isinstance(t, torch.Tensor)
                                    else t, out)
         return hook
 
-    def watch_module(fqn, gather_at=None, cut=False):
+    def watch_module(fqn, gather_at=None, cut=False, mark=True):
         m = mods[fqn]
         hooks.append(m.register_forward_pre_hook(enter(gather_at), with_kwargs=True))
-        hooks.append(m.register_forward_hook(leave(cut)))
+        hooks.append(m.register_forward_hook(leave(cut, mark)))
 
-    watch_module(an.leaf_order[0], cut=True)
+    if entry is None:
+        watch_module(an.leaf_order[0], cut=True)
+    else:
+        layer, at, _ = entry
+
+        def cut_entry(mod, a, kw):  # Replicate -> Shard(1): the rank's slice
+            watch.busy = True
+            if isinstance(at, int):
+                a = a[:at] + (watch.mark(a[at].narrow(1, 0, half)),) + a[at + 1:]
+            else:
+                kw = dict(kw, **{at: watch.mark(kw[at].narrow(1, 0, half))})
+            watch.busy = False
+            return a, kw
+
+        hooks.append(mods[layer].register_forward_pre_hook(cut_entry, with_kwargs=True))
     for b in an.blocks:
         watch_module(b.fqn, b.act_arg, cut=True)
-    watch_module(an.leaf_order[-1], 0)
+    # the stream ends at the head: what reads its (gathered) output, such as a loss the
+    # model computes itself, is outside sequence parallelism
+    watch_module(an.leaf_order[-1], 0, mark=False)
     for f in sp_norms(an, mods):
         watch_module(f)
     import logging

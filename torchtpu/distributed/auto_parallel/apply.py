@@ -110,7 +110,11 @@ def _tp_plan(plan, model: nn.Module, gn) -> dict:
     sharded tokens (``SequenceParallel``), each block gathers its input
     (``PrepareModuleInput``) and its rowwise layer reduce-scatters its output back to
     ``Shard(1)``, the head gathers its input; its output is replicated (the calling
-    convention: every rank gets the whole output)."""
+    convention: every rank gets the whole output). Entered at the first repeated layer
+    (``sp_modules["entry"]``: the model's prologue -- mask, positions, rotary tables -- reads
+    the full sequence), the embedding's output stays replicated and that layer's stream
+    argument goes ``Replicate()`` -> ``Shard(1)`` (a local slice). With loss parallelism the
+    head's output stays a DTensor sharded on the vocabulary (``loss_parallel.py``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
@@ -118,7 +122,19 @@ def _tp_plan(plan, model: nn.Module, gn) -> dict:
     sp = plan.sequence_parallel
     seq = Shard(1)
     norms = set(plan.sp_modules.get("norms", [])) if sp else set()
+    entry = plan.sp_modules.get("entry") if sp else None
     res = {}
+    if entry:
+        layer, act, nargs = entry
+        if isinstance(act, int):
+            res[layer] = PrepareModuleInput(
+                input_layouts=tuple(Replicate() if i == act else None for i in range(nargs)),
+                desired_input_layouts=tuple(seq if i == act else None for i in range(nargs)),
+                use_local_output=True)  # the residual stream between blocks: local tensors
+        else:
+            res[layer] = PrepareModuleInput(input_kwarg_layouts={act: Replicate()},
+                                            desired_input_kwarg_layouts={act: seq},
+                                            use_local_output=True)
     for fqn, _ in model.named_modules():
         if gn(fqn) in norms:
             res[fqn] = SequenceParallel()
@@ -146,11 +162,13 @@ def _tp_plan(plan, model: nn.Module, gn) -> dict:
                     res[fqn] = PrepareModuleInput(input_kwarg_layouts={act: seq},
                                                   desired_input_kwarg_layouts={act: Replicate()})
         elif u["kind"] == "linear":
+            lp = plan.loss_parallel and gn(fqn) == plan.loss_head
             res[fqn] = ColwiseParallel(input_layouts=seq if sp else Replicate(),
-                                       output_layouts=Replicate())
+                                       output_layouts=Shard(-1) if lp else Replicate(),
+                                       use_local_output=not lp)
         else:
             res[fqn] = RowwiseParallel(input_layouts=Replicate(),
-                                       output_layouts=seq if sp else Replicate())
+                                       output_layouts=seq if sp and not entry else Replicate())
     return res
 
 
@@ -196,6 +214,10 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         tp_plan = _tp_plan(plan, model, gn)
         if tp_plan:
             parallelize_module(model, full["tp"], tp_plan)
+        if plan.loss_parallel:
+            from .loss_parallel import install
+
+            install(model)
     _replicate_rest(model, full["tp"] if plan.tp > 1 else full["dp"], plan, gn)
     replicated = []
     if plan.dp > 1:

@@ -10,7 +10,8 @@ input's gradient in backward; a colwise head: an all-gather of its output and an
 its input's gradient; a rowwise embedding: an all-reduce of its output. No overlap of
 communication with compute is assumed (an upper bound).
 Memory: parameters + gradients + optimizer state (``optimizer_states`` copies of each
-parameter) of the local shard, plus for FSDP one layer's unsharded copy, plus the activations
+parameter) of the local shard, plus for FSDP one instance per group unsharded (its parameters
+and, until their reduce-scatter, its gradients), plus the activations
 autograd saves (split over dp, and over tp inside a sharded unit except the replicated input of
 its colwise layers), plus the inputs.
 """
@@ -43,6 +44,8 @@ class Costs:
     owner: dict = field(default_factory=dict)  # group -> unit name or None
     const: "Term" = None
     sp: "Term" = None  # what sequence parallelism adds (negative: saves), None if it cannot
+    lp: "Term" = None  # what loss parallelism adds, None if it cannot
+    head: str = None  # the head's unit (loss parallelism needs it sharded)
 
 
 @dataclass
@@ -130,7 +133,9 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
                 ag_b, ag_s = ring("all_gather", per_inst, dp, spec)
                 rs_b, rs_s = ring("reduce_scatter", per_inst, dp, spec)
                 k = len(names)
-                per[(t, "fsdp")] = Term(memory=local * (2 + optimizer_states) / dp + per_inst,
+                # FSDP2 holds one instance unsharded: its parameters (all-gathered) and, in
+                # backward, its gradients until they are reduce-scattered
+                per[(t, "fsdp")] = Term(memory=local * (2 + optimizer_states) / dp + 2 * per_inst,
                                         dp_bytes=k * (2 * ag_b + rs_b),
                                         comm=k * (2 * ag_s + rs_s))
         c.group_opts[g] = per
@@ -139,16 +144,48 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     c.const = Term(rest_flops / dp * sec_per_flop, memory=rest_saved / dp + an.input_bytes)
     if tp > 1 and not an.sp_blocker and an.seq_len % tp == 0 and \
             all(len(o) > 1 for o in c.unit_opts.values()):
-        # sequence parallelism (every unit sharded): what runs between the blocks (norms,
-        # residual adds) runs on seq / tp tokens and keeps 1 / tp of its activations; each
-        # block's all-reduces become an all-gather of its input and a reduce-scatter of its
-        # output (the same bytes), the head gathers its input instead of all-reducing its
-        # input gradient (the same), and the embedding's all-reduce becomes a reduce-scatter
-        emb = an.leaves[an.leaf_order[0]]
-        b, t = ring("all_gather", emb.out_bytes / dp, tp, spec)
-        keep = 1 - 1 / tp
-        c.sp = Term(-keep * rest_flops / dp * sec_per_flop, -t, -keep * rest_saved / dp,
-                    tp_bytes=-b)
+        c.sp = _sp_term(an, modules, dp, tp, spec, sec_per_flop)
+    head = next((u for u in units if an.leaf_order and an.leaf_order[-1] in u.instances), None)
+    if tp > 1 and an.loss_inside and head is not None and head.kind == "linear" and \
+            len(c.unit_opts[head.name]) > 1:
+        # loss parallel: the head's logits stay sharded on the vocabulary and the model's own
+        # cross-entropy runs on them (torch.distributed.tensor.parallel.loss_parallel): its
+        # saved log-probabilities are divided by tp, the head's output all-gather is gone, and
+        # three all-reduces of one float per token (max, sum of exp, target logit) come in
+        leaf = an.leaves[an.leaf_order[-1]]
+        per_token = leaf.out_bytes / max(modules[leaf.fqn].out_features, 1)  # one value each
+        ag_b, ag_s = ring("all_gather", leaf.out_bytes / dp, tp, spec)
+        ar_b, ar_s = ring("all_reduce", 3 * per_token / dp, tp, spec)
+        c.lp = Term(0.0, ar_s - ag_s, -(1 - 1 / tp) * an.loss_saved / dp, tp_bytes=ar_b - ag_b)
+        c.head = head.name
+    return c
+
+
+def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
+             sec_per_flop: float) -> Term:
+    """What sequence parallelism (every unit sharded) changes: what runs on the stream between
+    the blocks -- the norms and the repeated layers' own ops (residual adds) -- runs on seq / tp
+    tokens and keeps 1 / tp of its saved activations; each block's all-reduces become an
+    all-gather of its input and a reduce-scatter of its output (the same bytes), the head
+    gathers its input instead of all-reducing its input gradient (the same). Entered at the
+    embedding (TorchTitan's), the embedding's all-reduce becomes a reduce-scatter; entered at
+    the first repeated layer (``an.sp_entry``: the prologue stays replicated), the embedding
+    keeps its all-reduce and the entry's slice costs an all-gather of its gradient."""
+    from .analysis import sp_norms
+
+    region = sp_norms(an, modules)
+    saved = sum(an.saved.get(f, 0) for f in region)
+    flops = sum(_flops(an, f) for f in region)
+    for layer in an.layers:
+        saved += an.saved.get(layer, 0)
+        kids = [f"{layer}.{n}" for n, _ in modules[layer].named_children()]
+        flops += max(_flops(an, layer) - sum(_flops(an, k) for k in kids), 0.0)
+    emb = an.leaves[an.leaf_order[0]]
+    b, t = ring("all_gather", emb.out_bytes / dp, tp, spec)
+    keep = 1 - 1 / tp
+    if an.sp_entry is None:
+        b, t = -b, -t
+    return Term(-keep * flops / dp * sec_per_flop, t, -keep * saved / dp, tp_bytes=b)
     return c
 
 
@@ -159,14 +196,20 @@ def _numel(shape) -> int:
     return n
 
 
-def evaluate(c: Costs, unit_choice: dict, group_choice: dict, sp: bool = False) -> Term:
+def evaluate(c: Costs, unit_choice: dict, group_choice: dict, sp: bool = False,
+             lp: bool = False) -> Term:
     """The predicted Term of one assignment (unit -> tp opt, group -> dp opt, sequence
-    parallel or not)."""
+    parallel or not, loss parallel or not)."""
     tot = c.const
     if sp:
         if c.sp is None:
             raise ValueError("sequence parallelism is not possible for this model and mesh")
         tot = tot + c.sp
+    if lp:
+        if c.lp is None or unit_choice.get(c.head, "none") == "none":
+            raise ValueError("loss parallelism needs a model that computes its cross-entropy "
+                             "on its head's output, and the head sharded")
+        tot = tot + c.lp
     for u, opt in unit_choice.items():
         tot = tot + c.unit_opts[u][opt]
     for g, d in group_choice.items():

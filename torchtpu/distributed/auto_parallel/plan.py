@@ -24,13 +24,15 @@ class Plan:
     why: list = field(default_factory=list)  # lines explaining the choice
     search: dict = field(default_factory=dict)  # solver / verification wall time, candidates
     sequence_parallel: bool = False  # activations between TP blocks sharded on the sequence
-    sp_modules: dict = field(default_factory=dict)  # with it: {"norms": [...], "blocks": {...}}
+    sp_modules: dict = field(default_factory=dict)  # with it: {"norms", "blocks", "entry"}
+    loss_parallel: bool = False  # the head's logits vocab-sharded for the model's own loss
+    loss_head: str = ""  # with it: the head's unit
 
     # ---- building ----
 
     @classmethod
     def from_choice(cls, dp, tp, device, units, unit_choice, group_choice, owner, term,
-                    sp=False):
+                    sp=False, lp=False):
         ud = {}
         for u in units:
             ud[u.name] = {"kind": u.kind, "ins": u.ins, "out": u.out, "option": u.option,
@@ -44,7 +46,8 @@ class Plan:
                 u = by_name[o]
                 place = u.param_tp(g[len(o) + 1:] if o else g)
             gd[g] = {"dp": d if dp > 1 else "replicate", "tp": place, "unit": o}
-        return cls(dp, tp, device, ud, gd, predicted=_term_dict(term), sequence_parallel=sp)
+        return cls(dp, tp, device, ud, gd, predicted=_term_dict(term), sequence_parallel=sp,
+                   loss_parallel=lp)
 
     @property
     def world_size(self) -> int:
@@ -78,7 +81,12 @@ class Plan:
         if self.sequence_parallel:
             lines.append("  sequence parallel: activations between the TP blocks sharded on "
                          "the sequence (norms: " + ", ".join(self.sp_modules.get("norms", []))
-                         + ")")
+                         + ")" + (f", entered at {self.sp_modules['entry'][0]} (the "
+                                  f"prologue before it replicated)"
+                                  if self.sp_modules.get("entry") else ""))
+        if self.loss_parallel:
+            lines.append("  loss parallel: the head's logits stay sharded on the vocabulary "
+                         "for the model's own cross-entropy (outputs gathered)")
         lines.append("  parameters:")
         w = max((len(g) for g in self.groups), default=10)
         for g, d in self.groups.items():
@@ -96,7 +104,8 @@ class Plan:
         return {"version": 1, "dp": self.dp, "tp": self.tp, "device": self.device,
                 "units": self.units, "groups": self.groups, "predicted": self.predicted,
                 "compiled": self.compiled, "why": self.why, "search": self.search,
-                "sequence_parallel": self.sequence_parallel, "sp_modules": self.sp_modules}
+                "sequence_parallel": self.sequence_parallel, "sp_modules": self.sp_modules,
+                "loss_parallel": self.loss_parallel, "loss_head": self.loss_head}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -104,7 +113,8 @@ class Plan:
             raise ValueError(f"Plan.load: unknown plan version {d.get('version')!r}")
         return cls(d["dp"], d["tp"], d["device"], d["units"], d["groups"], d["predicted"],
                    d["compiled"], d["why"], d["search"], d.get("sequence_parallel", False),
-                   d.get("sp_modules", {}))
+                   d.get("sp_modules", {}), d.get("loss_parallel", False),
+                   d.get("loss_head", ""))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -118,6 +128,7 @@ class Plan:
     def decisions(self) -> dict:
         """The placements alone (what apply() uses), for comparing plans."""
         return {"dp": self.dp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
+                "loss_parallel": self.loss_parallel,
                 "units": {n: u["choice"] for n, u in self.units.items()},
                 "groups": {g: (d["dp"], d["tp"]) for g, d in self.groups.items()}}
 
@@ -147,7 +158,8 @@ class Plan:
         return {"parallelism": {"data_parallel_shard_degree": self.dp if fsdp else 1,
                                 "data_parallel_replicate_degree": self.dp if ddp else 1,
                                 "tensor_parallel_degree": self.tp,
-                                "enable_sequence_parallel": self.sequence_parallel},
+                                "enable_sequence_parallel": self.sequence_parallel,
+                                "disable_loss_parallel": not self.loss_parallel},
                 "exact": exact}
 
 
