@@ -57,6 +57,19 @@ def test_ragged_paged_attention_long_sequences_many_blocks():
     np.testing.assert_allclose(out.cpu().double().numpy(), ref, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens", [((1,) * 6, (264, 250, 17, 1, 64, 131)),
+                                              ((1, 1, 70, 1), (233, 40, 200, 96))],
+                         ids=["decode", "mixed"])
+def test_ragged_paged_attention_blocks_of_both_paths(q_lens, kv_lens):
+    """A page size whose decode block (~32 positions) and prefill block (~128) do not divide
+    each other (12: 3 and 11 pages), decode tokens spanning many blocks, GQA 2:1."""
+    case = _case(seed=7, P=300, page=12, Hkv=2, D=8, Hq=4, S=8, pps=22, T=80,
+                 q_lens=q_lens, kv_lens=kv_lens)
+    ref = pa.dense_reference(*case, sm_scale=0.3)
+    out = torch.tpu.ops.ragged_paged_attention(*_torch(*case, device="tpu"), sm_scale=0.3)
+    np.testing.assert_allclose(out.cpu().double().numpy(), ref, atol=3e-5, rtol=3e-5)
+
+
 def test_ragged_paged_attention_bfloat16():
     case = _case(seed=5)
     q, kv = case[0], case[1]
