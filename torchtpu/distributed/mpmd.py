@@ -8,11 +8,23 @@ process, each member publishes (program name, collectives) under
 ``tpu_mpmd/<global ranks>/<launch number>/<rank>`` in the default group's c10d store and reads
 every other member's entry at that launch number. Different lists are a RuntimeError on every
 member, naming the group, the first differing collective and both ranks' programs, before
-anything reached the transport; the ranks can go on (the failed launch is not counted). A
-member that never publishes (it runs, at that launch, a program whose collectives it ran
-before, which cannot match a list new here) is waited for up to the group's timeout
-(``TORCHTPU_MPMD_TIMEOUT`` seconds if set). Counted: ``mpmd_checks``, ``mpmd_check_ms``,
-``mpmd_mismatches``.
+anything reached the transport; the ranks can go on (the failed launch is not counted).
+
+A member that does not publish at that launch number within ``PROBE_S`` (1 s,
+``TORCHTPU_MPMD_PROBE_S``) is asked directly: its process's p2p listener
+(``p2p_transport.py``; its reader thread answers while the main thread may be blocked in a
+collective) returns its launch count on the mesh and, for its recent launches, the launch at
+which each one's program was first checked (``launches.state_of``). A member that has passed
+this launch number without publishing ran there a program it had checked before, which
+cannot match a list new here: a ``Mismatch`` at once naming both programs (the peer's from its
+entry at that first launch); the peer waits in the transport until this rank launches the
+matching collective (or the group's watchdog ends it). A refused connection means the peer's
+process exited: a RuntimeError naming the group, the collective, the launch and the dead rank,
+in about ``PROBE_S`` seconds (JAX's heartbeat takes 100 s). A member that is merely busy is
+waited for up to the group's timeout (``TORCHTPU_MPMD_TIMEOUT`` seconds if set). The steady
+state (a program run before) adds no store operation: ``launches.launch`` records the launch
+in memory (~1 us). Counted: ``mpmd_checks``, ``mpmd_check_ms``, ``mpmd_mismatches``,
+``mpmd_dead_peers``.
 """
 from __future__ import annotations
 
