@@ -2,7 +2,8 @@
 RuntimeError on every rank, naming both ranks' programs, within seconds and before the
 transport sees anything (gloo would hang or abort); the group stays usable afterwards. Ranks
 running different programs whose collectives agree (a compiled program on one rank, an eager
-collective on the other) pass.
+collective on the other) pass. A rank launching a new program while its peer re-runs one it
+checked before, and a peer dead before a new program, are errors within seconds.
 
 Run under torchrun with 2 ranks; prints "OK <case>" per check and "ALL OK <n>" at the end.
 """
@@ -134,10 +135,59 @@ def main():
     torch.testing.assert_close(got, want)
     ok("different programs (compiled / eager) with the same collectives run")
 
-    large_p2p(rank, dev)
-    dist.destroy_process_group()
+    # a new program on rank 0 while rank 1 re-runs one it checked before: rank 0 raises within
+    # seconds (it asks rank 1's process what it launched); rank 1 waits in the transport
+    # until rank 0 launches the matching collective
+    old = torch.ones(4, device=dev)
+    dist.all_reduce(old)
     if rank == 0:
-        print("ALL OK", len(checked), flush=True)
+        expect_mismatch("new vs re-run", lambda: dist.all_reduce(torch.ones(6, device=dev)),
+                        "f32[6]", "f32[4]", "a program it ran before")
+        assert metric("mpmd_mismatches") >= 1
+    dist.all_reduce(old)  # rank 0: the collective rank 1 is blocked in
+    torch.testing.assert_close(old.cpu(), torch.full((4,), 4.0))
+    still_usable(dev)
+    ok("a new program against a peer's re-run one: an error on the new one's rank within "
+       "seconds; the group goes on")
+
+    large_p2p(rank, dev)
+
+    # the steady-state cost of a launch (a program run before): no store operation
+    from torchtpu.runtime import launches
+    devs = next(iter(launches._meshes))
+    fake = (devs[0], devs[0])  # its own launch record: the real meshes' counts stay aligned
+    launches.launch(fake, "k", lambda: ("p", []))
+    t0 = time.perf_counter()
+    for _ in range(20000):
+        launches.launch(fake, "k", None)
+    us = (time.perf_counter() - t0) / 20000 * 1e6
+    assert us < 50, us
+    if rank == 0:
+        print(f"  per-launch cost of the check's record: {us:.2f} us", flush=True)
+    ok("a launch of a checked program costs no store operation")
+
+    # a peer that died before a new program: an error naming the group, the collective and the
+    # dead rank within seconds (not the group's 300 s timeout, not JAX's heartbeat)
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(7, device=dev))
+    except RuntimeError as e:
+        took = time.monotonic() - t0
+        msg = str(e)
+        for needle in ("rank 1 is gone", "global ranks [0, 1]", "all_reduce", "f32[7]",
+                       "rank 0"):
+            assert needle in msg, (needle, msg)
+        assert took < LIMIT_S, (took, msg)
+        print(f"  dead peer: {took:.2f} s: {msg[:300]}", flush=True)
+    else:
+        raise AssertionError("no error with a dead peer")
+    ok("a peer dead before a new program: a RuntimeError within seconds")
+    print("ALL OK", len(checked), flush=True)
+    os._exit(0)  # the group lost a member: no collective shutdown
 
 
 if __name__ == "__main__":

@@ -79,16 +79,14 @@ class SPMD:
         (``runtime/launches.py``)."""
         spmd = self
         first = [lowered]
+        ident = object()  # this program, for the launch record
 
         def describe():
             return name, _launches.collectives_of(first[0])
 
         def call(*flat):
-            if first[0] is not None:
-                _launches.launch(spmd.devices, describe)
-                first[0] = None
-            else:
-                _launches.launch(spmd.devices)
+            _launches.launch(spmd.devices, ident, describe)
+            first[0] = None  # checked: the lowered module is no longer needed
             last = _sync.order_tokens.get(spmd.local)
             if last is None:
                 tok = spmd.enter(np.zeros((1,), np.uint32))

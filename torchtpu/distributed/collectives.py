@@ -39,7 +39,6 @@ class GroupMesh:
         self.sharding = NamedSharding(self.mesh, P(AX))
         self.local = self.devices[me]
         self._local_list = jax.sharding.SingleDeviceSharding(self.local)._internal_device_list
-        self._launched: set = set()  # (kind, static, operand types) launched once (MPMD check)
 
     def enter(self, block):
         """The global array whose block on this process is ``block`` (no copy)."""
@@ -76,13 +75,9 @@ class GroupMesh:
             gtok = self.enter(last[1].addressable_shards[0].data)
         ins = [self.enter(b) for b in blocks]
         key = (kind, static, tuple((b.shape, b.dtype) for b in blocks))
-        if key in self._launched:
-            _launches.launch(self.devices)
-        else:  # a new program: its collectives are checked with the other members' first
-            _launches.launch(self.devices, lambda: (
-                f"tpu_dist {kind}({', '.join(str(v) for v in static if v is not None)})",
-                _launches.collectives_of(fn.lower(gtok, *ins))))
-            self._launched.add(key)
+        _launches.launch(self.devices, key, lambda: (
+            f"tpu_dist {kind}({', '.join(str(v) for v in static if v is not None)})",
+            _launches.collectives_of(fn.lower(gtok, *ins))))
         outs = fn(gtok, *ins)
         _token[self.local] = (self, outs[0])
         return tuple(o.addressable_shards[0].data for o in outs[1:])

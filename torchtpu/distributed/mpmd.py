@@ -8,11 +8,23 @@ process, each member publishes (program name, collectives) under
 ``tpu_mpmd/<global ranks>/<launch number>/<rank>`` in the default group's c10d store and reads
 every other member's entry at that launch number. Different lists are a RuntimeError on every
 member, naming the group, the first differing collective and both ranks' programs, before
-anything reached the transport; the ranks can go on (the failed launch is not counted). A
-member that never publishes (it runs, at that launch, a program whose collectives it ran
-before, which cannot match a list new here) is waited for up to the group's timeout
-(``TORCHTPU_MPMD_TIMEOUT`` seconds if set). Counted: ``mpmd_checks``, ``mpmd_check_ms``,
-``mpmd_mismatches``.
+anything reached the transport; the ranks can go on (the failed launch is not counted).
+
+A member that does not publish at that launch number within ``PROBE_S`` (1 s,
+``TORCHTPU_MPMD_PROBE_S``) is asked directly: its process's p2p listener
+(``p2p_transport.py``; its reader thread answers while the main thread may be blocked in a
+collective) returns its launch count on the mesh and, for its recent launches, the launch at
+which each one's program was first checked (``launches.state_of``). A member that has passed
+this launch number without publishing ran there a program it had checked before, which
+cannot match a list new here: a ``Mismatch`` at once naming both programs (the peer's from its
+entry at that first launch); the peer waits in the transport until this rank launches the
+matching collective (or the group's watchdog ends it). A refused connection means the peer's
+process exited: a RuntimeError naming the group, the collective, the launch and the dead rank,
+in about ``PROBE_S`` seconds (JAX's heartbeat takes 100 s). A member that is merely busy is
+waited for up to the group's timeout (``TORCHTPU_MPMD_TIMEOUT`` seconds if set). The steady
+state (a program run before) adds no store operation: ``launches.launch`` records the launch
+in memory (~1 us). Counted: ``mpmd_checks``, ``mpmd_check_ms``, ``mpmd_mismatches``,
+``mpmd_dead_peers``.
 """
 from __future__ import annotations
 
@@ -25,6 +37,7 @@ import weakref
 import torch.distributed as dist
 
 from ..runtime import launches
+from . import bootstrap, p2p_transport
 from ..runtime.metrics import count
 
 _groups: dict = {}  # global ranks (tuple) -> weak reference to the ProcessGroupTPU
@@ -56,6 +69,45 @@ def _program(rank: int, entry: dict) -> str:
     return f"rank {rank} runs {entry['name']!r} with collectives [{cols}]"
 
 
+PROBE_S = float(os.environ.get("TORCHTPU_MPMD_PROBE_S", "1.0"))
+
+
+def _address(ranks, r):
+    """Rank ``r``'s p2p listener (published by every group at creation), or None."""
+    for g in (_group_of(ranks), _group_of(list(range(dist.get_world_size())))):
+        if g is not None and r in g._global_ranks:
+            addr = g._peer_addr.get(r_local := g._global_ranks.index(r))
+            if addr is None:
+                try:
+                    addr = g._peer_addr[r_local] = g._store.get(
+                        g._key("addr", r_local)).decode()
+                except Exception:  # noqa: BLE001
+                    continue
+            return addr
+    return None
+
+
+def _answer(question: str) -> bytes:
+    """A peer's probe ``mpmd/<device ids>``: this process's launches on that mesh."""
+    ids = [int(i) for i in question.split("/", 1)[1].split(",")]
+    st = launches.state_of(ids)
+    return json.dumps(None if st is None else [st[0], {str(k): v for k, v in st[1].items()}]
+                      ).encode()
+
+
+def _probe(devices, r, addr):
+    """Rank ``r``'s (launch count, {launch: first launch of its program}) on ``devices``; None
+    if unknown (no answer, no address, never launched there); raises PeerGone."""
+    if addr is None:
+        return None
+    got = p2p_transport.Transport.ask(addr, "mpmd/" + ",".join(str(d.id) for d in devices),
+                                      timeout=max(PROBE_S, 1.0))
+    if not got:
+        return None
+    st = json.loads(got)
+    return None if st is None else (st[0], {int(k): v for k, v in st[1].items()})
+
+
 def check(devices, n: int, name: str, records) -> None:
     """The hook of ``runtime/launches.py``: compare this launch's collectives with the
     other members' at launch number ``n`` (see the module docstring)."""
@@ -69,23 +121,68 @@ def check(devices, n: int, name: str, records) -> None:
     where = f"{gname}(global ranks {ranks})"
     t0 = time.perf_counter()
     mine = {"name": name, "collectives": [launches.describe(r) for r in records]}
-    prefix = f"tpu_mpmd/{','.join(map(str, ranks))}/{n}/"
-    store.set(prefix + str(me), json.dumps(mine))
+    head = f"[tpu_dist] rank {me}, MPMD check of {where} before {mine['collectives'][0]} " \
+        f"(launch {n})"
+    prefix = f"tpu_mpmd/{','.join(map(str, ranks))}/"
+    at = prefix + f"{n}/"
+    store.set(at + str(me), json.dumps(mine))
     count("mpmd_checks")
     timeout = _timeout(pg)
+    deadline = time.monotonic() + timeout
     for r in ranks:
         if r == me:
             continue
-        try:
-            store.wait([prefix + str(r)], datetime.timedelta(seconds=timeout))
-        except Exception as e:  # noqa: BLE001  (the store's timeout)
-            count("mpmd_mismatches")
-            raise launches.Mismatch(
-                f"[tpu_dist] MPMD check of {where}, rank {me}: rank {r} did not reach the "
-                f"check of launch {n} within {timeout:.0f} s (it runs, there, a program "
-                f"whose collectives it ran before, which cannot match this one, or it is "
-                f"blocked elsewhere); {_program(me, mine)}") from e
-        theirs = json.loads(store.get(prefix + str(r)))
+        addr = _address(ranks, r)
+        pause, next_probe = 0.001, time.monotonic() + PROBE_S
+        while True:
+            # polled (store.wait's timeout logs a C++ warning each time), backing off to 50 ms
+            try:
+                if store.check([at + str(r)]):
+                    break
+                store_error = None
+            except Exception as e:  # noqa: BLE001  (the store failed)
+                store_error = e
+            if store_error is None and time.monotonic() < min(next_probe, deadline):
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+                continue
+            next_probe = time.monotonic() + PROBE_S
+            try:
+                peer = _probe(devices, r, addr)
+            except p2p_transport.PeerGone as e:
+                count("mpmd_dead_peers")
+                bootstrap.state["failed"] = True
+                raise RuntimeError(
+                    f"{head}: rank {r} is gone: its process exited ({e}) before reaching "
+                    f"this launch; the collective cannot run. {_program(me, mine)}") from e
+            if store_error is not None:
+                bootstrap.state["failed"] = True
+                raise RuntimeError(f"{head}: the c10d store failed while waiting for rank {r} "
+                                   f"(rank 0, which hosts it, may be gone): {store_error}"
+                                   ) from store_error
+            if peer is not None and peer[0] > n and not store.check([at + str(r)]):
+                # it passed launch n without publishing: it ran there a program whose
+                # collectives it had checked before, which cannot match this new one
+                count("mpmd_mismatches")
+                first = peer[1].get(n)
+                theirs = {"name": "a program", "collectives": []}
+                if first is not None and first >= 0:
+                    theirs = json.loads(store.get(f"{prefix}{first}/{r}"))
+                what = _program(r, theirs) if first is not None else \
+                    f"rank {r} runs a program it ran before"
+                raise launches.Mismatch(
+                    f"[tpu_dist] MPMD check of {where}, rank {me}: ranks run programs whose "
+                    f"collectives differ at launch {n} on this group: rank {r} runs there "
+                    f"a program it ran before (first checked at launch {first}), rank {me} "
+                    f"a new one (it would hang in the transport; rank {r} waits in it until "
+                    f"a matching launch). {_program(me, mine)}; {what}")
+            if time.monotonic() >= deadline:
+                count("mpmd_mismatches")
+                raise launches.Mismatch(
+                    f"[tpu_dist] MPMD check of {where}, rank {me}: rank {r} did not reach the "
+                    f"check of launch {n} within {timeout:.0f} s (it is blocked elsewhere); "
+                    f"{_program(me, mine)}")
+        theirs = json.loads(store.get(at + str(r)))
         if theirs["collectives"] != mine["collectives"]:
             count("mpmd_mismatches")
             a, b = mine["collectives"], theirs["collectives"]
@@ -102,3 +199,4 @@ def check(devices, n: int, name: str, records) -> None:
 
 def install() -> None:
     launches.hook = check
+    p2p_transport.answers["mpmd"] = _answer

@@ -25,6 +25,13 @@ import numpy as np
 from ..runtime.metrics import count
 
 _HEAD = struct.Struct("<IQ")  # key length, payload length
+_QUERY = (1 << 64) - 1  # a payload length that marks a query: the key is the question
+_ANSWER = struct.Struct("<I")  # an answer's length
+answers: dict = {}  # question prefix (before the first "/") -> fn(question) -> bytes
+
+
+class PeerGone(ConnectionError):
+    """The peer's process does not listen any more (its connection is refused): it exited."""
 
 
 def _local_host() -> str:
@@ -90,6 +97,14 @@ class Transport:
                     return  # the peer closed (it exited): nothing was cut short
                 klen, n = _HEAD.unpack(head)
                 key = _recv_exact(conn, klen).tobytes().decode()
+                if n == _QUERY:  # a peer asks (the MPMD check): answered on this connection
+                    fn = answers.get(key.split("/", 1)[0])
+                    try:
+                        reply = fn(key) if fn is not None else b""
+                    except Exception:  # noqa: BLE001  (no answer: the asker waits on)
+                        reply = b""
+                    conn.sendall(_ANSWER.pack(len(reply)) + reply)
+                    continue
                 data = _recv_exact(conn, n)
                 with self._cv:
                     self._inbox[key] = data
@@ -119,6 +134,32 @@ class Transport:
                     raise RuntimeError(f"{what}: timed out waiting for the payload")
                 self._cv.wait(min(left, 1.0))
             return self._inbox.pop(key)
+
+    # ---- asking ----
+    @staticmethod
+    def ask(address: str, question: str, timeout: float = 2.0) -> bytes | None:
+        """The answer of the process listening at ``address`` to ``question`` (its reader
+        thread answers from ``answers``, while its main thread may be blocked in a
+        collective); None when it does not answer within ``timeout``; ``PeerGone`` when its
+        connection is refused (the process exited)."""
+        host, port = address.rsplit(":", 1)
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=timeout)
+        except ConnectionRefusedError as e:
+            raise PeerGone(f"connection to {address} refused") from e
+        except OSError:
+            return None
+        try:
+            k = question.encode()
+            conn.sendall(_HEAD.pack(len(k), _QUERY) + k)
+            n, = _ANSWER.unpack(_recv_exact(conn, _ANSWER.size).tobytes())
+            return _recv_exact(conn, n).tobytes()
+        except ConnectionError as e:
+            raise PeerGone(f"connection to {address} closed: {e}") from e
+        except OSError:
+            return None
+        finally:
+            conn.close()
 
     # ---- sending ----
     def put(self, address: str, key: str, data, keep=None) -> None:

@@ -25,6 +25,7 @@ backward hooks) cannot run inside the program: a model with one is refused with 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import torch
 from torch import nn
@@ -290,11 +291,16 @@ class SingleTraceTrainer:
             if clip is not None:
                 all_grads, norm = _clip_grads(all_grads, *clip)
             grads = [all_grads[k] for k in entry_index]
+            # the updates after every read of the old weights (see _after_all)
+            zero = _after_all([outs[traced.loss_pos], *flags, *all_grads,
+                               *(outs[j] for _i, j in buffer_out.items())])
+            grads = [g - zero.astype(g.dtype) for g in grads]
+            params = [vals[i] for i in entry_slot]
             states = []
             for (_r, _s, names, _lr, _shape, shapes), k in zip(structure[0], state_slots):
                 states.append({n: flat[k + j].reshape(s)
                                for j, (n, s) in enumerate(zip(names, shapes))})
-            new_p, new_s = _program.apply(structure, [vals[i] for i in entry_slot], grads,
+            new_p, new_s = _program.apply(structure, params, grads,
                                           states, flat[lr_slot:lr_slot + n_lr])
             new_inputs = [None] * len(tensors)
             for i, p in zip(entry_slot, new_p):
@@ -310,6 +316,30 @@ class SingleTraceTrainer:
                     tuple(all_grads) if write_grads else (), norm)
 
         return program_cache.Program("trainer", train_step, None, donate_argnums=donate)
+
+
+def _after_all(arrays):
+    """A 0 (int32 scalar) computed from one element of each of ``arrays`` (every output of
+    the training graph: the loss, its check flags, the gradients, the buffer updates), for the
+    updates to subtract from their gradients (exact: ``g - 0.0`` is ``g`` for every value,
+    -0.0 and NaN included), so that every in-place write of a donated weight depends on every
+    op that reads the old weights (each such op is an ancestor of some output).
+
+    Why: the backward reads a weight in ops its own update does not depend on (the input
+    gradient ``dy @ W`` flows to the layers below, not to ``W``'s gradient). XLA's copy
+    insertion, ordering ops by their data dependencies, could not place those reads before the
+    weight's update written into the same (donated) buffer and copied every such parameter at
+    the top of the program (likewise a bias read by the loss alone): 38 parameter-sized
+    copies, a second copy of most weights, in the GPT benchmark's step. ``lax.optimization_barrier`` does not order them: XLA:CPU removes
+    barriers before copy insertion. ``min(max(x, 0), 0)`` is not folded away (``x & 0``
+    is)."""
+    firsts = [a.reshape(-1)[0].astype(jnp.float32) for a in arrays
+              if a is not None and hasattr(a, "shape") and a.size]
+    if not firsts:
+        return jnp.zeros((), jnp.int32)
+    firsts = jnp.stack(firsts)
+    bits = lax.bitcast_convert_type(jnp.sum(firsts), jnp.int32)
+    return jnp.minimum(jnp.maximum(bits, 0), 0)
 
 
 def _clip_grads(grads, max_norm: float, norm_type: float):

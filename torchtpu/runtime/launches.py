@@ -2,8 +2,10 @@
 
 Every program whose collectives span several processes' devices (an eager collective,
 ``distributed/collectives.py``; a compiled graph with collectives, ``compile/spmd.py``) calls
-``launch(devices, describe)`` just before it runs. Per device tuple (a mesh, in its order) this
-counts launches; at a program's first launch (``describe`` given) its collectives are listed
+``launch(devices, key, describe)`` just before it runs. Per device tuple (a mesh, in its order)
+this counts launches and remembers the recent launches' programs (``state_of``: what a peer
+waiting at a check asks this process, ``distributed/mpmd.py``); at a program's first launch
+its collectives are listed
 (``collectives_of``: kind, operand and result types, groups, reduction, in program order) and,
 when this process has not run that list on this mesh before, the hook that
 ``distributed/mpmd.py`` installs compares it with every other member's at the same launch
@@ -23,7 +25,25 @@ class Mismatch(RuntimeError):
 
 
 hook = None  # fn(devices, n, name, records) -> None; raises when members disagree
-_meshes: dict = {}  # devices -> [launch count, lists of collectives already checked]
+RECENT = 64  # launches per mesh whose programs are remembered (answers to a peer's probe)
+
+
+class _Mesh:
+    """Launch state of one device tuple: ``count`` launches so far; ``checked``: collective
+    list fingerprint -> the launch number at which this process published it (-1: a program
+    without collectives); ``known``: program key -> that number; ``recent``: ring of the
+    numbers of the last ``RECENT`` launches' programs."""
+
+    __slots__ = ("count", "checked", "known", "recent")
+
+    def __init__(self):
+        self.count = 0
+        self.checked: dict = {}
+        self.known: dict = {}
+        self.recent = [-1] * RECENT
+
+
+_meshes: dict = {}  # devices -> _Mesh
 
 COLLECTIVES = ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce_scatter",
                "stablehlo.all_to_all", "stablehlo.collective_permute",
@@ -32,22 +52,40 @@ _ATTRS = ("replica_groups", "source_target_pairs", "all_gather_dim", "scatter_di
           "split_dimension", "concat_dimension", "split_count")
 
 
-def launch(devices: tuple, describe=None) -> None:
-    """Count a launch over ``devices``; ``describe`` (a program's first launch): a function
-    returning (program name, its collectives) to check with the other members first."""
+def launch(devices: tuple, key, describe) -> None:
+    """Count a launch over ``devices`` of the program ``key`` (hashable, the caller's identity
+    of one program); ``describe``: a function returning (program name, its collectives),
+    called at the key's first launch: a list new on this mesh is checked with the other
+    members first (``hook``). Steady state: two dict lookups and a list store."""
     if hook is None or len(devices) < 2:
         return
     st = _meshes.get(devices)
     if st is None:
-        st = _meshes[devices] = [0, set()]
-    if describe is not None:
+        st = _meshes[devices] = _Mesh()
+    first = st.known.get(key)
+    if first is None:
         name, records = describe()
+        first = -1
         if records:
             fp = hashlib.sha256(repr(records).encode()).digest()
-            if fp not in st[1]:
-                hook(devices, st[0], name, records)  # raises before the launch is counted
-                st[1].add(fp)
-    st[0] += 1
+            first = st.checked.get(fp)
+            if first is None:
+                hook(devices, st.count, name, records)  # raises before the launch is counted
+                first = st.checked[fp] = st.count
+        st.known[key] = first
+    st.recent[st.count % RECENT] = first
+    st.count += 1
+
+
+def state_of(device_ids) -> tuple | None:
+    """(launches so far, {launch number: the launch number at which that launch's program was
+    published (-1: no collectives)} for the last ``RECENT`` launches) of the mesh whose
+    devices have ``device_ids`` (global ids, in order); None if it never launched here."""
+    for devices, st in list(_meshes.items()):
+        if [d.id for d in devices] == list(device_ids):
+            n = st.count
+            return n, {k: st.recent[k % RECENT] for k in range(max(0, n - RECENT), n)}
+    return None
 
 
 def _short(t: str) -> str:
