@@ -17,7 +17,9 @@ gradients never leave its program) use lr=1e-3, where those steps stay under the
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -494,7 +496,8 @@ def test_trainer_gpt_adamw_matches_cpu():
     torch.testing.assert_close(lt, lc)
     assert_params_close(cpu, tpu)
     assert_states_close(oc, ot)
-    assert counter("trainer_traces") == 1 and counter("trainer_xla_compiles") == 1
+    assert counter("trainer_traces") == 1  # one program, built once (or loaded: keyed by text)
+    assert counter("trainer_xla_compiles") + counter("trainer_disk_cache_hits") == 1
     assert counter("trainer_donated_buffers") > 0
 
 
@@ -543,7 +546,8 @@ def test_trainer_cnn_adamw_batchnorm_and_scheduler():
     assert ot.param_groups[0]["lr"] == 1e-3 / 8
     assert_params_close(cpu, tpu)
     assert_states_close(oc, ot)
-    assert counter("trainer_traces") == 1 and counter("trainer_xla_compiles") == 1
+    assert counter("trainer_traces") == 1  # one program, built once (or loaded: keyed by text)
+    assert counter("trainer_xla_compiles") + counter("trainer_disk_cache_hits") == 1
 
 
 def test_trainer_donates_parameters_and_state():
@@ -739,3 +743,66 @@ def test_trainer_refuses_gradient_hooks():
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         opts.SingleTraceTrainer(model, lambda m, x: m(x).sum(),
                                 opts.SGD(model.parameters(), lr=0.1), max_grad_norm=0)
+
+
+# -------------------------------------------------- programs of a later process (compile cache)
+
+_WARM_SCRIPT = r"""
+import json, torch, torch.nn as nn
+import torchtpu.optimizers as opts
+torch.manual_seed(0)
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to("tpu")
+m = mlp()
+trainer = opts.SingleTraceTrainer(m, lambda m, x: m(x).pow(2).mean(), opts.AdamW(m.parameters(), lr=1e-2))
+x = torch.randn(4, 8).to("tpu")
+losses = [trainer.step(x).item() for _ in range(3)]
+m2 = mlp()
+o = opts.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+for _ in range(2):
+    o.zero_grad()
+    m2(x).pow(2).mean().backward()
+    o.step()
+c = torch.tpu.metrics()["counters"]
+print(json.dumps({"losses": losses, "w": m2[0].weight.cpu().tolist(),
+                  "c": {k: v for k, v in c.items() if k.startswith(("trainer_", "optim_"))}}))
+"""
+
+
+def test_a_later_process_loads_the_trainer_and_optimizer_programs(tmp_path):
+    """The trainer's and the optimizers' programs (keyed by their lowered text) come back from
+    the compile cache in a second process: nothing compiled, the same values."""
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _WARM_SCRIPT], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["c"].get("trainer_xla_compiles", 0) >= 1
+    assert first["c"].get("optim_xla_compiles", 0) >= 1
+    assert second["c"].get("trainer_xla_compiles", 0) == 0, second["c"]
+    assert second["c"].get("optim_xla_compiles", 0) == 0, second["c"]
+    assert second["c"].get("trainer_disk_cache_hits", 0) >= 1
+    assert second["c"].get("optim_disk_cache_hits", 0) >= 1
+    assert second["losses"] == first["losses"] and second["w"] == first["w"]
+
+
+def test_programs_keyed_by_text_never_share_an_executable(tmp_path, monkeypatch):
+    """Two BY_TEXT programs of one signature but different bodies get their own executables
+    (the key is the lowered text, not the signature); a third with the first one's body loads
+    the first one's from the disk cache."""
+    import jax.numpy as jnp
+
+    from torchtpu.runtime import program_cache as pc
+    from torchtpu.runtime.metrics import COUNTERS
+
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
+    x = jnp.arange(4.0)
+    assert pc.Program("optim", lambda v: v * 3, pc.BY_TEXT)(x).tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert pc.Program("optim", lambda v: v * 4, pc.BY_TEXT)(x).tolist() == [0.0, 4.0, 8.0, 12.0]
+    hits = COUNTERS.get("optim_disk_cache_hits", 0)
+    assert pc.Program("optim", lambda v: v * 3, pc.BY_TEXT)(x).tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert COUNTERS.get("optim_disk_cache_hits", 0) == hits + 1

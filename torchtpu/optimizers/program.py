@@ -159,8 +159,8 @@ def _program(structure, n_entries, donate):
                 k += 2 + len(names)
             return tuple(out)
 
-        prog = _PROGRAMS[key] = program_cache.Program("optim", optimizer_step, None,
-                                                      donate_argnums=donate)
+        prog = _PROGRAMS[key] = program_cache.Program(
+            "optim", optimizer_step, program_cache.BY_TEXT, donate_argnums=donate)
     return prog
 
 

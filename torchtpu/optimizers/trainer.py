@@ -315,7 +315,8 @@ class SingleTraceTrainer:
             return (outs[traced.loss_pos], tuple(flags), new_inputs, out_states,
                     tuple(all_grads) if write_grads else (), norm)
 
-        return program_cache.Program("trainer", train_step, None, donate_argnums=donate)
+        return program_cache.Program("trainer", train_step, program_cache.BY_TEXT,
+                                     donate_argnums=donate)
 
 
 def _after_all(arrays):

@@ -386,10 +386,16 @@ def _cpu() -> bool:
 _platform: list = []
 
 
+BY_TEXT = "<keyed by the lowered program's text>"
+
+
 class Program:
     """A jitted function of flat arguments whose executables persist (see the module doc).
 
-    ``key``: the executor's cache key (made stable lazily; None: memory only)."""
+    ``key``: the executor's cache key (made stable lazily; None: memory only; ``BY_TEXT``:
+    keyed on disk by the lowered program's text, for programs whose inputs to the trace (a
+    traced graph, an optimizer's rules) have no stable spelling: each miss lowers first, then
+    loads what an earlier process compiled from the same text)."""
 
     __slots__ = ("kind", "fn", "key", "jit_kwargs", "by_sig", "_disk", "_last", "_prev",
                  "_pending", "_wasted", "_hits", "_quiet", "_then", "__weakref__")
@@ -442,7 +448,7 @@ class Program:
     def _stable_key(self) -> str:
         if self._disk is None:
             self._disk = ""
-            if self.key is not None and _disk.cache_dir() is not None:
+            if self.key is not None and self.key is not BY_TEXT and _disk.cache_dir() is not None:
                 try:
                     self._disk = stable(self.key)
                 except NotStable:
@@ -465,6 +471,25 @@ class Program:
         for part in (fingerprint(), self.kind, sk, text, repr(ids), repr(self.jit_kwargs.get(
                 "donate_argnums", ())), repr(sorted((k, str(v)) for k, v in options.items())),
                 str(FAST_MAX_ELEMENTS)):
+            h.update(part.encode())
+            h.update(b"\0")
+        return "p" + h.hexdigest(), ids[0]
+
+    def _text_key(self, args, text, options):
+        """(disk key, device id) of a ``BY_TEXT`` program from its lowered text, or None. The
+        arguments' signature too: jit drops unused arguments from the module, so its text alone
+        does not fix every argument's shape."""
+        try:
+            sig = _sig_text(signature(args))
+        except Exception:  # noqa: BLE001 - abstract values (a prefetch): memory only
+            return None
+        ids = _device_ids(args, self.jit_kwargs)
+        if len(ids) != 1:
+            return None
+        h = hashlib.sha256()
+        for part in (fingerprint(), self.kind, "text", text, sig, repr(ids),
+                     repr(self.jit_kwargs.get("donate_argnums", ())),
+                     repr(sorted((k, str(v)) for k, v in options.items()))):
             h.update(part.encode())
             h.update(b"\0")
         return "p" + h.hexdigest(), ids[0]
@@ -529,6 +554,12 @@ class Program:
             return texts[0]
 
         opts = _options(lowered, text) if fast else {}
+        if dkey is None and self.key is BY_TEXT and _disk.cache_dir() is not None:
+            dkey = self._text_key(args, text(), opts)
+            if dkey is not None:
+                compiled = _load(self.kind, *dkey)
+                if compiled is not None:
+                    return compiled, ("disk", dkey[0], fast)
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts or None)
         ms = int((time.perf_counter() - t0) * 1000)
