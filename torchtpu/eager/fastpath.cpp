@@ -53,8 +53,13 @@ struct Entry {
   std::vector<char> in_weak;            // ... its weak_type
   bool tuple_out = false;
   std::vector<OutMeta> outs;
+  // a checked op (registry `check`): the executable returns (results, flag) and the flag goes
+  // to this callable (checks.add with the op's name, exception and message bound), as the
+  // Python path hands it over in Strict mode (owned; nullptr: no check)
+  PyObject* check = nullptr;
   ~Entry() {
     Py_XDECREF(call);
+    Py_XDECREF(check);
     for (auto* c : consts) Py_XDECREF(c);
     for (auto* d : in_dtypes) Py_XDECREF(d);
   }
@@ -364,6 +369,20 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
     bump(c_errors);
     return HIT_FALLBACK;
   }
+  if (e.check != nullptr) {  // (results, flag): the flag to the pending checks
+    if (!PyTuple_CheckExact(out) || PyTuple_GET_SIZE(out) != 2) {
+      Py_DECREF(out);
+      bump(c_errors);
+      return HIT_FALLBACK;
+    }
+    PyObject* res_part = PyTuple_GET_ITEM(out, 0);
+    PyObject* r = PyObject_CallOneArg(e.check, PyTuple_GET_ITEM(out, 1));
+    Py_INCREF(res_part);
+    Py_DECREF(out);
+    out = res_part;
+    if (r == nullptr) { Py_DECREF(out); return HIT_ERROR; }
+    Py_DECREF(r);
+  }
   size_t n_out = e.outs.size();
   bool shape_ok = e.tuple_out ? (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == (Py_ssize_t)n_out)
                               : reinterpret_cast<PyObject*>(Py_TYPE(out)) == g_array_type;
@@ -440,7 +459,8 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
     PyErr_Clear();
     ok = false;
   }
-  if (ok && ts.empty()) ok = false;  // a factory: its program is bound to the current device
+  // (a factory, no tensor: keyed like any op; the Python path installs its entry only on a
+  // one-device platform, where every program is bound to tpu:0, as every output here is)
   if (!ok) {
     bump(c_uncacheable);
     return forward(self, args, kwargs);
@@ -594,13 +614,14 @@ PyObject* m_pending(PyObject*, PyObject*) {
   return l;
 }
 
-// install(lowering, call, plan, arrays, tuple_out, outs): arrays = [(array dtype, shape,
-// weak type)] per tensor ordinal; outs = [(shape, torch dtype)].
+// install(lowering, call, plan, arrays, tuple_out, outs, check): arrays = [(array dtype,
+// shape, weak type)] per tensor ordinal; outs = [(shape, torch dtype)]; check: None, or what a
+// checked op's flag is passed to.
 PyObject* m_install(PyObject*, PyObject* args) {
-  PyObject *lowering, *call, *plan, *in_dtypes, *outs;
+  PyObject *lowering, *call, *plan, *in_dtypes, *outs, *check = Py_None;
   int tuple_out = 0;
-  if (!PyArg_ParseTuple(args, "OOO!O!pO!", &lowering, &call, &PyList_Type, &plan, &PyList_Type,
-                        &in_dtypes, &tuple_out, &PyList_Type, &outs))
+  if (!PyArg_ParseTuple(args, "OOO!O!pO!|O", &lowering, &call, &PyList_Type, &plan, &PyList_Type,
+                        &in_dtypes, &tuple_out, &PyList_Type, &outs, &check))
     return nullptr;
   Pending* p = tl_pending;
   if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering) Py_RETURN_FALSE;
@@ -612,6 +633,10 @@ PyObject* m_install(PyObject*, PyObject* args) {
   Py_INCREF(call);
   e->call = call;
   e->tuple_out = tuple_out != 0;
+  if (check != Py_None) {
+    Py_INCREF(check);
+    e->check = check;
+  }
   std::vector<bool> used(n_t, false);
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(plan); i++) {
     PyObject* item = PyList_GET_ITEM(plan, i);

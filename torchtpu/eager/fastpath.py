@@ -170,7 +170,7 @@ def _forget(calls) -> None:
 _Array = None
 
 
-def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
+def offer(lowering, prog, flat, tensors, out, traced_type, check=None) -> bool:
     """Install the entry for this thread's pending key: the call of ``prog`` just made with
     ``flat`` (one argument per item of ``tensors``: a tensor's storage array, or a Traced
     scalar's value; then the traced storage offsets of its views) returned ``out``. The
@@ -179,7 +179,9 @@ def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     A tensor's view spec (eager/views.py) is a function of what the key holds (its dtype,
     sizes, strides, offset, conj/neg bits) and of its storage array's shape and dtype, which
     the entry records and a hit checks; so the program (and its offsets, constants of the
-    entry: the key holds the storage offset) is the one the Python path would run."""
+    entry: the key holds the storage offset) is the one the Python path would run.
+    ``check``: a checked op's (registry ``check``) callable for the flag its program returns
+    next to ``out`` (what the Python path passes the flag to in Strict mode)."""
     global _Array
     if _Array is None:
         from jax._src.array import ArrayImpl as _Array
@@ -216,4 +218,4 @@ def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     for o in outs:
         shape, dt, _strides, _nbytes = _buffer._meta(o.shape, o.dtype)
         metas.append((tuple(shape), dt))
-    return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas)
+    return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas, check)
