@@ -388,6 +388,31 @@ def test_default_dtype_precision_and_mode_are_keyed():
     assert torch.equal(val, (a.cpu() + b.cpu()) * 2.0)
 
 
+def test_jax_matmul_precision_is_keyed():
+    """Where torch's precision is "highest", JAX's default matmul precision (a context manager
+    or jax.config) decides; the C++ key reads it without calling matmul_precision."""
+    import jax
+
+    a, b = _rand(32, 32), _rand(32, 32, seed=1)
+    hi = both(lambda: (a, b), lambda x, y: x @ y)
+    for p in ("high", "default", "bfloat16"):
+        with jax.default_matmul_precision(p):
+            m0 = _c("eager_fastpath_misses")
+            out = both(lambda: (a, b), lambda x, y: x @ y)
+            assert _c("eager_fastpath_misses") > m0  # not the "highest" entry
+            del out
+    _same(hi, a @ b)
+    prev = jax.config.jax_default_matmul_precision
+    try:
+        jax.config.update("jax_default_matmul_precision", "float32")
+        m0 = _c("eager_fastpath_misses")
+        both(lambda: (a, b), lambda x, y: x @ y)
+        assert _c("eager_fastpath_misses") > m0
+    finally:
+        jax.config.update("jax_default_matmul_precision", prev)
+    _same(hi, a @ b)
+
+
 def test_exceptions_match():
     a, c = _rand(4, 4), _rand(3, 3)
     errs = []

@@ -15,6 +15,7 @@
 
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/Tensor.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/TensorImpl.h>
@@ -95,12 +96,13 @@ PyObject* g_next_free = nullptr;   // runtime.buffer._next_free (a one-element l
 PyObject* g_note = nullptr;        // runtime.inflight.note
 PyObject* g_array_type = nullptr;  // jax ArrayImpl
 PyObject* g_precision = nullptr;   // lowering.registry.matmul_precision
+PyObject* g_jax_precision = nullptr;  // jax's default_matmul_precision config state (or null)
 PyObject* g_counters = nullptr;    // runtime.metrics.COUNTERS
 PyObject* g_empty = nullptr;       // ()
 bool g_enabled = true;
 constexpr int64_t kAlign = 512;    // buffer._ALIGN
 
-PyObject *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type;
+PyObject *s_value, *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type;
 PyObject *c_hits, *c_cache_hits, *c_misses, *c_uncacheable, *c_bypassed, *c_errors,
     *c_installs, *c_full;
 
@@ -426,6 +428,39 @@ PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs) {
   return PyObject_Call(self->fn, args, kwargs);
 }
 
+// What registry.matmul_precision() decides from, into the key: torch's float32 matmul
+// precision (read in C++), and where it is "highest" JAX's default matmul precision as set
+// (its config state's value, a C++ read: a finer key than the name the Python function maps
+// it to); registry.matmul_precision itself for anything else. False with a Python error set.
+bool key_precision(std::string& key) {
+  auto tp = at::globalContext().float32MatmulPrecision();
+  key.push_back('p');
+  put<int8_t>(key, static_cast<int8_t>(tp));
+  if (tp != at::Float32MatmulPrecision::HIGHEST) return true;  // "high"/"default" whatever JAX says
+  PyObject* v = g_jax_precision != nullptr ? PyObject_GetAttr(g_jax_precision, s_value) : nullptr;
+  if (v == nullptr) PyErr_Clear();
+  if (v == Py_None) {
+    key.push_back('n');
+    Py_DECREF(v);
+    return true;
+  }
+  if (v == nullptr || !PyUnicode_CheckExact(v)) {  // the Python function's own answer
+    Py_XDECREF(v);
+    v = PyObject_CallNoArgs(g_precision);
+    if (v == nullptr) return false;
+    key.push_back('P');
+  } else {
+    key.push_back('s');
+  }
+  Py_ssize_t len = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(v, &len);
+  if (s == nullptr) { Py_DECREF(v); return false; }
+  put<int64_t>(key, len);
+  key.append(s, len);
+  Py_DECREF(v);
+  return true;
+}
+
 PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<Kernel*>(obj);
   if (!g_enabled || g_mode_state == nullptr) return forward(self, args, kwargs);
@@ -466,16 +501,7 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
     return forward(self, args, kwargs);
   }
   put<int8_t>(key, static_cast<int8_t>(c10::get_default_dtype_as_scalartype()));
-  if (self->reads_precision) {
-    PyObject* p = PyObject_CallNoArgs(g_precision);
-    if (p == nullptr) return nullptr;
-    Py_ssize_t len = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(p, &len);
-    if (s == nullptr) { Py_DECREF(p); return nullptr; }
-    key.push_back('p');
-    key.append(s, len);
-    Py_DECREF(p);
-  }
+  if (self->reads_precision && !key_precision(key)) return nullptr;
   auto it = self->table->find(key);
   if (it != self->table->end()) {
     std::shared_ptr<Entry> e;  // kept alive while the GIL may be released
@@ -593,6 +619,18 @@ PyObject* m_setup(PyObject*, PyObject* args) {
   for (int i = 0; i < 8; i++) {
     Py_INCREF(vals[i]);
     Py_XSETREF(*slots[i], vals[i]);
+  }
+  Py_RETURN_NONE;
+}
+
+// set_precision_state(state): JAX's default_matmul_precision config state (its `value` is what
+// jax.config.jax_default_matmul_precision reads), or None: registry.matmul_precision decides.
+PyObject* m_set_precision_state(PyObject*, PyObject* arg) {
+  if (arg == Py_None) {
+    Py_CLEAR(g_jax_precision);
+  } else {
+    Py_INCREF(arg);
+    Py_XSETREF(g_jax_precision, arg);
   }
   Py_RETURN_NONE;
 }
@@ -798,6 +836,8 @@ PyMethodDef module_methods[] = {
     {"entries", m_entries, METH_NOARGS, "entries in every table"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
+    {"set_precision_state", m_set_precision_state, METH_O,
+     "JAX's default_matmul_precision config state, read for ops that read the precision"},
     {"enabled", m_enabled, METH_NOARGS, "whether hits are served"},
     {"pending", m_pending, METH_NOARGS, "the lowering this thread's pending key belongs to"},
     {"install", m_install, METH_VARARGS, "install an entry for this thread's pending key"},
@@ -820,6 +860,7 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   KernelType.tp_methods = Kernel_methods;
   KernelType.tp_doc = "A functional op's PrivateUse1 kernel with the Strict fast path";
   if (PyType_Ready(&KernelType) < 0) return nullptr;
+  s_value = intern("value");
   s_mode = intern("mode");
   s_tpu_buffer = intern("_tpu_buffer");
   s_array = intern("array");

@@ -80,6 +80,7 @@ def _load():
             ext.setup(modes._state, modes.EagerMode.DEFER_NEVER, _buffer.Buffer,
                       _buffer._next_free, _inflight.note, ArrayImpl,
                       _registry.matmul_precision, _metrics.COUNTERS)
+            ext.set_precision_state(_jax_precision_state())
             _program_cache.EVICTED_HOOKS.append(_forget)
             _state["ext"] = ext
         except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path
@@ -91,6 +92,23 @@ def _load():
         if _state["ext"] is not None:
             pending = _state["ext"].pending
     return _state["ext"]
+
+
+def _jax_precision_state():
+    """JAX's ``default_matmul_precision`` config state, whose ``value`` is what
+    ``jax.config.jax_default_matmul_precision`` reads (and ``registry.matmul_precision`` maps);
+    None where this jax has no such object (the C++ side then calls matmul_precision)."""
+    import jax
+
+    try:
+        from jax._src import config as _jc
+
+        st = _jc.default_matmul_precision
+        if st.value == jax.config.jax_default_matmul_precision:
+            return st
+    except Exception:  # noqa: BLE001 - another jax: the Python function decides
+        pass
+    return None
 
 
 def pending():
