@@ -4,7 +4,7 @@ Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C+
 that torch.library calls in place of the Python kernel it wraps. While the eager mode is
 Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset and
 conj/neg bits; Python scalars by their bits; lists, dtypes, devices, layouts, memory formats;
-the default dtype; the matmul precision for an op that reads it) and looks the key up in the
+the default dtype; for an op that reads the matmul precision, torch's and JAX's settings) and looks the key up in the
 op's table. A hit gathers the input storages' arrays and picks the key's entry made for arrays
 of their dtypes, shapes and weak types (with the key, they decide each input's view spec, so
 views are served: a key holds up to 8 such entries), calls the executable's C++ call (the one
@@ -13,10 +13,11 @@ notes the outputs in flight and makes the output tensors and storages itself, as
 ``buffer.wrap_noted`` does: no Python frame of torchtpu runs. Anything else runs the Python
 kernel (eager/executor.py): a miss sets this thread's pending key first, and the executor
 installs an entry for it (``offer``) only for a call it proved eligible: a functional op in
-Strict mode, every tensor on a storage array (no CPU scalar), no check, no random state, no
-mutated argument, one device, array results. Everything else (in-place writes and donation,
-Debug and Fused modes, dynamic shapes, checks, random ops, factories, fallbacks) takes the
-Python path every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
+Strict mode, every tensor on a storage array (no CPU scalar), no random state, no mutated
+argument, one device, array results (a checked op's flag goes to ``checks.add`` from C++; a
+factory is served where tpu:0 is the only device). Everything else (in-place writes and
+donation, Debug and Fused modes, dynamic shapes, random ops, fallbacks) takes the Python path
+every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
 too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
