@@ -388,6 +388,31 @@ def test_default_dtype_precision_and_mode_are_keyed():
     assert torch.equal(val, (a.cpu() + b.cpu()) * 2.0)
 
 
+def test_jax_matmul_precision_is_keyed():
+    """Where torch's precision is "highest", JAX's default matmul precision (a context manager
+    or jax.config) decides; the C++ key reads it without calling matmul_precision."""
+    import jax
+
+    a, b = _rand(32, 32), _rand(32, 32, seed=1)
+    hi = both(lambda: (a, b), lambda x, y: x @ y)
+    for p in ("high", "default", "bfloat16"):
+        with jax.default_matmul_precision(p):
+            m0 = _c("eager_fastpath_misses")
+            out = both(lambda: (a, b), lambda x, y: x @ y)
+            assert _c("eager_fastpath_misses") > m0  # not the "highest" entry
+            del out
+    _same(hi, a @ b)
+    prev = jax.config.jax_default_matmul_precision
+    try:
+        jax.config.update("jax_default_matmul_precision", "float32")
+        m0 = _c("eager_fastpath_misses")
+        both(lambda: (a, b), lambda x, y: x @ y)
+        assert _c("eager_fastpath_misses") > m0
+    finally:
+        jax.config.update("jax_default_matmul_precision", prev)
+    _same(hi, a @ b)
+
+
 def test_exceptions_match():
     a, c = _rand(4, 4), _rand(3, 3)
     errs = []
@@ -414,6 +439,61 @@ def test_exceptions_match():
         assert type(e1.value) is type(e2.value) and str(e1.value) == str(e2.value)
     finally:
         st._tpu_buffer = buf
+
+
+def test_factories_are_served_and_match():
+    """Factories (no input tensor) are keyed by their arguments and the default dtype and
+    served in C++ on a one-device platform, as the Python path makes them."""
+    cases = [lambda: torch.arange(8, device="tpu"),
+             lambda: torch.arange(2, 11, 3, device="tpu", dtype=torch.float32),
+             lambda: torch.full((2, 3), 1.5, device="tpu"),
+             lambda: torch.full((4,), 7, device="tpu"),
+             lambda: torch.full((2, 2), float("-inf"), device="tpu", dtype=torch.bfloat16),
+             lambda: torch.zeros(3, 5, device="tpu", dtype=torch.int32),
+             lambda: torch.ones(2, 3, device="tpu")]
+    for fn in cases:
+        both(lambda: (), fn)
+    # the value is part of the key: another end, another program and result
+    a8, a9 = torch.arange(8, device="tpu"), torch.arange(9, device="tpu")
+    assert a8.shape == (8,) and a9.shape == (9,)
+    assert torch.equal(a9.cpu(), torch.arange(9))
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        out = torch.full((2,), 0.5, device="tpu")
+        out2 = torch.full((2,), 0.5, device="tpu")
+        assert out.dtype == out2.dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+    assert torch.full((2,), 0.5, device="tpu").dtype == torch.float32
+    # a fresh array per call: an in-place write into one result leaves the next alone
+    x = torch.zeros(4, device="tpu")
+    x.add_(1.0)
+    y = torch.zeros(4, device="tpu")
+    assert torch.equal(x.cpu(), torch.ones(4)) and torch.equal(y.cpu(), torch.zeros(4))
+
+
+def test_checked_ops_are_served_and_raise_alike():
+    """A checked op (registry ``check``: embedding's and index_select's bounds) is served in
+    C++, its flag handed to the pending checks as the Python path does; a bad index raises
+    the same error at the next sync on both paths."""
+    w = _rand(10, 4)
+    good = torch.tensor([[1, 2, 9]], device="tpu")
+    both(lambda: (good, w), lambda i, t: torch.nn.functional.embedding(i, t))
+    both(lambda: (w, good[0]), lambda t, i: t.index_select(0, i))
+    bad = torch.tensor([[1, 12, 0]], device="tpu")
+    errs = []
+    for on in (False, True, True):
+        fastpath.set_enabled(on)
+        torch.tpu.synchronize()
+        h = _c("eager_fastpath_hits")
+        torch.nn.functional.embedding(bad, w)
+        served = _c("eager_fastpath_hits") > h
+        with pytest.raises(IndexError) as e:
+            torch.tpu.synchronize()
+        errs.append((type(e.value), str(e.value)))
+    assert served  # the last call was a hit
+    assert errs[0] == errs[1] == errs[2]
 
 
 def test_stale_array_shape_or_dtype_falls_back():

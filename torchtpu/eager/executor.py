@@ -6,6 +6,7 @@ write back mutated storages. Everything else happens once per key, at a cache mi
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -948,17 +949,34 @@ def run(lowering, kind, args, kwargs, mode=None):
 def _offer(lowering, entry, flat, tensors, out, groups, dev) -> None:
     """Hand an eligible call to the C++ fast path (eager/fastpath.py), which serves the next
     calls with the same key itself. Eligible: nothing but the program's call happens on this
-    path for that key (no check, random state, mutated arguments, written storages, storage
-    groups, several devices)."""
-    if (lowering.check is not None or lowering.random or lowering.mutates or entry.writes
+    path for that key (no random state, mutated arguments, written storages, storage groups,
+    several devices; a check's flag goes to checks.add, as in ``run``). A factory's entry is
+    made for tpu:0 (the only device where ``_multi_device`` is false)."""
+    if (lowering.random or lowering.mutates or entry.writes
             or lowering.reads_layout or groups is not None or dev is not None
             or _multi_device() or lowering.meta.get("eager_layout") is not None):
         return
+    if not tensors and _device_index(None) != 0:  # a factory: the C++ path makes tpu:0 outputs
+        return
     try:
-        _fastpath.offer(lowering, entry.jitted, flat, tensors, out, Traced)
+        check = None if lowering.check is None else _check_adder(lowering)
+        _fastpath.offer(lowering, entry.jitted, flat, tensors, out, Traced, check)
     except Exception as e:  # noqa: BLE001 - an entry not installed is the Python path
         count("eager_fastpath_offer_errors")
         _fastpath._log.debug("torchtpu: fast path entry not installed: %r", e)
+
+
+_CHECK_ADDERS: dict = {}  # lowering -> its _check_adder
+
+
+def _check_adder(lowering):
+    """What a checked op's fast-path entry passes its flag to: ``checks.add`` with the op's
+    name, exception and message bound (the Strict call in ``run``)."""
+    fn = _CHECK_ADDERS.get(lowering)
+    if fn is None:
+        fn = _CHECK_ADDERS[lowering] = functools.partial(
+            _checks.add, name=lowering.name, exc=lowering.check[1], message=lowering.check[2])
+    return fn
 
 
 def _results(out):

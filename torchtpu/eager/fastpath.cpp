@@ -15,6 +15,7 @@
 
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/Tensor.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/TensorImpl.h>
@@ -53,8 +54,13 @@ struct Entry {
   std::vector<char> in_weak;            // ... its weak_type
   bool tuple_out = false;
   std::vector<OutMeta> outs;
+  // a checked op (registry `check`): the executable returns (results, flag) and the flag goes
+  // to this callable (checks.add with the op's name, exception and message bound), as the
+  // Python path hands it over in Strict mode (owned; nullptr: no check)
+  PyObject* check = nullptr;
   ~Entry() {
     Py_XDECREF(call);
+    Py_XDECREF(check);
     for (auto* c : consts) Py_XDECREF(c);
     for (auto* d : in_dtypes) Py_XDECREF(d);
   }
@@ -90,12 +96,13 @@ PyObject* g_next_free = nullptr;   // runtime.buffer._next_free (a one-element l
 PyObject* g_note = nullptr;        // runtime.inflight.note
 PyObject* g_array_type = nullptr;  // jax ArrayImpl
 PyObject* g_precision = nullptr;   // lowering.registry.matmul_precision
+PyObject* g_jax_precision = nullptr;  // jax's default_matmul_precision config state (or null)
 PyObject* g_counters = nullptr;    // runtime.metrics.COUNTERS
 PyObject* g_empty = nullptr;       // ()
 bool g_enabled = true;
 constexpr int64_t kAlign = 512;    // buffer._ALIGN
 
-PyObject *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type;
+PyObject *s_value, *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type;
 PyObject *c_hits, *c_cache_hits, *c_misses, *c_uncacheable, *c_bypassed, *c_errors,
     *c_installs, *c_full;
 
@@ -364,6 +371,20 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
     bump(c_errors);
     return HIT_FALLBACK;
   }
+  if (e.check != nullptr) {  // (results, flag): the flag to the pending checks
+    if (!PyTuple_CheckExact(out) || PyTuple_GET_SIZE(out) != 2) {
+      Py_DECREF(out);
+      bump(c_errors);
+      return HIT_FALLBACK;
+    }
+    PyObject* res_part = PyTuple_GET_ITEM(out, 0);
+    PyObject* r = PyObject_CallOneArg(e.check, PyTuple_GET_ITEM(out, 1));
+    Py_INCREF(res_part);
+    Py_DECREF(out);
+    out = res_part;
+    if (r == nullptr) { Py_DECREF(out); return HIT_ERROR; }
+    Py_DECREF(r);
+  }
   size_t n_out = e.outs.size();
   bool shape_ok = e.tuple_out ? (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == (Py_ssize_t)n_out)
                               : reinterpret_cast<PyObject*>(Py_TYPE(out)) == g_array_type;
@@ -407,6 +428,39 @@ PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs) {
   return PyObject_Call(self->fn, args, kwargs);
 }
 
+// What registry.matmul_precision() decides from, into the key: torch's float32 matmul
+// precision (read in C++), and where it is "highest" JAX's default matmul precision as set
+// (its config state's value, a C++ read: a finer key than the name the Python function maps
+// it to); registry.matmul_precision itself for anything else. False with a Python error set.
+bool key_precision(std::string& key) {
+  auto tp = at::globalContext().float32MatmulPrecision();
+  key.push_back('p');
+  put<int8_t>(key, static_cast<int8_t>(tp));
+  if (tp != at::Float32MatmulPrecision::HIGHEST) return true;  // "high"/"default" whatever JAX says
+  PyObject* v = g_jax_precision != nullptr ? PyObject_GetAttr(g_jax_precision, s_value) : nullptr;
+  if (v == nullptr) PyErr_Clear();
+  if (v == Py_None) {
+    key.push_back('n');
+    Py_DECREF(v);
+    return true;
+  }
+  if (v == nullptr || !PyUnicode_CheckExact(v)) {  // the Python function's own answer
+    Py_XDECREF(v);
+    v = PyObject_CallNoArgs(g_precision);
+    if (v == nullptr) return false;
+    key.push_back('P');
+  } else {
+    key.push_back('s');
+  }
+  Py_ssize_t len = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(v, &len);
+  if (s == nullptr) { Py_DECREF(v); return false; }
+  put<int64_t>(key, len);
+  key.append(s, len);
+  Py_DECREF(v);
+  return true;
+}
+
 PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<Kernel*>(obj);
   if (!g_enabled || g_mode_state == nullptr) return forward(self, args, kwargs);
@@ -440,22 +494,14 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
     PyErr_Clear();
     ok = false;
   }
-  if (ok && ts.empty()) ok = false;  // a factory: its program is bound to the current device
+  // (a factory, no tensor: keyed like any op; the Python path installs its entry only on a
+  // one-device platform, where every program is bound to tpu:0, as every output here is)
   if (!ok) {
     bump(c_uncacheable);
     return forward(self, args, kwargs);
   }
   put<int8_t>(key, static_cast<int8_t>(c10::get_default_dtype_as_scalartype()));
-  if (self->reads_precision) {
-    PyObject* p = PyObject_CallNoArgs(g_precision);
-    if (p == nullptr) return nullptr;
-    Py_ssize_t len = 0;
-    const char* s = PyUnicode_AsUTF8AndSize(p, &len);
-    if (s == nullptr) { Py_DECREF(p); return nullptr; }
-    key.push_back('p');
-    key.append(s, len);
-    Py_DECREF(p);
-  }
+  if (self->reads_precision && !key_precision(key)) return nullptr;
   auto it = self->table->find(key);
   if (it != self->table->end()) {
     std::shared_ptr<Entry> e;  // kept alive while the GIL may be released
@@ -577,6 +623,18 @@ PyObject* m_setup(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// set_precision_state(state): JAX's default_matmul_precision config state (its `value` is what
+// jax.config.jax_default_matmul_precision reads), or None: registry.matmul_precision decides.
+PyObject* m_set_precision_state(PyObject*, PyObject* arg) {
+  if (arg == Py_None) {
+    Py_CLEAR(g_jax_precision);
+  } else {
+    Py_INCREF(arg);
+    Py_XSETREF(g_jax_precision, arg);
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* m_set_enabled(PyObject*, PyObject* arg) {
   int v = PyObject_IsTrue(arg);
   if (v < 0) return nullptr;
@@ -594,13 +652,14 @@ PyObject* m_pending(PyObject*, PyObject*) {
   return l;
 }
 
-// install(lowering, call, plan, arrays, tuple_out, outs): arrays = [(array dtype, shape,
-// weak type)] per tensor ordinal; outs = [(shape, torch dtype)].
+// install(lowering, call, plan, arrays, tuple_out, outs, check): arrays = [(array dtype,
+// shape, weak type)] per tensor ordinal; outs = [(shape, torch dtype)]; check: None, or what a
+// checked op's flag is passed to.
 PyObject* m_install(PyObject*, PyObject* args) {
-  PyObject *lowering, *call, *plan, *in_dtypes, *outs;
+  PyObject *lowering, *call, *plan, *in_dtypes, *outs, *check = Py_None;
   int tuple_out = 0;
-  if (!PyArg_ParseTuple(args, "OOO!O!pO!", &lowering, &call, &PyList_Type, &plan, &PyList_Type,
-                        &in_dtypes, &tuple_out, &PyList_Type, &outs))
+  if (!PyArg_ParseTuple(args, "OOO!O!pO!|O", &lowering, &call, &PyList_Type, &plan, &PyList_Type,
+                        &in_dtypes, &tuple_out, &PyList_Type, &outs, &check))
     return nullptr;
   Pending* p = tl_pending;
   if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering) Py_RETURN_FALSE;
@@ -612,6 +671,10 @@ PyObject* m_install(PyObject*, PyObject* args) {
   Py_INCREF(call);
   e->call = call;
   e->tuple_out = tuple_out != 0;
+  if (check != Py_None) {
+    Py_INCREF(check);
+    e->check = check;
+  }
   std::vector<bool> used(n_t, false);
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(plan); i++) {
     PyObject* item = PyList_GET_ITEM(plan, i);
@@ -773,6 +836,8 @@ PyMethodDef module_methods[] = {
     {"entries", m_entries, METH_NOARGS, "entries in every table"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
+    {"set_precision_state", m_set_precision_state, METH_O,
+     "JAX's default_matmul_precision config state, read for ops that read the precision"},
     {"enabled", m_enabled, METH_NOARGS, "whether hits are served"},
     {"pending", m_pending, METH_NOARGS, "the lowering this thread's pending key belongs to"},
     {"install", m_install, METH_VARARGS, "install an entry for this thread's pending key"},
@@ -795,6 +860,7 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   KernelType.tp_methods = Kernel_methods;
   KernelType.tp_doc = "A functional op's PrivateUse1 kernel with the Strict fast path";
   if (PyType_Ready(&KernelType) < 0) return nullptr;
+  s_value = intern("value");
   s_mode = intern("mode");
   s_tpu_buffer = intern("_tpu_buffer");
   s_array = intern("array");

@@ -4,7 +4,7 @@ Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C+
 that torch.library calls in place of the Python kernel it wraps. While the eager mode is
 Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset and
 conj/neg bits; Python scalars by their bits; lists, dtypes, devices, layouts, memory formats;
-the default dtype; the matmul precision for an op that reads it) and looks the key up in the
+the default dtype; for an op that reads the matmul precision, torch's and JAX's settings) and looks the key up in the
 op's table. A hit gathers the input storages' arrays and picks the key's entry made for arrays
 of their dtypes, shapes and weak types (with the key, they decide each input's view spec, so
 views are served: a key holds up to 8 such entries), calls the executable's C++ call (the one
@@ -13,10 +13,11 @@ notes the outputs in flight and makes the output tensors and storages itself, as
 ``buffer.wrap_noted`` does: no Python frame of torchtpu runs. Anything else runs the Python
 kernel (eager/executor.py): a miss sets this thread's pending key first, and the executor
 installs an entry for it (``offer``) only for a call it proved eligible: a functional op in
-Strict mode, every tensor on a storage array (no CPU scalar), no check, no random state, no
-mutated argument, one device, array results. Everything else (in-place writes and donation,
-Debug and Fused modes, dynamic shapes, checks, random ops, factories, fallbacks) takes the
-Python path every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
+Strict mode, every tensor on a storage array (no CPU scalar), no random state, no mutated
+argument, one device, array results (a checked op's flag goes to ``checks.add`` from C++; a
+factory is served where tpu:0 is the only device). Everything else (in-place writes and
+donation, Debug and Fused modes, dynamic shapes, random ops, fallbacks) takes the Python path
+every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
 too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
@@ -80,6 +81,7 @@ def _load():
             ext.setup(modes._state, modes.EagerMode.DEFER_NEVER, _buffer.Buffer,
                       _buffer._next_free, _inflight.note, ArrayImpl,
                       _registry.matmul_precision, _metrics.COUNTERS)
+            ext.set_precision_state(_jax_precision_state())
             _program_cache.EVICTED_HOOKS.append(_forget)
             _state["ext"] = ext
         except Exception as e:  # noqa: BLE001 - no compiler, no headers: the Python path
@@ -91,6 +93,23 @@ def _load():
         if _state["ext"] is not None:
             pending = _state["ext"].pending
     return _state["ext"]
+
+
+def _jax_precision_state():
+    """JAX's ``default_matmul_precision`` config state, whose ``value`` is what
+    ``jax.config.jax_default_matmul_precision`` reads (and ``registry.matmul_precision`` maps);
+    None where this jax has no such object (the C++ side then calls matmul_precision)."""
+    import jax
+
+    try:
+        from jax._src import config as _jc
+
+        st = _jc.default_matmul_precision
+        if st.value == jax.config.jax_default_matmul_precision:
+            return st
+    except Exception:  # noqa: BLE001 - another jax: the Python function decides
+        pass
+    return None
 
 
 def pending():
@@ -170,7 +189,7 @@ def _forget(calls) -> None:
 _Array = None
 
 
-def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
+def offer(lowering, prog, flat, tensors, out, traced_type, check=None) -> bool:
     """Install the entry for this thread's pending key: the call of ``prog`` just made with
     ``flat`` (one argument per item of ``tensors``: a tensor's storage array, or a Traced
     scalar's value; then the traced storage offsets of its views) returned ``out``. The
@@ -179,7 +198,9 @@ def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     A tensor's view spec (eager/views.py) is a function of what the key holds (its dtype,
     sizes, strides, offset, conj/neg bits) and of its storage array's shape and dtype, which
     the entry records and a hit checks; so the program (and its offsets, constants of the
-    entry: the key holds the storage offset) is the one the Python path would run."""
+    entry: the key holds the storage offset) is the one the Python path would run.
+    ``check``: a checked op's (registry ``check``) callable for the flag its program returns
+    next to ``out`` (what the Python path passes the flag to in Strict mode)."""
     global _Array
     if _Array is None:
         from jax._src.array import ArrayImpl as _Array
@@ -216,4 +237,4 @@ def offer(lowering, prog, flat, tensors, out, traced_type) -> bool:
     for o in outs:
         shape, dt, _strides, _nbytes = _buffer._meta(o.shape, o.dtype)
         metas.append((tuple(shape), dt))
-    return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas)
+    return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas, check)
