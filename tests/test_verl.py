@@ -285,8 +285,9 @@ def test_grpo_rollout_on_sglang_tpu_weights_synced(setup):
     VeRL 0.9.1's SGLang HTTP server on "tpu" (torchtpu.sglang, SGLang 0.5.23) through
     torchtpu.verl's shims (sglang_server.py, sglang_weights.py), the actor's weights handed to
     it through host shared memory inside SGLang's weight-update session every step; the KV pool
-    bounded (``recipes.SGLANG``). Same bounds as vLLM's, over 4 steps (steps 2-4 sample with
-    weights the sync brought: step 1's are the checkpoint the server loaded itself)."""
+    bounded (``recipes.SGLANG``). Same bounds as vLLM's, over 4 steps. The server starts with
+    random weights (VeRL's rollout ``load_format=dummy``): every step's match comes from the
+    sync (with the sync made a no-op: 1.2e-2 in step 1; with it: 8e-5 .. 2.1e-4)."""
     _need_sglang_env()
     grpo_weights_synced(setup, "grpo_sglang", VERL_SGLANG_PY, "sglang", steps=4)
 
