@@ -41,10 +41,18 @@ def ppo_update(python, setup, out, result, extra=()):
             *overrides.values(), *FP32, *extra]
 
 
-def grpo(python, setup, out, nproc=1, steps=4, batch=8, n=4, extra=()):
+# SGLang's KV pool is sized from the device's memory by default, on XLA:CPU the host's (~10 GB
+# for this tiny model, which Ray's memory monitor then kills): a step needs batch x n x 24 tokens
+SGLANG = ["actor_rollout_ref.rollout.name=sglang",
+          "+actor_rollout_ref.rollout.engine_kwargs.sglang.max_total_tokens=2048"]
+
+
+def grpo(python, setup, out, nproc=1, steps=4, batch=8, n=4, extra=(), rollout="vllm"):
     """``python -m verl.trainer.main_ppo`` with GRPO: FSDP2 actor and reference on "tpu", the
-    rollout served by vLLM on "tpu" (hybrid engine: weights synchronised to it every step),
-    ``batch`` prompts x ``n`` samples of up to 8 tokens per step, reward from reward.py."""
+    rollout served by vLLM on "tpu" (or SGLang on "tpu": ``rollout="sglang"``; hybrid engine:
+    weights synchronised to it every step), ``batch`` prompts x ``n`` samples of up to 8 tokens
+    per step, reward from reward.py."""
+    engine = {"vllm": ["actor_rollout_ref.rollout.name=vllm"], "sglang": SGLANG}[rollout]
     return [python, "-m", "verl.trainer.main_ppo",
             "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
             f"data.train_files={setup}/rl_train.parquet", f"data.val_files={setup}/rl_val.parquet",
@@ -63,7 +71,7 @@ def grpo(python, setup, out, nproc=1, steps=4, batch=8, n=4, extra=()):
             "actor_rollout_ref.actor.entropy_coeff=0",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
-            "actor_rollout_ref.rollout.name=vllm",
+            *engine,
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.enforce_eager=True",
             "actor_rollout_ref.rollout.max_num_batched_tokens=512",

@@ -11,7 +11,10 @@ named devices, narrow post-import patches (nothing of VeRL's is imported early):
 - ``resources.py``: VeRL's Ray resource check counts "TPU" (it counts GPU or NPU only);
 - ``vllm_dist.py``: vLLM's CPU wheel answers to the distribution name "vllm" VeRL looks for;
 - ``sglang_rollout.py``: VeRL's SGLang loader imports SGLang for the "tpu" platform (VeRL forces
-  SGLang's CPU engine for that import).
+  SGLang's CPU engine for that import);
+- ``sglang_server.py``, ``sglang_weights.py``: VeRL 0.9.1's SGLang server and weight sync over
+  SGLang 0.5.23 (``ServerArgs`` fields, the launcher's result, the weight-update session) with
+  weights handed over through host shared memory (no CUDA IPC).
 The rollout servers' processes get ``VLLM_TARGET_DEVICE=tpu`` from the platform
 (``rollout_env_vars``), so vLLM runs on "tpu" through torchtpu.vllm.
 """
@@ -26,7 +29,8 @@ def register() -> None:
         return
     from verl.plugin.platform import PlatformRegistry
 
-    from . import engines, configs, resources, sglang_rollout, vllm_dist
+    from . import (configs, engines, resources, sglang_rollout, sglang_server, sglang_weights,
+                   vllm_dist)
     from .platform import NAME, PlatformTPU
 
     PlatformRegistry.register(platform=NAME)(PlatformTPU)
@@ -34,6 +38,8 @@ def register() -> None:
     configs.install()
     resources.install()
     sglang_rollout.install()
+    sglang_server.install()
+    sglang_weights.install()
     vllm_dist.install()
     _registered[0] = True
 

@@ -16,8 +16,8 @@ as on "tpu". There it is off, and with it ``free_cache_engine`` (sleeping betwee
 rollout engine keeps its KV cache, and weights are still synchronised every step. For SGLang
 (``name=sglang``) the same holds for its memory saver (``enable_memory_saver``, which VeRL turns on
 for every SGLang server: CUDA's virtual-memory pool through ``torch_memory_saver``), and VeRL's
-SGLang attention default (flashinfer, a CUDA package) becomes torchtpu's SGLang attention backend;
-values given in ``engine_kwargs.sglang`` are kept.
+SGLang attention default (flashinfer, a CUDA package) becomes torchtpu's SGLang attention backend,
+and the server's device is named ("tpu"); values given in ``engine_kwargs.sglang`` are kept.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ MODEL = "verl.workers.config.model"
 ROLLOUT = "verl.workers.config.rollout"
 DEFAULT = "sdpa"
 # VeRL's SGLang server arguments on "tpu" (torchtpu/sglang/names.py: ATTENTION_BACKEND)
-SGLANG_DEFAULTS = {"attention_backend": "torchtpu", "enable_memory_saver": False}
+# and the device named: without one SGLang 0.5.23 resolves it from the platform, whose answer is a
+# torch.device where its server arguments need a string ("tpu")
+SGLANG_DEFAULTS = {"attention_backend": "torchtpu", "enable_memory_saver": False, "device": "tpu"}
 
 
 def _on_tpu() -> bool:
