@@ -232,6 +232,26 @@ def test_prefill_decode_disaggregation(tmp_path):
     assert r["decode_worker"]["graph_runner"] == "TpuGraphRunner", r
 
 
+@needs_sglang
+def test_server_args_without_device_resolve_on_tpu(tmp_path):
+    """``sglang.launch_server`` / ``Engine`` without ``--device``: SGLang resolves the default
+    device from the platform's ``get_device()`` and splits it on ":" -- a ``torch.device``
+    there crashed every launch without ``--device tpu`` (AttributeError)."""
+    code = ("import sys\n"
+            f"sys.path.insert(0, {HERE!r})\n"
+            "from sglang_check import _model\n"
+            "from sglang.srt.server_args import ServerArgs\n"
+            "from sglang.srt.arg_groups.serving_hook import handle_missing_default_values\n"
+            "from sglang.srt.utils.common import get_device\n"
+            f"a = ServerArgs(model_path=_model('llama', {str(tmp_path)!r}), dtype='float32')\n"
+            "handle_missing_default_values(a)\n"
+            "print('DEVICES', get_device(), get_device(1))\n")
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    rc, out = run([SGLANG_PY, "-c", code], 300, child_env(PYTHONPATH=path))
+    assert rc == 0, out[-4000:]
+    assert "DEVICES tpu tpu:1" in out, out[-2000:]
+
+
 def test_is_available_creates_no_backend():
     """``torch.tpu.is_available()`` (and ``torch.accelerator.current_accelerator(
     check_available=True)``, which SGLang calls at import) must not create the JAX backend,

@@ -80,8 +80,10 @@ class TpuSRTPlatform(SRTPlatform):
     def get_available_memory(self, device_id: int = 0) -> tuple[int, int]:
         return tuple(int(x) for x in torch.tpu.mem_get_info(device_id))
 
-    def get_device(self, device_id: int = 0) -> torch.device:
-        return torch.device("tpu", device_id)
+    def get_device(self, device_id: Optional[int] = 0) -> str:
+        # a string, as SGLang's interface declares: its argument resolution calls
+        # ``get_device()`` (device_id None) for a missing ``--device`` and splits it on ":"
+        return "tpu" if device_id is None else f"tpu:{device_id}"
 
     def set_device(self, device) -> None:
         torch.tpu.set_device(device)
