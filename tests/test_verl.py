@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -54,9 +55,18 @@ def _env(*path, **extra):
 
 
 def _run(args, env, timeout, log):
+    """``args`` in its own session (VeRL's Ray cluster and torchrun ranks with it), the whole
+    session killed if it overruns: nothing is left running after a timeout."""
     with open(log, "w") as f:
-        p = subprocess.run(args, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                           cwd=os.path.dirname(log))
+        p = subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             cwd=os.path.dirname(log), start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            pytest.fail(f"{args[:3]} did not finish within {timeout} s:\n"
+                        f"{open(log).read()[-4000:]}")
     text = open(log).read()
     assert p.returncode == 0, f"exit {p.returncode}:\n{text[-6000:]}"
     return text
