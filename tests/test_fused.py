@@ -284,3 +284,28 @@ def test_values_of_a_failed_graph_raise_instead_of_referring_to_it(monkeypatch):
         assert c.cpu().eq(3).all()
         d = a * 2  # the failed graph's shape again: its broken program was not kept
         assert d.cpu().eq(2).all()
+
+
+def test_view_offsets_are_device_scalars_and_do_not_recompile():
+    """A view's storage offset enters the graph as the cached device scalar Strict passes
+    (not a host number, which cost a transfer per offset at each run), one input per offset:
+    a window moving along a buffer (a KV cache's position) reuses one program, and two views
+    whose offsets happen to be equal do not make another."""
+    from torchtpu.eager import executor
+
+    base = torch.arange(40.0).reshape(10, 4)
+    dev = base.to("tpu")
+    got, want = [], []
+    for i, j in ((1, 5), (2, 6), (3, 3), (4, 8)):  # (3, 3): equal offsets
+        with torch.tpu.set_eager_mode(FUSE):
+            y = dev[i] * 2 + dev[j]
+            g = fused._graph[0]
+            offs = [x for x in g.inputs if getattr(x, "shape", None) == ()
+                    and getattr(x, "dtype", None) == "int64"]
+            expect = [executor.offset_value(4 * i), executor.offset_value(4 * j)]
+            assert len(offs) == 2 and all(a is b for a, b in zip(offs, expect)), offs
+            got.append(y.cpu())
+        want.append(base[i] * 2 + base[j])
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert _counters().get("fused_graph_compiles", 0) <= 1

@@ -308,3 +308,72 @@ def test_deferred_stop_check_keeps_cpu_tokens(models, mode):
                 integration.DEFER_STOP_CHECK = True
             cuts.append(torch.tpu.metrics()["per_op"].get("fused_graph_cuts", {}).get("read", 0))
         assert cuts[0] >= 12 and cuts[1] <= cuts[0] // 2 + 3, cuts
+
+
+def test_min_length_processors_skip_the_unused_eos_mask():
+    """Past the minimum length the processors' ``isin(arange(vocab), eos)`` is not built on
+    "tpu" (integrations/generate_steps.py); below it the mask is made once per processor and
+    remade when the eos ids change in place. Scores equal CPU's in both cases."""
+    from transformers.generation import logits_process as lp
+
+    from torchtpu.integrations import STATUS
+
+    for name in ("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"):
+        assert STATUS[f"transformers.generation.logits_process.{name}.__call__"] == "applied"
+    scores = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+
+    def procs(device):
+        return [lp.MinLengthLogitsProcessor(8, [2, 5], device=device),
+                lp.MinNewTokensLengthLogitsProcessor(4, 3, torch.tensor([2], device=device))]
+
+    cpu_procs, tpu_procs = procs("cpu"), procs(TPU)
+    for length in (5, 6, 7, 8, 9):  # below and past both minimums
+        torch.tpu.reset_metrics()
+        for pc, pt in zip(cpu_procs, tpu_procs):
+            expect = pc(ids[:, :length], scores)
+            got = pt(ids[:, :length].to(TPU), scores.to(TPU))
+            assert got.device.type == "tpu"
+            torch.testing.assert_close(got.cpu(), expect, rtol=0, atol=0)
+        saved = torch.tpu.metrics()["per_op"].get("generate_programs_saved", {})
+        # length 5: both masks made; later: made masks reused, or no mask past the minimum
+        assert saved == ({} if length == 5 else {"MinLengthLogitsProcessor": 2,
+                                                 "MinNewTokensLengthLogitsProcessor": 2}), saved
+    for pc, pt in zip(cpu_procs, tpu_procs):  # an eos id changed in place: a new mask
+        pc.eos_token_id.fill_(7)
+        pt.eos_token_id.fill_(7)
+        torch.testing.assert_close(pt(ids[:, :3].to(TPU), scores.to(TPU)).cpu(),
+                                   pc(ids[:, :3], scores), rtol=0, atol=0)
+
+
+def test_stopping_criteria_list_results_equal_cpu():
+    """On "tpu" the list ORs its criteria without the ``full(False)`` it starts from: the
+    results (a fresh tensor even for one criterion) equal CPU's, also with a criterion that
+    returns a Python bool."""
+    from transformers.generation import stopping_criteria as sc
+
+    class Always(sc.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return True
+
+    ids = torch.tensor([[3, 4, 2], [5, 6, 7]])
+    lists = [lambda d: [sc.MaxLengthCriteria(3)],
+             lambda d: [sc.EosTokenCriteria(torch.tensor([2], device=d))],
+             lambda d: [sc.MaxLengthCriteria(8), sc.EosTokenCriteria(torch.tensor([2], device=d))],
+             lambda d: [Always(), sc.EosTokenCriteria(torch.tensor([2], device=d))],
+             lambda d: [sc.EosTokenCriteria(torch.tensor([2], device=d)), Always()]]
+    for make in lists:
+        expect = sc.StoppingCriteriaList(make("cpu"))(ids, None)
+        crit = sc.StoppingCriteriaList(make(TPU))
+        got = crit(ids.to(TPU), None)
+        assert got.dtype == torch.bool and got.shape == (2,)
+        assert got.device.type == "tpu"
+        torch.testing.assert_close(got.cpu(), expect, rtol=0, atol=0)
+    mine = torch.tensor([True, False], device=TPU)
+
+    class Held(sc.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return mine
+
+    got = sc.StoppingCriteriaList([Held()])(ids.to(TPU), None)
+    assert got is not mine and got.tolist() == [True, False]

@@ -42,6 +42,7 @@ import inspect
 import os
 import warnings
 
+from . import generate_steps
 from .hooks import bind, patch, skipped, tpu_is_accelerator, when_imported
 
 CPU_PLATFORM_MEMORY_PERCENT = 0.1
@@ -296,7 +297,9 @@ def _deferred_call(orig):
     def __call__(self, unfinished_sequences, tokens, length):
         if not _tpu_stop_check(self):
             return orig(self, unfinished_sequences, tokens, length)
-        flag = unfinished_sequences.max() == 0
+        # "some sequence unfinished", one program (``max() == 0`` is two): the loop's mask
+        # holds 0 and 1 only (``ones & ~done``), so "stop" is its negation, read below
+        flag = unfinished_sequences.any()
         prev, self._torchtpu_flag = self._torchtpu_flag, flag
         prev_tokens = self._torchtpu_tokens
         if self.streamer is not None:
@@ -304,7 +307,7 @@ def _deferred_call(orig):
         if prev is not None:
             if self.streamer is not None:
                 self.streamer.put(prev_tokens.cpu())
-            self.stop_reported = bool(prev)
+            self.stop_reported = not bool(prev)
         self.is_first_step = False
         stopping = self.stop_reported or (self.max_length is not None
                                           and length >= self.max_length)
@@ -374,6 +377,7 @@ def _patch_generation(mod) -> None:
 
 
 def install() -> None:
+    generate_steps.install()
     when_imported("transformers.generation.continuous_batching.utils", _patch_breakdown)
     when_imported("transformers.generation.continuous_batching.requests", _patch_breakdown)
     when_imported("transformers.generation.continuous_batching.initialization", _patch_cb_init)

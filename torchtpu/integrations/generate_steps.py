@@ -1,0 +1,124 @@
+"""Fewer device programs per token in transformers' ``generate()`` loop on "tpu".
+
+Around each decode step (compiled or eager) ``generate()`` runs a few dozen small tensor ops:
+logits processors, stopping criteria, the stop check. On "tpu" each is an XLA program call
+(~10-15 us of host time even on the C++ fast path), so ops whose results are known without
+them are left out here, with the same results bit for bit:
+
+- ``MinLengthLogitsProcessor`` / ``MinNewTokensLengthLogitsProcessor`` build
+  ``isin(arange(vocab), eos)`` every token, also once the minimum length is reached and the
+  mask is not used (``generate()`` adds ``MinLengthLogitsProcessor`` for every prompt:
+  ``min_new_tokens=0`` becomes ``min_length=prompt length``). On "tpu" they return
+  ``scores.clone()`` then, as transformers does; below the minimum the mask is made once per
+  processor, vocabulary size and eos tensor (its version counter: an in-place change of the
+  eos ids makes it again).
+- ``StoppingCriteriaList`` starts from ``torch.full((batch,), False)`` and ORs each criterion
+  into it; ``False | r`` is ``r`` for a criterion's ``(batch,)`` bool tensor, so the first such
+  result starts the OR (copied when it is the only one, so the list still returns a tensor of
+  its own).
+
+Counted: ``generate_programs_saved`` (per patch, in ``per_op``). Applied when the tensors are on
+"tpu" only; ``TORCHTPU_GENERATE_STEPS=0`` turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+from .hooks import patch
+
+ENABLED = os.environ.get("TORCHTPU_GENERATE_STEPS", "1") != "0"
+
+
+def _saved(what: str, n: int) -> None:
+    from ..runtime.metrics import count
+
+    count("generate_programs_saved", n, op=what)
+
+
+def _on_tpu(t) -> bool:
+    return ENABLED and getattr(getattr(t, "device", None), "type", None) == "tpu"
+
+
+def eos_mask(proc, scores):
+    """``isin(arange(vocab), proc.eos_token_id)`` on ``scores``' device, made once per
+    processor, vocabulary size and eos tensor (and its version)."""
+    import torch
+
+    eos = proc.eos_token_id
+    key = (scores.shape[-1], scores.device, id(eos), getattr(eos, "_version", None))
+    held = proc.__dict__.get("_torchtpu_eos_mask")
+    if held is not None and held[0] == key and held[2] is eos:
+        _saved(type(proc).__name__, 2)
+        return held[1]
+    mask = torch.isin(torch.arange(scores.shape[-1], device=scores.device), eos)
+    proc.__dict__["_torchtpu_eos_mask"] = (key, mask, eos)
+    return mask
+
+
+def _min_length(orig, new_tokens: bool):
+    @functools.wraps(orig)
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if not _on_tpu(scores) or not isinstance(getattr(self, "eos_token_id", None),
+                                                 torch.Tensor):
+            return orig(self, input_ids, scores)
+        if new_tokens:
+            short = input_ids.shape[-1] - self.prompt_length_to_skip < self.min_new_tokens
+        else:
+            short = input_ids.shape[-1] < self.min_length
+        if not short:
+            _saved(type(self).__name__, 2)  # arange, isin
+            return scores.clone()
+        return torch.where(eos_mask(self, scores), -math.inf, scores)
+
+    return __call__
+
+
+def _criteria(orig):
+    @functools.wraps(orig)
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        if not _on_tpu(input_ids) or not len(self):
+            return orig(self, input_ids, scores, **kwargs)
+        n = input_ids.shape[0]
+        is_done = None
+        alone = False  # is_done is a criterion's own result (not yet a tensor of ours)
+        saved = 0
+        for criteria in self:
+            r = criteria(input_ids, scores, **kwargs)
+            if (is_done is None and isinstance(r, torch.Tensor) and r.dtype == torch.bool
+                    and r.shape == (n,) and r.device == input_ids.device):
+                is_done, alone, saved = r, True, 2  # False | r is r: no full, no or
+                continue
+            if is_done is None:
+                is_done = torch.full((n,), False, device=input_ids.device, dtype=torch.bool)
+            is_done, alone = is_done | r, False
+        if alone:
+            is_done, saved = is_done.clone(), 1
+        if saved:
+            _saved("StoppingCriteriaList", saved)
+        return is_done
+
+    return __call__
+
+
+def _patch_logits(mod) -> None:
+    patch(mod, "MinLengthLogitsProcessor.__call__",
+          functools.partial(_min_length, new_tokens=False), params=("input_ids", "scores"))
+    patch(mod, "MinNewTokensLengthLogitsProcessor.__call__",
+          functools.partial(_min_length, new_tokens=True), params=("input_ids", "scores"))
+
+
+def _patch_stopping(mod) -> None:
+    patch(mod, "StoppingCriteriaList.__call__", _criteria, params=("input_ids", "scores"))
+
+
+def install() -> None:
+    from .hooks import when_imported
+
+    when_imported("transformers.generation.logits_process", _patch_logits)
+    when_imported("transformers.generation.stopping_criteria", _patch_stopping)
