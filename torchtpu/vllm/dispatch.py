@@ -11,11 +11,14 @@ later calls of the bucket run that code as a plain function (``vllm_steps_direct
 
 What the direct path skips is what the guards would catch. The code reads the model's
 parameters, buffers and KV caches from the module at each call (so in-place weight updates,
-``load_weights``, are seen as they are through the guarded path); what would change the
-program -- a parameter, buffer, submodule or KV cache tensor replaced, a dtype, shape or
-device changed, another grad mode -- makes ``_fingerprint`` differ, and every bucket goes back
-through the guarded path (``vllm_steps_guarded``), where Dynamo recompiles as it would have.
-``invalidate`` drops the kept code explicitly (a new model, new KV caches).
+``load_weights``, are seen as they are through the guarded path). Each call checks, by
+identity, every submodule, parameter, buffer and KV cache tensor the programs were built with
+(``_holds``, ~0.1 us an object) and the grad mode; when one was replaced (a new parameter, a
+LoRA wrapper, new KV caches) every bucket goes back through the guarded path
+(``vllm_steps_guarded``), where Dynamo recompiles as it would have. Not checked (it would cost
+a tensor-metadata read per parameter per step): a parameter's ``.data`` swapped in place for a
+tensor of another dtype or shape -- vLLM does that only while loading, before warm-up.
+``invalidate`` drops the kept code explicitly (new KV caches).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class BucketDispatch:
         self.kv_layers = list(kv_layers)
         self.code = type(step).forward.__code__
         self.fns: dict = {}
-        self._print = None
+        self._items = self._mode = None
         self._local = threading.local()
         # the hook holds no reference to the runner's model: removed when this object dies
         ref = weakref.ref(self)
@@ -56,35 +59,44 @@ class BucketDispatch:
 
     def invalidate(self) -> None:
         self.fns.clear()
-        self._print = None
+        self._items = self._mode = None
 
     def set_kv_layers(self, layers) -> None:
         self.kv_layers = list(layers)
         self.invalidate()
 
-    def _fingerprint(self):
-        """What the programs captured, by identity and metadata: every submodule, parameter,
-        buffer and KV cache tensor of the step, and the grad mode."""
-        parts = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    def _capture(self) -> list:
+        """What the programs captured, by identity: every submodule, parameter, buffer and KV
+        cache tensor of the step, as ``(container, key, object)``."""
+        items = []
         for mod in self.step.modules():
-            parts.append(id(mod))
-            for d in (mod._parameters, mod._buffers):
-                for t in d.values():
-                    if t is None:
-                        parts.append(None)
-                    else:
-                        parts.append((id(t), t.dtype, t.shape, t.device, t.requires_grad))
+            for d in (mod._modules, mod._parameters, mod._buffers):
+                items.extend((d, k, v) for k, v in d.items())
         for layer in self.kv_layers:
-            for t in getattr(layer, "kv_cache", ()) or ():
-                parts.append((id(t), t.dtype, t.shape) if isinstance(t, torch.Tensor) else t)
-        return tuple(parts)
+            kv = getattr(layer, "kv_cache", None)
+            items.append((layer.__dict__, "kv_cache", kv))
+            if isinstance(kv, list):  # the list's tensors, by position
+                items.extend((kv, i, t) for i, t in enumerate(kv))
+        return items
+
+    def _holds(self) -> bool:
+        """Whether the kept code still applies: same grad mode, and nothing the programs
+        captured replaced (one identity check per object, ~0.1 us each)."""
+        if self._items is None or self._mode != (torch.is_grad_enabled(),
+                                                 torch.is_inference_mode_enabled()):
+            return False
+        for d, k, v in self._items:
+            if type(d) is list:
+                if k >= len(d) or d[k] is not v:
+                    return False
+            elif d.get(k) is not v:
+                return False
+        return True
 
     def __call__(self, packed: torch.Tensor, T: int, R: int):
         key = (T, R, tuple(packed.shape), packed.dtype, packed.device)
-        fp = self._fingerprint()
-        if fp != self._print:
+        if not self._holds():
             self.invalidate()
-            self._print = fp
         fn = self.fns.get(key)
         if fn is not None:
             count("vllm_steps_direct")
@@ -96,7 +108,10 @@ class BucketDispatch:
         finally:
             self._local.pending = False
         code, self._local.captured = self._local.captured, None
-        if code is not None and self._fingerprint() == fp:
+        if code is not None:
+            if self._items is None:
+                self._items = self._capture()
+                self._mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
             fwd = type(self.step).forward
             self.fns[key] = types.FunctionType(code, fwd.__globals__, fwd.__name__,
                                                fwd.__defaults__, fwd.__closure__)
