@@ -7,7 +7,10 @@ with no guard check. vLLM holds one such code (it compiles once, shapes dynamic)
 "tpu" builds one program per token bucket (``dynamic=False``), so ``BucketDispatch`` keeps one
 per bucket: the first call of a bucket goes through ``torch.compile`` (Dynamo compiles, or
 finds, the bucket's entry and its guards hold), the bytecode Dynamo made for it is kept, and
-later calls of the bucket run that code as a plain function (``vllm_steps_direct``).
+later calls of the bucket run that code as a plain function (``vllm_steps_direct``). A bucket
+whose call found an entry Dynamo had built before (no new code seen) stays on the guarded path.
+vLLM's wrapper itself is not used: it needs vLLM's compilation mode, which the platform turns
+off, and holds a single code.
 
 What the direct path skips is what the guards would catch. The code reads the model's
 parameters, buffers and KV caches from the module at each call (so in-place weight updates,
