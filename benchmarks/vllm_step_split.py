@@ -10,7 +10,8 @@ processor); per part the wall time and the main thread's CPU time (``time.thread
 the host itself spends, less sensitive to the load than the wall) per engine step, the median
 round of ``--rounds`` after a warm-up round. Every step ends with the sampled tokens on the
 host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
-through the runner's forward call alone (inputs sent, program, greedy ids back), per call. The load
+through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
+the bucket's program called directly (the runner's path) and through torch.compile's guards. The load
 average is printed with the table: compare runs taken on a quiet host.
 """
 from __future__ import annotations
@@ -125,25 +126,38 @@ def _replay_last_step(llm, runner, last):
     """The floor of a tpu step: the round's largest decode step (one token per request) run again
     through the runner's forward call (its inputs' transfer, its program, its greedy ids
     brought back), nothing else of the engine; the same KV slots are rewritten with the same
-    values."""
+    values. Timed two ways, alternating: the bucket's program called directly (the runner's
+    path after warm-up, torchtpu/vllm/dispatch.py) and through ``torch.compile``'s guarded
+    call; wall and main-thread CPU per call."""
     import torch
     from vllm.forward_context import set_forward_context
 
     T = int(last["ids"].shape[0])
-    times = []
+    dispatch = runner._forward
+    paths = {"direct": dispatch, "guarded": getattr(dispatch, "compiled", dispatch)}
+    times = {k: ([], []) for k in paths}
     with torch.inference_mode():
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(30):
-                with set_forward_context(last["attn"], runner.vllm_config, num_tokens=T,
-                                         slot_mapping={}):
-                    runner._step_rows = last["rows"]
-                    runner._model_forward(input_ids=last["ids"], positions=last["pos"])
-                ids = runner._step_out[2]
-                runner._step_out = None
-                ids.cpu()
-            times.append((time.perf_counter() - t) / 30)
-    return dict(program_s=statistics.median(times), program_bucket=T, program_seqs=last["n"])
+        for _ in range(5):
+            for name, fwd in paths.items():
+                runner._forward = fwd
+                t, c = time.perf_counter(), time.thread_time()
+                for _ in range(30):
+                    with set_forward_context(last["attn"], runner.vllm_config, num_tokens=T,
+                                             slot_mapping={}):
+                        runner._step_rows = last["rows"]
+                        runner._model_forward(input_ids=last["ids"], positions=last["pos"])
+                    ids = runner._step_out[2]
+                    runner._step_out = None
+                    ids.cpu()
+                times[name][0].append((time.perf_counter() - t) / 30)
+                times[name][1].append((time.thread_time() - c) / 30)
+    runner._forward = dispatch
+    res = dict(program_bucket=T, program_seqs=last["n"],
+               program_s=statistics.median(times["direct"][0]))
+    for name, (wall, cpu) in times.items():
+        res[f"program_{name}_s"] = statistics.median(wall)
+        res[f"program_{name}_cpu_s"] = statistics.median(cpu)
+    return res
 
 
 def main():
@@ -187,6 +201,11 @@ def main():
                   f"token bucket {results[n]['program_bucket']}) replayed through the forward "
                   "call alone (inputs sent, program, greedy ids back): "
                   f"{results[n]['program_s'] * 1e3:.2f} ms per call")
+            for path in ("direct", "guarded"):
+                if f"program_{path}_s" in results[n]:
+                    print(f"  {path} call of the bucket's program: "
+                          f"{results[n][f'program_{path}_s'] * 1e3:.2f} ms wall / "
+                          f"{results[n][f'program_{path}_cpu_s'] * 1e3:.2f} ms CPU per call")
     for n in names:
         if "error" in results[n]:
             print(f"\n{n} failed:\n{results[n]['error']}")

@@ -77,6 +77,9 @@ print("counters after warm-up:", json.dumps(c), flush=True)
 if mode == "compiled":
     assert compiles == 0, f"compiled after warm-up: {c}"
     assert c.get("compile_donated_buffers", 0) > 0, "the KV cache buffers were not donated"
+    # every step called its bucket's program directly, without Dynamo's guards (dispatch.py):
+    # warm-up built and held every bucket once
+    assert c.get("vllm_steps_direct", 0) >= MAX_TOKENS and not c.get("vllm_steps_guarded"), c
 # one sync per step (the greedy ids); no more than the number of decode steps plus prefill
 # chunks
 assert c.get("host_syncs", 0) <= MAX_TOKENS + 3, c

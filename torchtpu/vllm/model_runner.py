@@ -39,6 +39,7 @@ from ..eager.copy import tensor_from_numpy
 from ..runtime.metrics import count
 from . import attention as _attn
 from . import buckets as _buckets
+from .dispatch import BucketDispatch
 from .platform import kv_storage_dtype
 
 logger = init_logger(__name__)
@@ -134,7 +135,10 @@ class TpuModelRunner(GPUModelRunner):
             cfg = torch._dynamo.config
             cfg.recompile_limit = max(cfg.recompile_limit, n)
             cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * n)
-            self._forward = torch.compile(step, backend="tpu", fullgraph=True, dynamic=False)
+            # a bucket's program is called without Dynamo's guards once built (dispatch.py)
+            self._forward = BucketDispatch(
+                step, torch.compile(step, backend="tpu", fullgraph=True, dynamic=False),
+                self.compilation_config.static_forward_context.values())
         else:
             self._forward = step
         self.model.compute_logits = _LogitsHook(self, self.model.compute_logits)
@@ -160,6 +164,8 @@ class TpuModelRunner(GPUModelRunner):
         for name, target in self.shared_kv_cache_layers.items():
             kv_caches[name] = kv_caches[target]
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches)
+        if isinstance(getattr(self, "_forward", None), BucketDispatch):
+            self._forward.set_kv_layers(self.compilation_config.static_forward_context.values())
         return kv_caches
 
     # ---- a step: bucketed shapes, device transfers ----
