@@ -93,13 +93,14 @@ def _contender_env(contender):
     return {} if CONTENDERS[contender][1] else {"TORCHTPU_SGLANG_COMPILE_PREFILL": "0"}
 
 
-def child_offline(path, contender, n_requests, repeats, out_tokens, pool_tokens=32768):
+def child_offline(path, contender, n_requests, repeats, out_tokens, pool_tokens=32768,
+                  dtype="float32"):
     import sglang as sgl
 
     os.environ["TORCHTPU_SGLANG_METRICS_FILE"] = os.path.join(
         tempfile.mkdtemp(prefix="bench-metrics-"), "m")
     t0 = time.perf_counter()
-    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=pool_tokens,
+    llm = sgl.Engine(model_path=path, device="tpu", dtype=dtype, max_total_tokens=pool_tokens,
                      disable_radix_cache=True, random_seed=0, log_level="error",
                      **_engine_args(contender, n_requests))
     start_s = time.perf_counter() - t0
@@ -228,11 +229,13 @@ def main():
                     help="SGLang contenders to serve (comma list)")
     ap.add_argument("--pool-tokens", type=int, default=32768,
                     help="the KV pool's size (SGLang's --max-total-tokens) offline")
+    ap.add_argument("--dtype", default="float32",
+                    help="the SGLang contenders' model dtype offline (vLLM rows: float32)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
         if kind == "offline":
-            r = child_offline(path, rest[0], *[int(x) for x in rest[1:]])
+            r = child_offline(path, rest[0], *[int(x) for x in rest[1:5]], *rest[5:])
         else:
             r = child_server(path, rest[0], int(rest[1]), int(rest[2]))
         print("RESULT " + json.dumps(r), flush=True)
@@ -252,7 +255,7 @@ def main():
             env = {"TORCHTPU_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-"),
                    **_contender_env(c)}
             offline = me + ["offline", path, c, str(n_req), str(reps), str(out_tok),
-                            str(a.pool_tokens)]
+                            str(a.pool_tokens), a.dtype]
             r = _run(offline, env)
             results[f"sglang-tpu-{c}"] = r
             print(c, json.dumps(r), flush=True)
@@ -279,7 +282,7 @@ def main():
                 results[f"server-vllm-{name}"] = r
                 print("server", name, json.dumps(r), flush=True)
 
-    print(f"\n## SGLang serving (tiny Llama {MODEL['layers']}x{MODEL['hidden']}, float32, "
+    print(f"\n## SGLang serving (tiny Llama {MODEL['layers']}x{MODEL['hidden']}, {a.dtype}, "
           f"{n_req} requests x {out_tok} tokens, KV pool {a.pool_tokens} tokens), "
           f"load {os.getloadavg()[0]:.1f}")
     if not vllm:

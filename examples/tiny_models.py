@@ -67,9 +67,10 @@ def save_tiny_model(path, arch: str = "llama", layers: int = 2, hidden: int = 64
     return str(path)
 
 
-def hf_greedy(path, prompts_ids, max_tokens: int) -> list[list[int]]:
-    """Greedy continuation ids of each prompt by transformers on CPU (the reference)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+def hf_greedy(path, prompts_ids, max_tokens: int, dtype=torch.float32) -> list[list[int]]:
+    """Greedy continuation ids of each prompt by transformers on CPU (the reference), the
+    model computing in ``dtype``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
     model.eval()
     out = []
     with torch.no_grad():

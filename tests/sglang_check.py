@@ -51,9 +51,9 @@ def engine(args) -> dict:
     # the scheduler's torch.tpu.metrics() per forward, read when asked (torchtpu.sglang)
     os.environ.setdefault("TORCHTPU_SGLANG_METRICS_FILE", os.path.join(args.out, "metrics"))
     t = time.time()
-    llm = sgl.Engine(model_path=path, device="tpu", dtype="float32", max_total_tokens=4096,
-                     random_seed=0, log_level="warning", tp_size=args.tp,
-                     **json.loads(args.engine_args))
+    kw = {"dtype": "float32", **json.loads(args.engine_args)}
+    llm = sgl.Engine(model_path=path, device="tpu", max_total_tokens=4096, random_seed=0,
+                     log_level="warning", tp_size=args.tp, **kw)
     res["startup_s"] = time.time() - t
     try:
         from sglang.srt.platforms import current_platform
@@ -72,7 +72,8 @@ def engine(args) -> dict:
         out = llm.generate(input_ids=ids, sampling_params=greedy)
         res["greedy_third"] = [o["output_ids"] for o in out]
         m1 = _worker_metrics()
-        res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "graph_runner",
+        res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "kv_dtype",
+                                                "max_total_num_tokens", "graph_runner",
                                                 "graph_bs", "graph_dynamo", "prefill_dynamo")}
         res["worker"]["spmd_programs"] = m1["counters"].get("compile_spmd_programs", 0)
         d0 = m0["per_kind"].get("decode", {})
@@ -95,8 +96,28 @@ def engine(args) -> dict:
         res["sampled"] = [o["output_ids"] for o in out]
     finally:
         llm.shutdown()
-    res["hf"] = hf_greedy(path, ids, n)
+    import torch
+
+    res["hf"] = hf_greedy(path, ids, n, getattr(torch, kw["dtype"]))
+    res["budget"] = _kv_budget()
     return res
+
+
+def _kv_budget() -> dict:
+    """The KV byte budget SGLang's configurator profiled (1 MiB here), as the plugin's hook
+    after ``_profile_available_bytes`` hands it on, per KV dtype (None: unchanged)."""
+    import torch
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    from torchtpu.sglang.kv_pool import budget_bytes
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for mla in (False, True):
+            cfg = object.__new__(KVCacheConfigurator)
+            cfg.kv_cache_dtype, cfg.use_mla_backend = dtype, mla
+            out[f"{str(dtype)[6:]}{'-mla' if mla else ''}"] = budget_bytes(1 << 20, cfg, 0)
+    return out
 
 
 def _worker_metrics(base=None) -> dict:
@@ -383,8 +404,28 @@ def pd(args) -> dict:
                 proc.wait()
         for log in logs:
             log.close()
-    res["hf"] = hf_greedy(path, ids, n)
+    import torch
+
+    res["hf"] = hf_greedy(path, ids, n, getattr(torch, kw["dtype"]))
+    res["budget"] = _kv_budget()
     return res
+
+
+def _kv_budget() -> dict:
+    """The KV byte budget SGLang's configurator profiled (1 MiB here), as the plugin's hook
+    after ``_profile_available_bytes`` hands it on, per KV dtype (None: unchanged)."""
+    import torch
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    from torchtpu.sglang.kv_pool import budget_bytes
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for mla in (False, True):
+            cfg = object.__new__(KVCacheConfigurator)
+            cfg.kv_cache_dtype, cfg.use_mla_backend = dtype, mla
+            out[f"{str(dtype)[6:]}{'-mla' if mla else ''}"] = budget_bytes(1 << 20, cfg, 0)
+    return out
 
 
 def compat(args) -> dict:

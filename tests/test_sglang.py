@@ -105,6 +105,23 @@ def test_engine_greedy_batch_radix_cache(tmp_path):
 
 @pytest.mark.slow
 @needs_sglang
+def test_engine_bfloat16_pool_stored_float32(tmp_path):
+    """A bf16 model: tokens equal HF's in bf16 on CPU, compiled decode as in float32, and on
+    XLA:CPU the pool is stored as float32 (XLA:CPU would convert a bf16 pool whole, to float32
+    and back, in every step: tests/test_vllm_paged_attention.py checks the step's HLO), with
+    SGLang's KV byte budget halved for it (MLA pools and float32 models unchanged)."""
+    r = sglang_check("engine", "--arch", "llama", "--out", str(tmp_path), "--engine-args",
+                     json.dumps({**json.loads(BUCKETS), "dtype": "bfloat16"}))
+    _check_engine(r)
+    assert r["worker"]["kv_dtype"] == "torch.float32", r["worker"]
+    assert r["worker"]["max_total_num_tokens"] == 4096, r["worker"]
+    half = (1 << 20) // 2
+    assert r["budget"] == {"float32": None, "float32-mla": None, "bfloat16": half,
+                           "bfloat16-mla": None, "float16": half, "float16-mla": None}, r
+
+
+@pytest.mark.slow
+@needs_sglang
 def test_engine_eager_paged_attention(tmp_path):
     """``--disable-cuda-graph``: decode runs eagerly, through the same paged attention."""
     _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path),

@@ -155,7 +155,7 @@ os.environ["VLLM_TARGET_DEVICE"] = "tpu"
 sys.path.insert(0, "examples")
 from tiny_models import save_tiny_model
 from vllm.config import ModelConfig
-from torchtpu.vllm.platform import kv_storage_dtype
+from torchtpu.ops._kv_storage import kv_storage_dtype
 path = save_tiny_model(tempfile.mkdtemp(), "llama")
 assert ModelConfig(model=path).dtype == torch.float32, ModelConfig(model=path).dtype
 assert ModelConfig(model=path, dtype="bfloat16").dtype == torch.bfloat16

@@ -306,6 +306,50 @@ def test_kv_write_and_decode_attention_do_not_copy_the_cache(page):
         assert _cache_copies(hlo, kv.shape)
 
 
+def _cache_converts(hlo: str, shape) -> list[str]:
+    """The instructions of an optimized HLO module that convert an array of the cache's shape
+    to another dtype."""
+    import re
+
+    dims = ",".join(str(d) for d in shape)
+    pat = re.compile(r"= \w+\[" + dims + r"\]\{[^}]*\} convert\(")
+    return [line.strip()[:200] for line in hlo.splitlines() if pat.search(line)]
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_16bit_model_step_over_its_float32_cache_converts_no_cache(page):
+    """A bf16 model's decode step over its cache as the serving engines store it on XLA:CPU
+    (``ops/_kv_storage.py``: float32; SGLang's attention widens the query to the cache's
+    dtype, vLLM's passes it as is): no cache-sized array is converted or copied. Over a bf16
+    cache XLA:CPU converts the whole cache (what the widened storage avoids)."""
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.ops._kv_storage import kv_storage_dtype
+
+    assert kv_storage_dtype(torch.bfloat16) == torch.float32  # this host runs XLA:CPU
+    assert kv_storage_dtype(torch.float16) == torch.float32
+    assert kv_storage_dtype(torch.float32) == torch.float32
+    kv, q, k, v, *meta = _decode_inputs(4096, page)
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+
+    def step(kv, q, k, v, slots, kvl, pi, cu, ns, widen):
+        kv = pa.kv_cache_update(kv, k, v, slots)
+        qq = q.astype(kv.dtype) if widen else q
+        out = pa.ragged_paged_attention(qq, kv, kvl, pi, cu, ns, sm_scale=0.25, impl="xla")
+        return kv, out.astype(jnp.bfloat16)
+
+    for widen in (True, False):
+        fn = jax.jit(step, donate_argnums=0, static_argnums=9)
+        hlo = fn.lower(jnp.asarray(kv), q, k, v, *meta, widen).compile().as_text()
+        bad = _cache_converts(hlo, kv.shape) + _cache_copies(hlo, kv.shape)
+        assert not bad, (widen, bad)
+    # the check finds the conversion a bf16 cache costs
+    hlo = jax.jit(step, donate_argnums=0, static_argnums=9).lower(
+        jnp.asarray(kv, jnp.bfloat16), q, k, v, *meta, False).compile().as_text()
+    assert _cache_converts(hlo, kv.shape)
+
+
 def test_compiled_and_eager_decode_steps_over_a_page_size_1_pool():
     """SGLang's layout (page size 1): the compiled decode step (write + attention, the cache
     donated) and the eager write's program copy no cache-sized array, and their results equal

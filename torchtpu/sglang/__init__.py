@@ -73,6 +73,12 @@ def plugin() -> None:
     from .prefill import install as install_prefill
 
     install_prefill()  # extend steps through bucketed compiled programs (prefill.py)
+    from .kv_pool import budget_bytes
+
+    # a 16-bit model's pool is stored as float32 on XLA:CPU: SGLang's KV byte budget halved
+    # for it (kv_pool.py)
+    HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+                          "_profile_available_bytes", budget_bytes, HookType.AFTER)
     if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
         # counters per forward in memory, written when a reader asks (metrics_file.py)
         from . import metrics_file

@@ -103,9 +103,12 @@ def snapshot() -> dict:
         if prefill is not None:
             out["forwards"]["prefill_graph"] = prefill.served
         graphs = runner.decode_cuda_graph_runner
+        pages = getattr(runner.token_to_kv_pool, "kv_pages", None)
         out.update({
             "attention": type(runner.attn_backend).__name__,
             "kv_pool": type(runner.token_to_kv_pool).__name__,
+            "kv_dtype": str(pages[0].dtype) if pages else None,  # as stored (kv_pool.py)
+            "max_total_num_tokens": getattr(runner, "max_total_num_tokens", None),
             "graph_runner": type(graphs).__name__,
             "graph_dynamo": {str(k): v for k, v in (getattr(graphs, "dynamo", None)
                                                      or {}).items()},

@@ -36,11 +36,11 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
 from ..eager.copy import tensor_from_numpy
+from ..ops._kv_storage import kv_storage_dtype
 from ..runtime.metrics import count
 from . import attention as _attn
 from . import buckets as _buckets
 from .dispatch import BucketDispatch
-from .platform import kv_storage_dtype
 
 logger = init_logger(__name__)
 PAD_SLOT_ID = -1

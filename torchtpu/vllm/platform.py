@@ -7,6 +7,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from ..ops._kv_storage import pjrt_platform
+
 logger = init_logger(__name__)
 
 ATTENTION_BACKEND = "torchtpu.vllm.attention.TpuPagedAttentionBackend"
@@ -15,39 +17,6 @@ ATTENTION_BACKEND = "torchtpu.vllm.attention.TpuPagedAttentionBackend"
 # (vLLM's own CPU variable), else 1 GiB.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def jax_platform() -> str:
-    """The PJRT platform "tpu" runs on, without creating the JAX backend when it does not exist
-    yet: vLLM configures itself in processes (its TP workers) that must join the "tpu_dist"
-    job before their first device use."""
-    import importlib.util
-
-    from torchtpu.runtime import devices
-
-    if devices.backend_created():
-        return devices.platform()
-    want = (os.environ.get("TORCHTPU_PLATFORM") or os.environ.get("JAX_PLATFORMS", "")
-            ).split(",")[0].strip().lower()
-    if want:
-        return {"cuda": "gpu", "rocm": "gpu"}.get(want, want)
-    if importlib.util.find_spec("libtpu") is not None:
-        return "tpu"
-    for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin"):
-        if importlib.util.find_spec(plugin) is not None:
-            return "gpu"
-    return "cpu"
-
-
-def kv_storage_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the KV cache is stored in for a model computing in ``dtype``: on XLA:CPU a
-    16-bit float cache is stored as float32 (values unchanged: bf16/f16 widen exactly), since
-    XLA:CPU converts a bf16 operand of a gather or scatter, the whole cache, to float32 and
-    back at every step (the KV write of one decode step: ~500 ms on a 256 MiB cache, in place
-    in float32). The worker halves the cache's byte budget to hold its size in bytes."""
-    if dtype in (torch.bfloat16, torch.float16) and jax_platform() == "cpu":
-        return torch.float32
-    return dtype
 
 
 class TpuPlatform(Platform):
@@ -70,7 +39,7 @@ class TpuPlatform(Platform):
         has no 16-bit float arithmetic: it converts every bf16/f16 operand to float32 around
         each op, the whole KV cache at every step (a step of a tiny Llama: 780 ms in bf16, 6 ms
         in f32), so there float32 checkpoints stay float32; TPUs and GPUs compute bf16."""
-        if jax_platform() == "cpu":
+        if pjrt_platform() == "cpu":
             return [torch.float32, torch.bfloat16, torch.float16]
         return [torch.bfloat16, torch.float16, torch.float32]
 
@@ -171,7 +140,7 @@ class TpuPlatform(Platform):
         replace_connector(vllm_config.kv_transfer_config)
         if not cache_config.user_specified_block_size:
             cache_config.block_size = 16
-        if jax_platform() == "cpu" and cache_config.kv_cache_memory_bytes is None:
+        if pjrt_platform() == "cpu" and cache_config.kv_cache_memory_bytes is None:
             env = os.environ.get(CPU_KV_CACHE_ENV, "")
             cache_config.kv_cache_memory_bytes = (
                 int(float(env) * (1 << 30)) if env else DEFAULT_CPU_KV_CACHE_BYTES)

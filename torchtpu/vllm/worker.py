@@ -9,8 +9,8 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
+from ..ops._kv_storage import kv_storage_dtype
 from .model_runner import TpuModelRunner
-from .platform import kv_storage_dtype
 
 logger = init_logger(__name__)
 
