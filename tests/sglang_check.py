@@ -404,28 +404,8 @@ def pd(args) -> dict:
                 proc.wait()
         for log in logs:
             log.close()
-    import torch
-
-    res["hf"] = hf_greedy(path, ids, n, getattr(torch, kw["dtype"]))
-    res["budget"] = _kv_budget()
+    res["hf"] = hf_greedy(path, ids, n)
     return res
-
-
-def _kv_budget() -> dict:
-    """The KV byte budget SGLang's configurator profiled (1 MiB here), as the plugin's hook
-    after ``_profile_available_bytes`` hands it on, per KV dtype (None: unchanged)."""
-    import torch
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-
-    from torchtpu.sglang.kv_pool import budget_bytes
-
-    out = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for mla in (False, True):
-            cfg = object.__new__(KVCacheConfigurator)
-            cfg.kv_cache_dtype, cfg.use_mla_backend = dtype, mla
-            out[f"{str(dtype)[6:]}{'-mla' if mla else ''}"] = budget_bytes(1 << 20, cfg, 0)
-    return out
 
 
 def compat(args) -> dict:
