@@ -186,7 +186,6 @@ def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
     if an.sp_entry is None:
         b, t = -b, -t
     return Term(-keep * flops / dp * sec_per_flop, t, -keep * saved / dp, tp_bytes=b)
-    return c
 
 
 def _numel(shape) -> int:
