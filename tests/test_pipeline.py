@@ -51,3 +51,11 @@ def test_mpmd_check_two_ranks():
     store's 8 MiB message limit (which killed the job) go over a direct connection
     (tests/dist_scripts/mpmd_check.py)."""
     ok(*torchrun("mpmd_check.py", timeout=300))
+
+
+def test_mpmd_abort_two_ranks():
+    """A new program on one rank while the other re-runs a checked one (blocked in the
+    transport): both ranks raise within seconds naming both programs, not only the new
+    program's rank; later collectives raise a clear error (tests/dist_scripts/mpmd_check.py
+    abort)."""
+    ok(*torchrun("mpmd_check.py", "abort", timeout=300))

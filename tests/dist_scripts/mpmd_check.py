@@ -3,9 +3,11 @@ RuntimeError on every rank, naming both ranks' programs, within seconds and befo
 transport sees anything (gloo would hang or abort); the group stays usable afterwards. Ranks
 running different programs whose collectives agree (a compiled program on one rank, an eager
 collective on the other) pass. A rank launching a new program while its peer re-runs one it
-checked before, and a peer dead before a new program, are errors within seconds.
+checked before (``abort``: both ranks raise; the processes' collectives are aborted), and a
+peer dead before a new program, are errors within seconds. A failed check's store entries are
+never read as a later launch's (also after the group is re-created on the same store).
 
-Run under torchrun with 2 ranks; prints "OK <case>" per check and "ALL OK <n>" at the end.
+Run under torchrun with 2 ranks (``mpmd_check.py [abort]``); prints "OK <case>" per check and "ALL OK <n>" at the end.
 """
 from __future__ import annotations
 
@@ -48,6 +50,64 @@ def expect_mismatch(what, fn, *needles):
             print(f"  {what}: {took:.2f} s: {msg[:400]}", flush=True)
         return
     raise AssertionError(f"rank {dist.get_rank()} {what}: no error")
+
+
+def swapped(rank, dev, base, what):
+    """A failed check (rank 0: f32[base], rank 1: f32[base+1]), then the swapped programs,
+    with rank 1 late: both checks fail, none matches the other's stale entry."""
+    x = torch.ones(base + rank, device=dev)
+    expect_mismatch(what + " (first)", lambda: dist.all_reduce(x), f"f32[{base}]",
+                    f"f32[{base + 1}]")
+    if rank == 1:
+        time.sleep(1.5)  # rank 0 reads rank 1's entries first
+    y = torch.ones(base + 1 - rank, device=dev)
+    expect_mismatch(what, lambda: dist.all_reduce(y), f"f32[{base}]", f"f32[{base + 1}]")
+
+
+def abort_case():
+    """A new program on rank 0 while rank 1 re-runs one it checked before (so it is blocked in
+    the transport): both ranks raise within seconds, naming both programs; the collectives of
+    both processes are aborted: later collectives raise a clear error; local work goes on."""
+    dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    dev = torch.device("tpu", int(os.environ.get("LOCAL_RANK", rank)))
+    still_usable(dev)
+    old = torch.ones(4, device=dev)
+    dist.all_reduce(old)
+    dist.barrier()
+    needles = ("MPMD check", "rank 0 runs", "rank 1 runs", "f32[6]", "f32[4]", "aborted")
+    if rank == 0:
+        expect_mismatch("new vs re-run", lambda: dist.all_reduce(torch.ones(6, device=dev)),
+                        *needles)
+    else:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(old)  # blocked in the transport until rank 0's check aborts it
+            old.cpu()
+        except RuntimeError as e:
+            took, msg = time.monotonic() - t0, str(e)
+            for n in needles + ("all_reduce (sequence number",):
+                assert n in msg, (n, msg)
+            assert took < LIMIT_S, (took, msg)
+            print(f"  rank 1, blocked in the re-run program: {took:.2f} s: {msg[:400]}",
+                  flush=True)
+        else:
+            raise AssertionError("rank 1: no error")
+    assert metric("mpmd_aborts") == 1
+    ok("a new program against a peer blocked in a re-run one: an error on both ranks")
+    for later in (lambda: dist.all_reduce(torch.ones(4, device=dev)),
+                  lambda: dist.broadcast(torch.ones(4, device=dev), 0)):
+        try:
+            later()
+        except RuntimeError as e:
+            assert "collectives were aborted" in str(e) and "rank 0 runs" in str(e), str(e)
+        else:
+            raise AssertionError("a collective after the abort ran")
+    torch.testing.assert_close((torch.arange(3.0, device=dev) * 2).cpu(),
+                               torch.arange(3.0) * 2)
+    ok("after the abort: collectives raise a clear error, local work goes on")
+    print("ALL OK", len(checked), flush=True)
+    os._exit(0)  # the group was aborted: no collective shutdown
 
 
 def still_usable(dev):
@@ -113,6 +173,23 @@ def main():
     still_usable(dev)
     ok("eager: an op mismatch is an error on both ranks")
 
+    # a failed check's store entries stay; the next new programs (swapped: rank 0 now runs
+    # rank 1's failed program and vice versa) must never read them as a match (rank 1 comes
+    # late, so rank 0 would meet its stale entry; a false match hangs or aborts in gloo)
+    swapped(rank, dev, 20, "stale entries of a failed check")
+    still_usable(dev)
+    ok("a failed check's entries are never read as a later launch's")
+
+    # the same after the group is destroyed and re-created on the same store
+    dist.destroy_process_group()
+    dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
+    g = dist.group.WORLD
+    x = torch.ones(30 + rank, device=dev)
+    expect_mismatch("re-created group", lambda: dist.all_reduce(x), "f32[30]", "f32[31]")
+    swapped(rank, dev, 40, "stale entries, re-created group")
+    still_usable(dev)
+    ok("a re-created group on the same store: stale entries are never read as a match")
+
     # compiled: the ranks compile the same function for different shapes
     def f(t):
         return funcol.all_reduce(t * 2, "sum", g) + 1
@@ -134,21 +211,6 @@ def main():
     want = (torch.arange(6, dtype=torch.float32).reshape(2, 3) * 2 * 2 + 2 + 1)
     torch.testing.assert_close(got, want)
     ok("different programs (compiled / eager) with the same collectives run")
-
-    # a new program on rank 0 while rank 1 re-runs one it checked before: rank 0 raises within
-    # seconds (it asks rank 1's process what it launched); rank 1 waits in the transport
-    # until rank 0 launches the matching collective
-    old = torch.ones(4, device=dev)
-    dist.all_reduce(old)
-    if rank == 0:
-        expect_mismatch("new vs re-run", lambda: dist.all_reduce(torch.ones(6, device=dev)),
-                        "f32[6]", "f32[4]", "a program it ran before")
-        assert metric("mpmd_mismatches") >= 1
-    dist.all_reduce(old)  # rank 0: the collective rank 1 is blocked in
-    torch.testing.assert_close(old.cpu(), torch.full((4,), 4.0))
-    still_usable(dev)
-    ok("a new program against a peer's re-run one: an error on the new one's rank within "
-       "seconds; the group goes on")
 
     large_p2p(rank, dev)
 
@@ -191,4 +253,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    abort_case() if sys.argv[1:] == ["abort"] else main()

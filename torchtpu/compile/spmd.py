@@ -94,7 +94,12 @@ class SPMD:
                 tok = last[1]
             else:
                 tok = spmd.enter(last[1].addressable_shards[0].data)
-            tok, out = compiled(tok, *[spmd.enter(a) for a in flat])
+            try:
+                tok, out = compiled(tok, *[spmd.enter(a) for a in flat])
+            except Exception as e:  # noqa: BLE001
+                if _launches.aborted is not None:  # the MPMD check ended the transport
+                    raise _launches.Aborted(f"{name} was aborted: {_launches.aborted}") from e
+                raise
             _sync.order_tokens[spmd.local] = (spmd.mesh, tok)
             leaves, tree = jax.tree_util.tree_flatten(out)
             res = []

@@ -26,9 +26,10 @@ import jax
 from ..runtime import devices as _devices
 
 _KEY = "torchtpu_coordinator"
+_EPOCH_KEY = "torchtpu/epoch"
 
 state = {"joined": False, "rank": 0, "world_size": 1, "local_rank": 0, "errors": [],
-         "failed": False}
+         "failed": False, "epoch": "0"}
 _lock = threading.Lock()
 
 
@@ -115,6 +116,14 @@ def _initialize(coordinator: str, bind: str | None, world_size: int, rank: int,
     gs.process_id = rank
     gs.num_processes = world_size
     gs.initialize_preemption_sync_manager()  # a no-op with the service off
+    # this cluster's epoch: rank 0 draws it, the others read it from the coordination service
+    # (new with every cluster): the MPMD check keys its c10d store entries by it, so entries
+    # left in a store that outlived an earlier run can never be read as this run's
+    if rank == 0:
+        state["epoch"] = os.urandom(6).hex()
+        gs.client.key_value_set(_EPOCH_KEY, state["epoch"])
+    else:
+        state["epoch"] = gs.client.blocking_key_value_get(_EPOCH_KEY, init_s * 1000)
 
 
 def _skip_shutdown_after_failure() -> None:

@@ -37,7 +37,7 @@ import weakref
 import torch.distributed as dist
 
 from ..runtime import launches
-from . import bootstrap, p2p_transport
+from . import bootstrap, gloo_sockets, p2p_transport
 from ..runtime.metrics import count
 
 _groups: dict = {}  # global ranks (tuple) -> weak reference to the ProcessGroupTPU
@@ -123,7 +123,7 @@ def check(devices, n: int, name: str, records) -> None:
     mine = {"name": name, "collectives": [launches.describe(r) for r in records]}
     head = f"[tpu_dist] rank {me}, MPMD check of {where} before {mine['collectives'][0]} " \
         f"(launch {n})"
-    prefix = f"tpu_mpmd/{','.join(map(str, ranks))}/"
+    prefix = f"tpu_mpmd/{bootstrap.state['epoch']}/{','.join(map(str, ranks))}/"
     at = prefix + f"{n}/"
     store.set(at + str(me), json.dumps(mine))
     count("mpmd_checks")
@@ -170,12 +170,14 @@ def check(devices, n: int, name: str, records) -> None:
                     theirs = json.loads(store.get(f"{prefix}{first}/{r}"))
                 what = _program(r, theirs) if first is not None else \
                     f"rank {r} runs a program it ran before"
-                raise launches.Mismatch(
-                    f"[tpu_dist] MPMD check of {where}, rank {me}: ranks run programs whose "
-                    f"collectives differ at launch {n} on this group: rank {r} runs there "
-                    f"a program it ran before (first checked at launch {first}), rank {me} "
-                    f"a new one (it would hang in the transport; rank {r} waits in it until "
-                    f"a matching launch). {_program(me, mine)}; {what}")
+                msg = (f"[tpu_dist] MPMD check of {where}, rank {me}: ranks run programs "
+                       f"whose collectives differ at launch {n} on this group: rank {r} runs "
+                       f"there a program it ran before (first checked at launch {first}), "
+                       f"rank {me} a new one; rank {r} was blocked in the transport: the "
+                       f"collectives of both processes are aborted. {_program(me, mine)}; "
+                       f"{what}")
+                _abort(store, prefix, ranks, me, msg)
+                raise launches.Mismatch(msg)
             if time.monotonic() >= deadline:
                 count("mpmd_mismatches")
                 raise launches.Mismatch(
@@ -197,6 +199,84 @@ def check(devices, n: int, name: str, records) -> None:
     count("mpmd_check_ms", int((time.perf_counter() - t0) * 1000))
 
 
+def _known_ports() -> set:
+    """Ports whose connections are not gloo's: the p2p listeners, the c10d store's, JAX's
+    coordination service's."""
+    ports = set()
+    if p2p_transport._transport:
+        ports.add(int(p2p_transport._transport[0].address.rsplit(":", 1)[1]))
+    for g in list(_groups.values()):
+        g = g()
+        for a in (g._peer_addr.values() if g is not None else ()):
+            ports.add(int(a.rsplit(":", 1)[1]))
+    if os.environ.get("MASTER_PORT", "").strip().isdigit():
+        ports.add(int(os.environ["MASTER_PORT"]))
+    try:
+        from jax._src import distributed as jd
+
+        if jd.global_state.coordinator_address:
+            ports.add(int(jd.global_state.coordinator_address.rsplit(":", 1)[1]))
+    except Exception:  # noqa: BLE001
+        pass
+    if dist.is_initialized():
+        st = dist.distributed_c10d._get_default_store()
+        while st is not None:
+            if isinstance(st, dist.TCPStore):
+                ports.add(st.port)
+            st = getattr(st, "underlying_store", None)
+    return ports
+
+
+def _end_transport(reason: str, peers: list) -> list:
+    """Abort this process's collectives: later launches raise ``launches.Aborted(reason)``,
+    and the gloo connections (accepted on this process's gloo listeners, or made to the
+    ``peers``' ones) are shut down, so a collective blocked in one fails in its own thread.
+    Returns this process's gloo listener ports."""
+    if launches.aborted is None:
+        launches.aborted = reason
+        count("mpmd_aborts")
+    bootstrap.state["failed"] = True  # the exit skips JAX's shutdown barrier
+    known = _known_ports()
+    own = gloo_sockets.listeners(known)
+    gloo_sockets.shutdown(own, peers, known)
+    return own
+
+
+def _abort(store, prefix: str, ranks, me: int, msg: str) -> None:
+    """The mismatch found while a member is blocked in the transport: tell every member
+    (``mpmd_abort`` over its p2p listener: its reader thread aborts that process's
+    collectives, so the blocked one fails at once with ``msg``; the record under
+    ``<prefix>abort`` names it for a member that cannot be reached), then abort here."""
+    try:
+        store.set(prefix + "abort", msg)
+    except Exception:  # noqa: BLE001  (the store is gone: the p2p message still goes)
+        pass
+    peers: list = []
+    own = gloo_sockets.listeners(_known_ports())
+    for r in ranks:
+        if r == me:
+            continue
+        addr = _address(ranks, r)
+        if addr is None:
+            continue
+        try:
+            got = p2p_transport.Transport.ask(
+                addr, "mpmd_abort/" + json.dumps({"from": me, "msg": msg, "gloo": own}),
+                timeout=max(PROBE_S, 1.0))
+            peers += json.loads(got) if got else []
+        except (p2p_transport.PeerGone, ValueError):
+            continue
+    _end_transport(msg, peers)
+
+
+def _answer_abort(question: str) -> bytes:
+    """A member's ``mpmd_abort``: abort this process's collectives (see ``_abort``); the
+    answer is this process's gloo listener ports."""
+    q = json.loads(question.split("/", 1)[1])
+    return json.dumps(_end_transport(q["msg"], q["gloo"])).encode()
+
+
 def install() -> None:
     launches.hook = check
     p2p_transport.answers["mpmd"] = _answer
+    p2p_transport.answers["mpmd_abort"] = _answer_abort

@@ -254,6 +254,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 f"{self._global_ranks}): {coll} (sequence number {seq})")
 
     def _failure(self, coll: str, seq: int, err: BaseException) -> RuntimeError:
+        if _launches.aborted is not None:  # the MPMD check aborted the transport under it
+            return _launches.Aborted(f"{self._where(coll, seq)} was aborted: "
+                                     f"{_launches.aborted}")
         bootstrap.state["failed"] = True
         extra = "; ".join(bootstrap.state["errors"])
         msg = f"{self._where(coll, seq)} failed: {str(err).splitlines()[0] if str(err) else err!r}"
@@ -273,7 +276,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         token = watchdog.start(self, coll, seq, self._timeout)
         try:
             writes = run()
-        except _launches.Mismatch:  # the MPMD check: nothing ran, the group goes on
+        except (_launches.Mismatch, _launches.Aborted):  # the MPMD check: nothing ran
             watchdog.finish(token, [])
             raise
         except Exception as e:  # noqa: BLE001

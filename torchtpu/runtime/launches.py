@@ -24,7 +24,15 @@ class Mismatch(RuntimeError):
     """Ranks' collectives differ (raised before the launch: nothing reached the transport)."""
 
 
+class Aborted(RuntimeError):
+    """This process's collectives were aborted (an MPMD mismatch found while a peer was blocked
+    in the transport, ``distributed/mpmd.py``): every later launch over several processes
+    raises it; a new run is needed, as after NCCL's communicator abort."""
+
+
+aborted = None  # the reason (text) once this process's collectives were aborted
 hook = None  # fn(devices, n, name, records) -> None; raises when members disagree
+FAILED = -2  # in ``_Mesh.recent``: a launch whose check failed (nothing ran)
 RECENT = 64  # launches per mesh whose programs are remembered (answers to a peer's probe)
 
 
@@ -59,6 +67,9 @@ def launch(devices: tuple, key, describe) -> None:
     members first (``hook``). Steady state: two dict lookups and a list store."""
     if hook is None or len(devices) < 2:
         return
+    if aborted is not None:
+        raise Aborted(f"[tpu_dist] this process's collectives were aborted (a new run is "
+                      f"needed): {aborted}")
     st = _meshes.get(devices)
     if st is None:
         st = _meshes[devices] = _Mesh()
@@ -70,7 +81,14 @@ def launch(devices: tuple, key, describe) -> None:
             fp = hashlib.sha256(repr(records).encode()).digest()
             first = st.checked.get(fp)
             if first is None:
-                hook(devices, st.count, name, records)  # raises before the launch is counted
+                try:
+                    hook(devices, st.count, name, records)
+                except Mismatch:
+                    # the failed launch keeps its number (every member failed it, or the
+                    # process aborts): a later check never meets this check's store entries
+                    st.recent[st.count % RECENT] = FAILED
+                    st.count += 1
+                    raise
                 first = st.checked[fp] = st.count
         st.known[key] = first
     st.recent[st.count % RECENT] = first
