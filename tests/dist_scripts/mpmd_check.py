@@ -105,7 +105,18 @@ def abort_case():
             raise AssertionError("a collective after the abort ran")
     torch.testing.assert_close((torch.arange(3.0, device=dev) * 2).cpu(),
                                torch.arange(3.0) * 2)
-    ok("after the abort: collectives raise a clear error, local work goes on")
+    got = torch.empty(5, device=dev)
+    if rank == 0:
+        dist.send(torch.arange(5.0, device=dev), 1)
+    else:
+        dist.recv(got, 0)
+        torch.testing.assert_close(got.cpu(), torch.arange(5.0))
+    ok("after the abort: collectives raise a clear error, local work and send/recv go on")
+    # leave together (through the store: collectives are aborted): rank 0 hosts JAX's
+    # coordination service, whose loss ends the other process
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"abort_done/{rank}", "1")
+    store.wait([f"abort_done/{r}" for r in range(2)], datetime.timedelta(seconds=60))
     print("ALL OK", len(checked), flush=True)
     os._exit(0)  # the group was aborted: no collective shutdown
 

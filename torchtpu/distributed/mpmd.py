@@ -5,10 +5,15 @@ but the collectives of programs over one mesh must agree, in order, or the trans
 (gloo on XLA:CPU: an op mismatch hangs, a shape mismatch aborts the process). At a program's
 first launch over a mesh (``runtime/launches.py``), when its list of collectives is new on this
 process, each member publishes (program name, collectives) under
-``tpu_mpmd/<global ranks>/<launch number>/<rank>`` in the default group's c10d store and reads
-every other member's entry at that launch number. Different lists are a RuntimeError on every
-member, naming the group, the first differing collective and both ranks' programs, before
-anything reached the transport; the ranks can go on (the failed launch is not counted).
+``tpu_mpmd/<epoch>/<global ranks>/<launch number>/<rank>`` in the default group's c10d store
+and reads every other member's entry at that launch number. Different lists are a RuntimeError on
+every member, naming the group, the first differing collective and both ranks' programs,
+before anything reached the transport; the ranks can go on.
+
+Entries are keyed by the cluster's epoch (``bootstrap.state["epoch"]``, new with every JAX
+cluster) and a failed check's launch keeps its number on every member
+(``runtime/launches.py``), so an entry left by an earlier failed check or an earlier run in
+the same store is never read by a later check.
 
 A member that does not publish at that launch number within ``PROBE_S`` (1 s,
 ``TORCHTPU_MPMD_PROBE_S``) is asked directly: its process's p2p listener
@@ -16,15 +21,19 @@ A member that does not publish at that launch number within ``PROBE_S`` (1 s,
 collective) returns its launch count on the mesh and, for its recent launches, the launch at
 which each one's program was first checked (``launches.state_of``). A member that has passed
 this launch number without publishing ran there a program it had checked before, which
-cannot match a list new here: a ``Mismatch`` at once naming both programs (the peer's from its
-entry at that first launch); the peer waits in the transport until this rank launches the
-matching collective (or the group's watchdog ends it). A refused connection means the peer's
-process exited: a RuntimeError naming the group, the collective, the launch and the dead rank,
-in about ``PROBE_S`` seconds (JAX's heartbeat takes 100 s). A member that is merely busy is
-waited for up to the group's timeout (``TORCHTPU_MPMD_TIMEOUT`` seconds if set). The steady
-state (a program run before) adds no store operation: ``launches.launch`` records the launch
-in memory (~1 us). Counted: ``mpmd_checks``, ``mpmd_check_ms``, ``mpmd_mismatches``,
-``mpmd_dead_peers``.
+cannot match a list new here, and is blocked in the transport (or will be) in a collective
+this rank never launches: this rank aborts the collectives of every member (``_abort``: an
+``mpmd_abort`` message to each member's listener, whose reader thread records the message in
+``launches.aborted`` and shuts down that process's gloo connections, ``gloo_sockets.py``; the
+blocked launch then fails in its own thread and is raised as ``launches.Aborted`` with the
+message naming both programs), then raises ``Mismatch``. Every later collective of these
+processes raises ``launches.Aborted``: a new run is needed, as after NCCL's abort. A refused
+connection means the peer's process exited: a RuntimeError naming the group, the collective,
+the launch and the dead rank, in about ``PROBE_S`` seconds (JAX's heartbeat takes 100 s). A
+member that is merely busy is waited for up to the group's timeout (``TORCHTPU_MPMD_TIMEOUT``
+seconds if set). The steady state (a program run before) adds no store operation:
+``launches.launch`` records the launch in memory (~1 us). Counted: ``mpmd_checks``, ``mpmd_check_ms``, ``mpmd_mismatches``,
+``mpmd_dead_peers``, ``mpmd_aborts``.
 """
 from __future__ import annotations
 

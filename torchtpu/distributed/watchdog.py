@@ -91,7 +91,7 @@ def _done(e) -> bool:
         try:
             a.block_until_ready()
         except Exception as ex:  # noqa: BLE001  (Work.wait raises it, named)
-            _report(f"{e.pg._where(e.coll, e.seq)} failed: {str(ex).splitlines()[0]}")
+            _report(str(e.pg._failure(e.coll, e.seq, ex)))
             break
     return True
 

@@ -15,6 +15,7 @@ import torch
 
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
+from ..runtime import launches as _launches
 from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax, to_torch
@@ -220,6 +221,10 @@ def device_to_host(value) -> torch.Tensor:
         host = np.asarray(value)
     except (RuntimeError, ValueError) as e:
         _raise_oom(e, _index_of(value))
+        if _launches.aborted is not None:  # an aborted collective (distributed/mpmd.py)
+            raise _launches.Aborted(f"[tpu_dist] reading a value on the host failed after this "
+                                    f"process's collectives were aborted: {_launches.aborted}"
+                                    ) from e
         raise
     _checks.raise_pending()
     count("host_syncs")

@@ -12,6 +12,11 @@ when this process has not run that list on this mesh before, the hook that
 number, before anything reaches the transport. Ranks may run different programs (pipeline
 stages, MPMD); only their collectives over a shared mesh must agree.
 
+A launch whose check failed keeps its number (``FAILED`` in the record): every member failed
+it, so the numbers stay aligned, and a later check never meets the failed one's store entries.
+Once ``aborted`` is set (``distributed/mpmd.py`` aborted this process's collectives), every
+launch raises ``Aborted``.
+
 Why comparing at first launches suffices when programs agree: while every earlier launch on a
 mesh matched, the members ran the same collective lists in the same order, so a list new to
 one member is new to all of them at the same launch number.
