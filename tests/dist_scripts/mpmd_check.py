@@ -167,6 +167,16 @@ def main():
     assert metric("mpmd_checks") > checks0  # a new program was checked
     ok("a matching collective is checked once and runs")
 
+    # the store entries carry this cluster's epoch: drawn by rank 0 at the join, the same on
+    # every rank (an earlier run's entries in a store that outlived it are never read)
+    from torchtpu.distributed import bootstrap
+    epochs = [None, None]
+    dist.all_gather_object(epochs, bootstrap.state["epoch"])
+    assert epochs[0] == epochs[1] and len(epochs[0]) == 12, epochs
+    store = dist.distributed_c10d._get_default_store()
+    assert store.check([f"tpu_mpmd/{epochs[0]}/0,1/0/{rank}"])
+    ok("the check's store entries are keyed by the cluster's epoch")
+
     # eager: one rank's all_reduce has another shape
     x = torch.ones(4 + rank, device=dev)
     expect_mismatch("eager shape", lambda: dist.all_reduce(x), "f32[4]", "f32[5]",
