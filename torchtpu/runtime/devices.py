@@ -9,6 +9,33 @@ import jax
 # PyTorch semantics need int64/float64 (DESIGN fact 9).
 jax.config.update("jax_enable_x64", True)
 
+
+def _cpu_sync_dispatch() -> bool:
+    """``TORCHTPU_CPU_SYNC_DISPATCH=1``: XLA:CPU runs each program inline on the calling
+    thread (JAX's ``jax_cpu_enable_async_dispatch`` False) instead of handing it to its
+    worker pool. Same executables, same results; it saves the hand-off (a futex wake of a
+    worker, and waits on XLA's in-flight semaphore) that every program that is not "cheap"
+    pays, at the price of no overlap between Python and the program. JAX reads that option
+    only when its CPU client is created and, being a flag, not from the environment
+    (``JAX_CPU_ENABLE_ASYNC_DISPATCH`` is ignored), so it is set here, at import, before
+    any backend exists; ``cpu_dispatch()`` says what the client was made with."""
+    return os.environ.get("TORCHTPU_CPU_SYNC_DISPATCH", "0") not in ("0", "")
+
+
+if _cpu_sync_dispatch():
+    from jax._src import xla_bridge as _xb
+
+    if not _xb._backends:  # a backend made before torchtpu's import keeps its setting
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def cpu_dispatch() -> str:
+    """"sync" or "async": how JAX's CPU client runs programs (the option's value; the
+    client reads it once, when it is created, and torchtpu sets it only before that)."""
+    from jax._src import xla_bridge as _xb
+
+    return "async" if _xb._CPU_ENABLE_ASYNC_DISPATCH.value else "sync"
+
 _PLATFORM_ALIASES = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu"}
 
 
