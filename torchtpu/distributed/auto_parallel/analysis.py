@@ -329,7 +329,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
                 if gn(fqn) not in fused_checked:  # repeated layers: one check
                     fused_checked[gn(fqn)] = fused_split_tps(
                         mod, mods[ins[0].fqn], o_mod, first_call.get(fqn), real_of,
-                        ins[0].fqn, out.fqn, fqn)
+                        ins[0].fqn, out.fqn, fqn, eager)
                 tps, why = fused_checked[gn(fqn)]
                 if not tps:
                     refused[fqn] = (f"{ins[0].fqn} (out_features "

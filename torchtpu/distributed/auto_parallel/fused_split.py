@@ -44,11 +44,10 @@ def _real(x, real_of, gen):
 
 
 def fused_split_tps(block: nn.Module, fused: nn.Linear, out: nn.Linear, call, real_of: dict,
-                    fused_fqn: str, out_fqn: str, block_fqn: str):
+                    fused_fqn: str, out_fqn: str, block_fqn: str, eager):
     """The tp degrees (>= 2) at which ``block`` with its fused in layer colwise and its out layer
-    rowwise computes what the whole block computes, and why the others are not (a sentence)."""
-    from .analysis import eager
-
+    rowwise computes what the whole block computes, and why the others are not (a sentence).
+    ``eager``: the context the model runs in (``analysis.eager``: compiled code runs eagerly)."""
     if call is None:
         return [], "its call was not recorded"
     g = math.gcd(fused.out_features, out.in_features)
