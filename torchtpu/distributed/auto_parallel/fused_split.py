@@ -11,7 +11,9 @@ block runs once on CPU with random weights and inputs shaped as in the analysis 
 own inputs where the block receives them: positions, masks), then once per rank with the fused
 weight's row block and the out layer's column block, as each rank's local forward runs under
 ``parallelize_module``; the ranks' outputs must sum to the whole block's (the rowwise
-all-reduce). A tp degree that fails (or raises) is not offered for the block.
+all-reduce). A tp degree that fails (or raises) is not offered for the block. The inputs are
+cut to one sample where the block runs so (its cost: the block's forward 1 + the sum of the
+degrees checked times, on CPU at the analysed sequence length).
 """
 from __future__ import annotations
 
@@ -61,16 +63,29 @@ def fused_split_tps(block: nn.Module, fused: nn.Linear, out: nn.Linear, call, re
     buffers = {n: _rand(b, gen) for n, b in block.named_buffers()}
     a, kw = pytree.tree_map(lambda x: _real(x, real_of, gen), call)
 
-    def run(state):
+    def run(state, a, kw):
         y = torch.func.functional_call(block, {**state, **buffers}, a, kw)
         return [t for t in pytree.tree_leaves(y) if isinstance(t, torch.Tensor)]
 
     ok, bad = [], []
+    first = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)), None)
+    batch = first.shape[0] if first is not None and first.dim() else 1
     with torch.no_grad(), eager():
-        try:
-            whole = run(params)
-        except Exception as e:  # noqa: BLE001 -- the reason is reported, the block refused
-            return [], f"its block does not run on CPU for the check: {type(e).__name__}: {e}"
+        whole = None
+        if batch > 1:  # one sample is as good a check and costs 1 / batch: tried first
+            one = pytree.tree_map(lambda t: t.narrow(0, 0, 1) if isinstance(t, torch.Tensor)
+                                  and t.dim() and t.shape[0] == batch else t, (a, kw))
+            try:
+                whole = run(params, *one)
+                a, kw = one
+            except Exception:  # noqa: BLE001 -- the whole batch then
+                whole = None
+        if whole is None:
+            try:
+                whole = run(params, a, kw)
+            except Exception as e:  # noqa: BLE001 -- the reason is reported, block refused
+                return [], (f"its block does not run on CPU for the check: "
+                            f"{type(e).__name__}: {e}")
         for tp in cands:
             try:
                 acc = None
@@ -82,7 +97,7 @@ def fused_split_tps(block: nn.Module, fused: nn.Linear, out: nn.Linear, call, re
                     st[ow + ".weight"] = params[ow + ".weight"].chunk(tp, 1)[r]
                     if ow + ".bias" in params and r:
                         st[ow + ".bias"] = torch.zeros_like(params[ow + ".bias"])
-                    ys = run(st)
+                    ys = run(st, a, kw)
                     acc = ys if acc is None else [u + v for u, v in zip(acc, ys)]
                 same = len(acc) == len(whole) and all(
                     u.shape == v.shape and torch.allclose(
