@@ -199,7 +199,9 @@ def _head_counts(mod: nn.Module) -> list:
     return found
 
 
-def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
+def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None) -> Analysis:
+    """``tp_degrees``: the tp sizes the search will consider (a fused projection's split is
+    checked at those only; None: every degree up to ``fused_split.MAX_TP``)."""
     params = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
     gn = namer(model)
     groups = defaultdict(list)
@@ -329,7 +331,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
                 if gn(fqn) not in fused_checked:  # repeated layers: one check
                     fused_checked[gn(fqn)] = fused_split_tps(
                         mod, mods[ins[0].fqn], o_mod, first_call.get(fqn), real_of,
-                        ins[0].fqn, out.fqn, fqn, eager)
+                        ins[0].fqn, out.fqn, fqn, eager, tp_degrees)
                 tps, why = fused_checked[gn(fqn)]
                 if not tps:
                     refused[fqn] = (f"{ins[0].fqn} (out_features "

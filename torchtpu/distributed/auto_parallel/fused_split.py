@@ -46,14 +46,15 @@ def _real(x, real_of, gen):
 
 
 def fused_split_tps(block: nn.Module, fused: nn.Linear, out: nn.Linear, call, real_of: dict,
-                    fused_fqn: str, out_fqn: str, block_fqn: str, eager):
+                    fused_fqn: str, out_fqn: str, block_fqn: str, eager, degrees=None):
     """The tp degrees (>= 2) at which ``block`` with its fused in layer colwise and its out layer
     rowwise computes what the whole block computes, and why the others are not (a sentence).
-    ``eager``: the context the model runs in (``analysis.eager``: compiled code runs eagerly)."""
+    ``eager``: the context the model runs in (``analysis.eager``: compiled code runs eagerly);
+    ``degrees``: the tp sizes to check (None: all up to ``MAX_TP``)."""
     if call is None:
         return [], "its call was not recorded"
     g = math.gcd(fused.out_features, out.in_features)
-    cands = [d for d in range(2, MAX_TP + 1) if g % d == 0]
+    cands = [d for d in range(2, MAX_TP + 1) if g % d == 0 and (degrees is None or d in degrees)]
     if not cands:
         return [], f"no tp degree up to {MAX_TP} divides {g}"
     cut = len(block_fqn) + 1 if block_fqn else 0
