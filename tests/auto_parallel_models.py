@@ -98,3 +98,35 @@ class MixingTransformer(Transformer):
             h = layer(h)
             h = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, device=h.device)[:, None]
         return self.output(self.norm(h))
+
+
+class FusedAttention(nn.Module):
+    """Attention with one fused q/k/v projection. ``grouped``: its rows hold each head's q, k
+    and v together (TorchTitan's wqkv layout: a Shard(0) gives each rank whole heads);
+    otherwise they are stacked [q; k; v] and split with ``chunk(3)``: right on one device,
+    wrong when a rank holds a row block (the same shapes, other numbers)."""
+
+    def __init__(self, grouped=True):
+        super().__init__()
+        self.grouped = grouped
+        self.wqkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        hd = DIM // HEADS
+        qkv = self.wqkv(x)
+        if self.grouped:
+            q, k, v = qkv.view(b, s, -1, 3, hd).unbind(3)
+        else:
+            q, k, v = (t.view(b, s, -1, hd) for t in qkv.chunk(3, -1))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FusedTransformer(Transformer):
+    def __init__(self, grouped=True, layers=LAYERS):
+        super().__init__(layers)
+        for blk in self.layers:
+            blk.attention = FusedAttention(grouped)

@@ -20,6 +20,9 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
   sp_compile, 2d_sp  the same compiled; on dp=2 x tp=2
   hf_sp, 2d_hf_sp  a tiny HF Llama (its own loss) under 0.9 x pure FSDP's memory: sequence
            parallelism entered at the first decoder layer + loss parallelism (tp-only; 2 x 2)
+  titan_sp, 2d_titan_sp  TorchTitan's llama3 debug model (fused wqkv; its loss outside the
+           model) under 0.9 x pure FSDP's memory: TP (wqkv colwise) + sequence parallelism,
+           5 steps (tp-only; 2 x 2)
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
@@ -52,10 +55,11 @@ def batches(vocab, seq=SEQ, steps=STEPS):
              torch.randint(0, vocab, (BATCH, seq), generator=g)) for _ in range(steps)]
 
 
-def train(model, data, device, hf=False, adam=False, run=None):
+def train(model, data, device, hf=False, adam=False, run=None, fwd=None):
     """An ordinary loop (SGD with momentum, or AdamW, over model.parameters()); returns the
     losses and each step's gradients (full tensors). ``run``: what is called for the forward
-    (the model, or ``torch.compile(model, backend="tpu")``)."""
+    (the model, or ``torch.compile(model, backend="tpu")``); ``fwd(run, x)``: the logits, where
+    the model takes more than the tokens (TorchTitan's positions and masks)."""
     run = model if run is None else run
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -65,8 +69,8 @@ def train(model, data, device, hf=False, adam=False, run=None):
         if hf:
             loss = run(input_ids=x, labels=y).loss
         else:
-            logits = run(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            logits = run(x) if fwd is None else fwd(run, x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         opt.zero_grad()
         loss.backward()
         grads.append({n: full(p.grad) for n, p in model.named_parameters()})
@@ -82,13 +86,13 @@ def full(p):
 
 
 def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq=SEQ,
-          steps=STEPS):
+          steps=STEPS, fwd=None, vocab=None):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
-    vocab = VOCAB if not hf else model.config.vocab_size
+    vocab = vocab or (VOCAB if not hf else model.config.vocab_size)
     data = batches(vocab, seq, steps)
-    ref_losses, ref_grads = train(ref, data, "cpu", hf, adam)
+    ref_losses, ref_grads = train(ref, data, "cpu", hf, adam, fwd=fwd)
     if edit is not None:
         plan = edit(plan)
     if compiled:
@@ -99,7 +103,7 @@ def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq
         # backend="aot_eager" as here
         torch._dynamo.reset()
         eager_model = plan.apply(copy.deepcopy(model))
-        eager_losses, eager_grads = train(eager_model, data, "tpu", hf, adam)
+        eager_losses, eager_grads = train(eager_model, data, "tpu", hf, adam, fwd=fwd)
         torch.testing.assert_close(torch.tensor(eager_losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=1e-5)
     model = plan.apply(model)
@@ -107,7 +111,7 @@ def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq
     if compiled:
         run = torch.compile(model, backend="tpu")
         before = torch.tpu.metrics()["counters"].get("compile_graphs", 0)
-    losses, grads = train(model, data, "tpu", hf, adam, run=run)
+    losses, grads = train(model, data, "tpu", hf, adam, run=run, fwd=fwd)
     if compiled:
         assert torch.tpu.metrics()["counters"].get("compile_graphs", 0) > before, \
             torch.tpu.metrics()["counters"]
@@ -237,6 +241,27 @@ def main():
             assert plan.sequence_parallel and plan.loss_parallel, plan
             assert plan.sp_modules["entry"][0] == "model.layers.0", plan.sp_modules
             check(cfg, plan, lambda: tiny_llama(vocab), hf=True, seq=seq, steps=5)
+        elif cfg in ("titan_sp", "2d_titan_sp"):
+            # TorchTitan's llama3 debug model (fused wqkv, loss computed outside the model, as
+            # TorchTitan's loss_fn does) under 0.9 x pure FSDP's memory: its attention and MLP
+            # as Megatron pairs (wqkv colwise: rows grouped per KV head) with sequence
+            # parallelism; 5 steps against one CPU process
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            make, fwd, tkw, tvocab = titan(32)
+            tm = make()
+            x = torch.randint(0, tvocab, (BATCH, 32))
+            fsdp = plan_for(tm, world, (x,), dp=world, tp=1, tp_units=None, device_spec="cpu",
+                            example_kwargs=tkw)
+            shape = (2, world // 2) if cfg == "2d_titan_sp" else (1, world)
+            plan = td.auto_parallelize(tm, world, (x,), example_kwargs=tkw,
+                                       memory_budget=0.9 * fsdp.predicted["memory_bytes"],
+                                       device_spec="cpu", mesh_shapes=[shape], verify=False,
+                                       objective="memory")
+            assert plan.sequence_parallel and not plan.loss_parallel, plan
+            assert plan.units["layers.*.attention"]["choice"] == "tp", plan
+            assert plan.units["layers.*.attention"]["ins"] == ["qkv_linear.wqkv"], plan
+            check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab)
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()
@@ -288,6 +313,34 @@ def main():
     if dist.get_rank() == 0:
         print("ALL OK", len(checked), flush=True)
     dist.destroy_process_group()
+
+
+def titan(seq):
+    """TorchTitan's llama3 debug model (its own init_weights, seeded), how it is called (tokens,
+    positions, a causal BlockMask) and its vocabulary. Its FlexAttention runs PyTorch's eager
+    flex_attention on CPU and "tpu" alike (TorchTitan compiles it; CPU has no compiled
+    backward), as tests/dist_scripts/titan_train.py's CPU reference does."""
+    import torch.nn.attention.flex_attention as fa
+    from torchtitan.models.common import attention as tt_attn
+    from torchtitan.models.llama3 import model_registry
+
+    fa._validate_device = lambda q, k, v: None
+    tt_attn.FlexAttention._compiled_flex_attn = staticmethod(fa.flex_attention)
+    cfg = model_registry("debugmodel").model
+    pos = torch.arange(seq).repeat(BATCH, 1)
+    mask = fa.create_block_mask(lambda b, h, q, k: q >= k, None, None, seq, seq, device="cpu")
+
+    def make():
+        torch.manual_seed(0)
+        m = cfg.build()
+        m.init_weights(buffer_device=None)
+        return m
+
+    def fwd(run, x):
+        dev = x.device
+        return run(x, positions=pos.to(dev), attention_masks=mask.to(dev))
+
+    return make, fwd, {"positions": pos, "attention_masks": mask}, cfg.vocab_size
 
 
 def _fsdp_memory(model, world, hf=False):

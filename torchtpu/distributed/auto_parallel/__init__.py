@@ -50,7 +50,8 @@ class _Search:
         self.model, self.n, self.args, self.kwargs = model, n, args, kwargs
         self.spec = device_spec(spec)
         self.optimizer_states = optimizer_states
-        self.an = analyse(model, args, kwargs)
+        self.an = analyse(model, args, kwargs,
+                          tp_degrees=[tp for _, tp in factorisations(n) if tp > 1])
         self.modules = dict(model.named_modules())
         self.units = units(self.an, self.modules)
         self._costs = {}

@@ -12,8 +12,9 @@ Groups: a parameter's name with its ``ModuleList`` indices replaced by ``*``
 TP blocks: a module whose forward first runs one or more Linears on the same tensor ("in"
 layers, colwise) and then exactly one more Linear ("out", rowwise) whose ``in_features`` is a
 multiple of every in layer's ``out_features`` (attention with q/k/v/o, GQA included; a gated
-MLP); a fused QKV projection fails the rule and is left out, as are modules with other
-parametrised leaves between.
+MLP); a fused QKV projection (one in layer wider than the out layer's input) is a block only at
+the tp degrees where its split is checked numerically (``fused_split.py``); modules with other
+parametrised leaves between are left out.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from .fused_split import fused_split_tps
 
 def namer(model: nn.Module):
     """``fqn -> group name`` for ``model``: the index of a child of a ``ModuleList`` /
@@ -70,6 +73,9 @@ class TPBlock:
     heads: list = field(default_factory=list)  # head counts found on the module, for divisibility
     act_arg: object = None  # where the block takes its input: positional index or kwarg name
     nargs: int = 0  # its positional arguments
+    # a fused in layer (TorchTitan's wqkv): the tp degrees at which the split was checked
+    # numerically (``fused_split_tps``); None for ordinary blocks (head counts decide)
+    tps: object = None
 
 
 @dataclass
@@ -95,6 +101,11 @@ class Analysis:
     layers: list = field(default_factory=list)  # the repeated layers holding TP blocks
     loss_inside: bool = False  # the model applies F.cross_entropy to its head's output
     loss_saved: int = 0  # bytes autograd saves inside that cross_entropy
+    # Linear / Embedding leaves whose class overrides ``forward`` (TorchTitan's Embedding
+    # unwraps a DTensor weight for its own vocab-parallel path): ColwiseParallel /
+    # RowwiseParallel would hand that code DTensors it does not expect, so they are never
+    # tensor-parallel (fqn -> why)
+    custom_leaves: dict = field(default_factory=dict)
 
 
 class _Flops(TorchDispatchMode):
@@ -188,7 +199,9 @@ def _head_counts(mod: nn.Module) -> list:
     return found
 
 
-def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
+def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None) -> Analysis:
+    """``tp_degrees``: the tp sizes the search will consider (a fused projection's split is
+    checked at those only; None: every degree up to ``fused_split.MAX_TP``)."""
     params = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
     gn = namer(model)
     groups = defaultdict(list)
@@ -198,7 +211,15 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     meta_params = {n: fake_like(fm, p).requires_grad_(p.requires_grad)
                    for n, p in model.named_parameters()}
     meta_buffers = {n: fake_like(fm, b) for n, b in model.named_buffers()}
-    margs, mkwargs = pytree.tree_map(lambda x: fake_like(fm, x), (args, kwargs))
+    real_of = {}  # id(fake input) -> the user's tensor (for the fused-projection check)
+
+    def fake_in(x):
+        f = fake_like(fm, x)
+        if f is not x:  # a tensor, or a BlockMask moved as a whole
+            real_of[id(f)] = x
+        return f
+
+    margs, mkwargs = pytree.tree_map(fake_in, (args, kwargs))
     tensors = [t for t in pytree.tree_leaves((margs, mkwargs)) if isinstance(t, torch.Tensor)]
     if not tensors:
         raise ValueError("auto_parallelize: example_inputs hold no tensor")
@@ -211,6 +232,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     leaves = {}
     block_inputs = {}
     call_args = {}  # module fqn -> (positional arg ids, {kwarg name: id}) of its first call
+    first_call = {}  # module fqn -> (args, kwargs) of its first call (fake tensors)
     arg_shapes = {}  # module fqn -> the same with the float tensors' shapes (else None)
     saved = defaultdict(int)
     seen = {}
@@ -222,6 +244,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         first = next((t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)), None)
         block_inputs.setdefault(fqn, (id(first), _nbytes(first)))
         call_args.setdefault(fqn, ([id(x) for x in a], {k: id(v) for k, v in kw.items()}))
+        first_call.setdefault(fqn, (a, kw))
         arg_shapes.setdefault(fqn, ([_shape(x) for x in a], {k: _shape(v) for k, v in kw.items()}))
 
     def post(mod, a, kw, out):
@@ -275,8 +298,13 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     flops.setdefault("", 0)
 
     mods = dict(model.named_modules())
+    custom = {f: f"{type(mods[f]).__name__} overrides nn.{base.__name__}.forward: its own code "
+                 f"would see DTensors, so it is not tensor-parallel"
+              for f in leaves for base in (nn.Linear, nn.Embedding)
+              if isinstance(mods[f], base) and type(mods[f]).forward is not base.forward}
     blocks = []
     refused = {}
+    fused_checked = {}
     for fqn, seq in calls.items():
         mod = mods[fqn]
         if isinstance(mod, (nn.Linear, nn.Embedding)) or len(seq) < 2:
@@ -284,21 +312,36 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         lin = [leaves[s] for s in seq]
         if any(l.kind != "linear" for l in lin) or len(set(seq)) != len(seq):
             continue
+        if any(f in custom for f in seq):
+            refused[fqn] = custom[next(f for f in seq if f in custom)]
+            continue
         out = lin[-1]
         ins = lin[:-1]
         if len({l.in_id for l in ins}) != 1 or out.in_id == ins[0].in_id:
             continue
         o_mod = mods[out.fqn]
+        tps = None  # tp degrees a fused projection was checked to split at (None: not fused)
         if any(o_mod.in_features % mods[l.fqn].out_features for l in ins):
             if len(ins) == 1 and mods[ins[0].fqn].out_features > o_mod.in_features:
-                # one projection wider than the out layer's input: a fused QKV (or gate/up)
-                # projection. Its rows' layout (q, k, v stacked, or grouped per head) is not
-                # known here, so a Shard(0) could split a head's q from its k and v: not a
-                # Megatron pair; it stays a lone Linear (colwise, output gathered)
-                refused[fqn] = (f"{ins[0].fqn} (out_features {mods[ins[0].fqn].out_features}) "
-                                f"looks like a fused projection feeding {out.fqn} (in_features "
-                                f"{o_mod.in_features}): not split as a colwise/rowwise pair")
-            continue
+                # one projection wider than the out layer's input: a fused QKV (or gate/up).
+                # Whether a Shard(0) of its rows gives each rank whole heads of q, k and v
+                # depends on the rows' layout (TorchTitan's groups them per KV head, so its
+                # own TP plan is a plain ColwiseParallel; a [q; k; v] stack would not split):
+                # checked numerically per tp degree (``fused_split_tps``)
+                if gn(fqn) not in fused_checked:  # repeated layers: one check
+                    fused_checked[gn(fqn)] = fused_split_tps(
+                        mod, mods[ins[0].fqn], o_mod, first_call.get(fqn), real_of,
+                        ins[0].fqn, out.fqn, fqn, eager, tp_degrees)
+                tps, why = fused_checked[gn(fqn)]
+                if not tps:
+                    refused[fqn] = (f"{ins[0].fqn} (out_features "
+                                    f"{mods[ins[0].fqn].out_features}) looks like a fused "
+                                    f"projection feeding {out.fqn} (in_features "
+                                    f"{o_mod.in_features}): not split as a colwise/rowwise "
+                                    f"pair ({why})")
+                    continue
+            else:
+                continue
         own = {f"{l}.{p}" for l in seq for p, _ in mods[l].named_parameters()}
         pre_ = f"{fqn}." if fqn else ""
         if any(pre_ + p not in own for p, _ in mod.named_parameters()):
@@ -308,7 +351,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
         act = next((i for i, x in enumerate(pos) if x == ins[0].in_id),
                    next((k for k, x in kws.items() if x == ins[0].in_id), None))
         blocks.append(TPBlock(fqn, [l.fqn for l in ins], out.fqn, out.out_bytes, ins[0].in_bytes,
-                              _head_counts(mod), act, len(pos)))
+                              _head_counts(mod) if tps is None else [], act, len(pos), tps))
     # keep the innermost block for a given set of leaves
     by_leaves = {}
     for b in sorted(blocks, key=lambda b: -len(b.fqn)):
@@ -327,6 +370,8 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
                   sum(_nbytes(t) for t in tensors), out_bytes, leaf_order,
                   tensors[0].shape[1] if tensors[0].dim() >= 2 else 0)
     an.not_blocks = {gn(k): v for k, v in refused.items()}
+    an.custom_leaves = custom
+    an.not_blocks.update({gn(k): v for k, v in custom.items()})
     head = leaves.get(leaf_order[-1]) if leaf_order else None
     an.loss_inside = bool(head is not None and head.kind == "linear" and
                           lw.last_leaf == head.fqn and mods[head.fqn].out_features in lw.classes)
@@ -335,7 +380,9 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict) -> Analysis:
     an.sp_blocker = _sp_blocker(model, an, mods)
     if not an.sp_blocker:
         state, want = (meta_params, meta_buffers), [tuple(o.shape) for o in outs]
-        at_embedding = _sp_shapes(model, an, fm, state, margs, mkwargs, want)
+        first = an.leaf_order[0]
+        at_embedding = (f"its embedding is not sharded ({custom[first]})" if first in custom
+                        else _sp_shapes(model, an, fm, state, margs, mkwargs, want))
         an.sp_blocker = at_embedding
         entry = _layer_entry(an, mods, arg_shapes, leaves) if at_embedding else None
         if isinstance(entry, str):
@@ -452,6 +499,7 @@ class _Stream(TorchDispatchMode):
     or a token shift between the blocks would be wrong on a rank's half of the tokens)."""
 
     _OK = ("_to_copy", "clone", "copy_", "detach", "alias")
+    supports_higher_order_operators = True  # flex_attention inside a block (TorchTitan)
 
     def __init__(self):
         super().__init__()
@@ -468,8 +516,10 @@ class _Stream(TorchDispatchMode):
             return out
         if any(id(t) in self.ids for t in pytree.tree_leaves((args, kwargs))
                if isinstance(t, torch.Tensor)):
-            if torch.Tag.pointwise not in func.tags and func.namespace != "prim" and \
-                    func.overloadpacket.__name__ not in self._OK and self.bad is None:
+            packet = getattr(func, "overloadpacket", func)  # a higher-order op: itself
+            if torch.Tag.pointwise not in getattr(func, "tags", ()) and \
+                    getattr(func, "namespace", "") != "prim" and \
+                    getattr(packet, "__name__", "") not in self._OK and self.bad is None:
                 self.bad = str(func)
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):

@@ -269,8 +269,17 @@ def _replicate_rest(model: nn.Module, mesh, plan, gn) -> None:
             mod.register_parameter(n_, nn.Parameter(
                 DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
                 requires_grad=p.requires_grad))
-        mod.register_forward_pre_hook(_to_replicated(mesh), with_kwargs=True)
+        if not _own_forward(mod):
+            mod.register_forward_pre_hook(_to_replicated(mesh), with_kwargs=True)
+        # else a Linear / Embedding with its own forward (TorchTitan's Embedding unwraps a
+        # DTensor weight with ``to_local()`` and takes plain inputs): its inputs stay local
         mod.register_forward_hook(_to_local)
+
+
+def _own_forward(mod) -> bool:
+    """A Linear / Embedding whose class overrides the standard forward."""
+    return any(isinstance(mod, b) and type(mod).forward is not b.forward
+               for b in (nn.Linear, nn.Embedding))
 
 
 def _to_replicated(mesh):

@@ -61,7 +61,7 @@ def units(an: Analysis, modules: dict) -> list:
         in_block.update(b.ins)
         in_block.add(b.out)
     for fqn, leaf in an.leaves.items():
-        if fqn in in_block:
+        if fqn in in_block or fqn in an.custom_leaves:
             continue
         g = an.namer(fqn)
         u = out.get(g)
@@ -85,6 +85,8 @@ def tp_ok(unit: Unit, tp: int, modules: dict, an: Analysis) -> bool:
                 return False
             blk = next(b for b in an.blocks if b.fqn == fqn)
             if any(h % tp for h in blk.heads):
+                return False
+            if blk.tps is not None and tp not in blk.tps:  # a fused projection: as checked
                 return False
         elif unit.kind == "linear":
             if m.out_features % tp:
