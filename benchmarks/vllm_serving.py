@@ -46,6 +46,9 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
 MODEL = dict(arch="llama", layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512,
              max_positions=2048)
 DTYPE = os.environ.get("BENCH_VLLM_DTYPE", "float32")
+# the offline rows' sampling temperature (--temperature): 0 greedy; > 0 random sampling (the
+# OpenAI API's default is 1.0), seeded by the engine's seed
+TEMPERATURE = float(os.environ.get("BENCH_VLLM_TEMPERATURE", "0"))
 
 
 def _requests(n, seed=0, lo=16, hi=200):
@@ -80,7 +83,7 @@ def child_offline(path, contender, n_requests, repeats, out_tokens):
         c = torch.tpu.metrics()["counters"]
         start_compiles = sum(v for k, v in c.items() if k.endswith("xla_compiles")
                              or k == "compile_traces")
-    sp = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=out_tokens, temperature=TEMPERATURE, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in _requests(n_requests)]
     llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
     if tpu:
@@ -260,6 +263,8 @@ def main():
     ap.add_argument("--decode", action="store_true", help="also the decode-step KV-size rows")
     ap.add_argument("--offline", default="tpu-compiled,vllm-cpu",
                     help="comma list of the offline rows (tpu-compiled, tpu-eager, vllm-cpu)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="offline rows' sampling temperature (0: greedy)")
     ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
                     help="comma list of the server rows (tpu-compiled, vllm-cpu, tf-serve-tpu)")
     a = ap.parse_args()
@@ -278,6 +283,7 @@ def main():
 
     from tiny_models import save_tiny_model
 
+    os.environ["BENCH_VLLM_TEMPERATURE"] = str(a.temperature)  # the children's offline rows
     path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **MODEL)
     reps, out_tok = (2, 32) if a.quick else (3, 32)
     cases = (32, 128)
@@ -325,7 +331,8 @@ def main():
     if "offline" not in skip:
         for n in cases:
             base = results.get(f"offline-{n}-vllm-cpu", {})
-            print(f"\n| offline, {n} requests x {out_tok} tokens | start-up s | output tok/s | "
+            print(f"\n| offline, {n} requests x {out_tok} tokens, temperature {a.temperature} "
+                  "| start-up s | output tok/s | "
                   "vs vllm-cpu | compiles/step | host syncs/step | load |")
             print("|---|---|---|---|---|---|---|")
             for name in a.offline.split(","):

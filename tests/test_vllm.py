@@ -64,6 +64,7 @@ def test_offline_compiled_llama_matches_transformers():
     out = run_script("offline.py", "llama", "compiled", "features",
                      env={"TORCHTPU_VLLM_BLOCK_C": "1"})
     for what in ("greedy OK", "prefix caching OK", "seeded sampling and n=2 OK",
+                 "seeded in-program sampling OK", "in-program sampling distribution OK",
                  "mixed greedy/random batch and logit bias OK", "stop strings OK", "logprobs OK", "ran without vllm._C"):
         assert what in out
     # a second process on the same compile cache folder (the session's TORCHTPU_CACHE_DIR)

@@ -111,16 +111,63 @@ if features:
     assert len(two) == 2 and all(len(x) == MAX_TOKENS for x in two), two
     print("seeded sampling and n=2 OK", flush=True)
 
-    # a batch mixing greedy and random requests samples on the host (vLLM's sampler): the
-    # greedy requests still give transformers' ids; a logit bias that changes the argmax
-    # (vLLM's logit-bias processor) is honoured: the biased token wins every step
+    # a batch mixing greedy and plain random requests (a temperature, nothing else) samples
+    # in the step's program: the greedy requests still give transformers' ids, a seeded random
+    # request gives the same tokens run to run and whatever it is batched with; top-p sends a
+    # step to vLLM's sampler on the host, with the greedy ids unchanged
     torch.tpu.reset_metrics()
     rand = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True)
     mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
                          [greedy, rand, greedy], use_tqdm=False)
     assert [list(mixed[i].outputs[0].token_ids) for i in (0, 2)] == [ref[0], ref[2]]
     c = torch.tpu.metrics()["counters"]
+    assert c.get("vllm_steps_sampled_in_program", 0) >= MAX_TOKENS, c
+    assert not c.get("vllm_steps_sampled_on_host", 0), c
+    alone = llm.generate([{"prompt_token_ids": prompts[1]}], rand, use_tqdm=False)[0]
+    assert list(alone.outputs[0].token_ids) == list(mixed[1].outputs[0].token_ids)
+    other = llm.generate([{"prompt_token_ids": prompts[1]}],
+                         SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=4,
+                                        ignore_eos=True), use_tqdm=False)[0]
+    assert list(other.outputs[0].token_ids) != list(alone.outputs[0].token_ids)
+    torch.tpu.reset_metrics()
+    top_p = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.8, seed=3,
+                           ignore_eos=True)
+    mixed = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]],
+                         [greedy, top_p, greedy], use_tqdm=False)
+    assert [list(mixed[i].outputs[0].token_ids) for i in (0, 2)] == [ref[0], ref[2]]
+    c = torch.tpu.metrics()["counters"]
     assert c.get("vllm_steps_sampled_on_host", 0) >= MAX_TOKENS, c
+    print("seeded in-program sampling OK", flush=True)
+
+    # the in-program draw follows softmax(logits / temperature) of transformers' logits: the
+    # first token of one prompt under 600 seeds, a chi-square test on bins of >= 5 expected
+    # draws (seeded: the same counts every run; a threshold of p ~ 1e-6). The tiny model's
+    # logits are nearly flat: at temperature 0.25 a draw that ignored the temperature fails
+    # (chi2 ~270 against a limit of ~97), at 1.0 anything far from it does (a greedy draw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        last = model(torch.tensor([prompts[4]])).logits[0, -1].double()
+    for temp in (1.0, 0.25):
+        N = 600
+        sps = [SamplingParams(max_tokens=1, temperature=temp, seed=1000 + i, ignore_eos=True)
+               for i in range(N)]
+        torch.tpu.reset_metrics()
+        outs = llm.generate([{"prompt_token_ids": prompts[4]}] * N, sps, use_tqdm=False)
+        assert not torch.tpu.metrics()["counters"].get("vllm_steps_sampled_on_host", 0)
+        counts = np.bincount([o.outputs[0].token_ids[0] for o in outs], minlength=vocab)
+        expect = torch.softmax(last / temp, -1).numpy() * N
+        big = expect >= 5
+        obs, exp = counts[big], expect[big]
+        if (~big).any():
+            obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expect[~big].sum())
+        chi2 = float(((obs - exp) ** 2 / exp).sum())
+        df = len(obs) - 1
+        # Wilson-Hilferty: chi2's p ~ 1e-6 quantile for df degrees of freedom
+        limit = df * (1 - 2 / (9 * df) + 4.75 * (2 / (9 * df)) ** 0.5) ** 3
+        assert df >= 3 and chi2 < limit, (temp, chi2, limit, df, obs, exp)
+        print(f"distribution at temperature {temp}: chi2 {chi2:.1f} < {limit:.1f} "
+              f"(df {df})", flush=True)
+    print("in-program sampling distribution OK", flush=True)
     tok = 11
     biased = llm.generate([{"prompt_token_ids": prompts[0]}],
                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
@@ -145,7 +192,6 @@ if features:
     lp = llm.generate([{"prompt_token_ids": prompts[0]}],
                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                                      logprobs=2), use_tqdm=False)[0].outputs[0]
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([prompts[0] + list(lp.token_ids)])
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits[0].double(), -1)

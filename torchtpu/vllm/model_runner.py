@@ -10,11 +10,12 @@ cache) lives on "tpu". What differs from the GPU runner:
   needed as one int32 array of a fixed shape per bucket (one host-to-device transfer; the
   compiled program slices it);
 - a step is one program per token bucket (``_Step``: forward, the rows' gather, logits,
-  greedy argmax) with ``torch.compile(backend="tpu")``, all built (or loaded from the compile
+  the rows' tokens: greedy argmax or a temperature draw, ``sampling.py``) with ``torch.compile(backend="tpu")``, all built (or loaded from the compile
   cache) at start-up by ``warm_up``; with ``enforce_eager=True`` it runs eagerly (Strict mode);
-- a step whose requests all sample greedily (and nothing changes the argmax) takes its tokens
-  from the program: one small transfer, vLLM's sampler skipped; any other step brings its
-  logits back (one transfer) for vLLM's sampler on the host: one host sync a step either way;
+- a step whose requests all sample greedily or with a temperature only (no top-k/top-p,
+  logprobs, penalties, ...: ``sampling.samples_in_program``) takes its tokens from the
+  program: one small transfer, vLLM's sampler skipped; any other step brings its logits back
+  (one transfer) for vLLM's sampler on the host: one host sync a step either way;
 - the KV cache is one tensor per layer (``[blocks, block_size, 2 * kv_heads, head_dim]``), not
   views of one shared byte buffer: each layer's cache is written in place by its own program.
 """
@@ -40,6 +41,7 @@ from ..ops._kv_storage import kv_storage_dtype
 from ..runtime.metrics import count
 from . import attention as _attn
 from . import buckets as _buckets
+from . import sampling as _sampling
 from .dispatch import BucketDispatch
 
 logger = init_logger(__name__)
@@ -49,9 +51,11 @@ PAD_SLOT_ID = -1
 class _Step(torch.nn.Module):
     """A step in one program: the model's forward on the step's packed inputs (token ids and
     positions are the first ``2 * T`` int32 of ``packed``, the attention metadata follows, see
-    ``attention.py``, and the last ``R`` are the rows whose logits are needed), the logits of
-    those rows and their greedy tokens (``argmax``, first index on ties, as vLLM's sampler).
-    Returns ``(hidden_states [T, H], logits [R, V], greedy ids int32 [R])``."""
+    ``attention.py``, and the last ``3 * R`` are the rows whose logits are needed, their
+    temperatures (float32 bits) and their sampling seeds), the logits of those rows and their
+    sampled tokens (``sampling.py``: argmax where the temperature is 0, first index on ties, as
+    vLLM's sampler; else a Gumbel-max draw keyed by the seed and the row's position).
+    Returns ``(hidden_states [T, H], logits [R, V], token ids int32 [R])``."""
 
     def __init__(self, model, compute_logits):
         super().__init__()
@@ -60,9 +64,12 @@ class _Step(torch.nn.Module):
 
     def forward(self, packed, T: int, R: int):
         h = self.model(input_ids=packed[:T], positions=packed[T:2 * T].to(torch.int64))
-        rows = packed[packed.shape[0] - R:].to(torch.int64)
+        end = packed.shape[0]
+        rows = packed[end - 3 * R:end - 2 * R].to(torch.int64)
         logits = self.compute_logits(h[rows])
-        return h, logits, logits.argmax(dim=-1).to(torch.int32)
+        ids = _sampling.sample(logits, packed[end - 2 * R:end - R].view(torch.float32),
+                               packed[end - R:], packed[T:2 * T][rows])
+        return h, logits, ids
 
 
 class TpuModelRunner(GPUModelRunner):
@@ -76,10 +83,10 @@ class TpuModelRunner(GPUModelRunner):
         self.token_buckets = _buckets.token_buckets(vllm_config)
         self.request_buckets = _buckets.request_buckets(vllm_config)
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        self._step_rows: np.ndarray | None = None  # the step's logits rows (_prepare_inputs)
-        self._step_out = None  # (logits, greedy ids, real rows) of the step being run
-        self._step_ids = None  # (greedy ids, real rows) when the step samples in the program
-        self._step_n, self._step_greedy = 0, False
+        self._step_rows: np.ndarray | None = None  # rows, temperatures, seeds (_prepare_inputs)
+        self._step_out = None  # (hidden states, logits, token ids) of the step
+        self._step_ids = None  # (token ids, real rows) when the step samples in the program
+        self._step_n, self._step_sampled = 0, False
         self._host_buffers()
         _install_host_slot_mapping()
 
@@ -199,11 +206,13 @@ class TpuModelRunner(GPUModelRunner):
         T = _buckets.pick(self.token_buckets, max(1, int(np.sum(num_scheduled_tokens))))
         R = self.rows_bucket(T)
         # the rows go to the device with the step's inputs (_send_inputs); rows past n are
-        # padding (their logits are dropped)
+        # padding (their logits are dropped); the rows' temperatures and seeds follow them
         rows = np.full(R, T - 1, np.int32)
         rows[:n] = logits_indices.numpy()
-        self._step_rows, self._step_n = rows, n
-        self._step_greedy = _samples_greedy_only(self, scheduler_output)
+        self._step_n = n
+        self._step_sampled = _sampling.samples_in_program(self, scheduler_output)
+        self._step_rows = np.concatenate(
+            [rows, _sampling.row_params(self.input_batch, n, R, self._step_sampled)])
         # the program gathers the rows itself: the runner's ``hidden_states[logits_indices]``
         # is a view of the whole hidden states (no device op), which _LogitsHook recognises
         return slice(None), spec, max_sampled
@@ -254,10 +263,11 @@ class TpuModelRunner(GPUModelRunner):
         T = int(input_ids.shape[0])
         rows = self._step_rows
         self._step_rows = None
-        if rows is None:  # a padding step (warm-up, dummy runs)
-            rows = np.full(self.rows_bucket(T), T - 1, np.int32)
+        if rows is None:  # a padding step (warm-up, dummy runs): greedy rows
+            R = self.rows_bucket(T)
+            rows = np.concatenate([np.full(R, T - 1, np.int32), np.zeros(2 * R, np.int32)])
         h, logits, ids = self._forward(self._send_inputs(input_ids, positions, rows), T,
-                                       len(rows))
+                                       len(rows) // 3)
         self._step_out = (h, logits, ids)
         return h
 
@@ -323,7 +333,7 @@ class TpuModelRunner(GPUModelRunner):
     @torch.inference_mode()  # as the worker runs steps (Dynamo guards on the grad mode)
     def warm_up(self) -> float:
         """Compile (or load from the compile cache) every token bucket's step program, and
-        run what a step does with its outputs (the greedy ids' transfer, the logits' transfer
+        run what a step does with its outputs (the token ids' transfer, the logits' transfer
         and the row slices a logits step takes); returns the seconds it took."""
         t0 = time.perf_counter()
         for T in self.token_buckets:
@@ -342,9 +352,9 @@ class TpuModelRunner(GPUModelRunner):
         return dt
 
     def _sample(self, logits, spec_decode_metadata):
-        """vLLM's sampler, or the greedy ids the step's program computed when every request
-        of the step samples greedily with nothing that changes the logits (the hook decided,
-        see ``_samples_greedy_only``): one small transfer."""
+        """vLLM's sampler, or the token ids the step's program drew when every request of the
+        step samples greedily or with a temperature only (``sampling.samples_in_program``):
+        one small transfer."""
         got = self._step_ids
         self._step_ids = None
         if got is None:
@@ -362,8 +372,8 @@ class TpuModelRunner(GPUModelRunner):
 class _LogitsHook:
     """Stands in for ``model.compute_logits``. Given the step's hidden states (the runner's
     ``hidden_states[logits_indices]``, a view of the program's output) it returns what the
-    step's program computed: where the step samples greedily only, the logits stay on the
-    device and ``_sample`` takes the program's greedy ids; else the logits come back (the
+    step's program computed: where the step samples in the program, the logits stay on the
+    device and ``_sample`` takes the program's token ids; else the logits come back (the
     smallest request bucket holding the step's rows, one transfer: the step's one host sync).
     Any other call (prompt logprobs) runs the model's own and returns its result on the host,
     where vLLM's sampler runs."""
@@ -380,7 +390,7 @@ class _LogitsHook:
             r._step_out = None
             _, logits, ids = out
             n = r._step_n
-            if r._step_greedy:
+            if r._step_sampled:
                 r._step_ids = (ids, n)
                 return logits
             R = _buckets.pick(r.request_buckets, n)
@@ -392,37 +402,6 @@ class _LogitsHook:
 
 def _rows(logits: torch.Tensor, R: int) -> torch.Tensor:
     return logits if R == logits.shape[0] else logits[:R]
-
-
-def _samples_greedy_only(runner, scheduler_output) -> bool:
-    """Whether vLLM's sampler would return ``argmax(logits)`` for every request of the step:
-    all greedy, no logprobs, penalties, bad words, allowed-token masks, logits processors
-    that change the argmax, thinking budgets or structured output (and no NaN counting)."""
-    import vllm.envs as envs
-
-    md = runner.input_batch.sampling_metadata
-    holder = getattr(md, "thinking_budget_state_holder", None)
-    return bool(
-        md.all_greedy and md.max_num_logprobs is None and not md.logprob_token_ids
-        and md.no_penalties and md.allowed_token_ids_mask is None
-        and not md.bad_words_token_ids
-        and not any(map(_changes_argmax, md.logitsprocs.non_argmax_invariant))
-        and (holder is None or not holder.has_tracked_requests())
-        and not getattr(scheduler_output, "has_structured_output_requests", False)
-        and not envs.VLLM_COMPUTE_NANS_IN_LOGITS)
-
-
-def _changes_argmax(processor) -> bool:
-    """Whether a logits processor that may change the argmax would change it this step:
-    vLLM's logit-bias and min-tokens processors only while a request of the batch uses them
-    (they are always installed); any other processor is assumed to."""
-    from vllm.v1.sample.logits_processor import builtin
-
-    if type(processor) is builtin.LogitBiasLogitsProcessor:
-        return bool(processor.biases)
-    if type(processor) is builtin.MinTokensLogitsProcessor:
-        return bool(processor.min_toks)
-    return True
 
 
 @contextmanager
