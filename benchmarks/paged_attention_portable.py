@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--pages", default="2048,16384", help="two KV pool sizes, in pages")
     a = ap.parse_args()
     sizes = [int(x) for x in a.pages.split(",")]
+    if len(sizes) != 2:
+        ap.error("--pages takes two pool sizes, e.g. --pages 2048,16384")
     timer = Timer(repeats=7, min_repeat_s=0.05)
     rows = {}
     for pages in sizes:
