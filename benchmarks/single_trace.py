@@ -1,7 +1,7 @@
 """The GPT training step with ``torch.tpu.optimizers.SingleTraceTrainer`` vs
 ``torch.compile(backend="tpu")`` of the same step vs Fused eager vs Strict eager.
 
-    python benchmarks/single_trace.py [--repeats N] [--skip strict,fused]
+    python benchmarks/single_trace.py [--repeats N] [--skip strict,fused] [--one-core]
 
 Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 layers, d_model
 256, seq 128, vocab 4096, batch 8, float32). Contenders, all in one process:
@@ -18,7 +18,12 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
   AdamW, and ``fused+opt`` / ``strict+opt`` with ``torch.tpu.optimizers.AdamW`` (its step one
   program).
 
-Prints the median ms per step, wall and process CPU time (every timed repeat ends with
+``--one-core`` pins the process to one CPU and turns XLA:CPU's multi-threaded Eigen off
+(``--xla_cpu_multi_thread_eigen=false``): the CPU time is then the programs' work alone, with no
+thread-level parallelism or idle spinning, to tell a difference in work from one in scheduling.
+
+Prints the median ms per step, wall and process CPU time (split into the main thread's, the
+host's Python and dispatch, and the other threads', XLA:CPU's execution) (every timed repeat ends with
 ``torch.tpu.synchronize()``; the repeats go round the contenders so that a changing host load
 hits them alike), the first-step time (trace + compile), and the device programs each step ran: Strict's per-op
 programs, Fused's graphs, compiled graphs, and the optimizer's and trainer's programs (from
@@ -101,13 +106,26 @@ def prepare(name):
 
 
 def timed(fn, mode, steps):
-    """(wall, process CPU) seconds per step over ``steps`` steps ending with a synchronize."""
+    """(wall, process CPU, main-thread CPU) seconds per step over ``steps`` steps ending with a
+    synchronize. The main thread runs the host's Python and dispatch; XLA:CPU executes programs
+    on its own threads (process CPU minus main-thread CPU)."""
     with torch.tpu.set_eager_mode(mode):
-        c0, w0 = time.process_time(), time.perf_counter()
+        t0, c0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         for _ in range(steps):
             fn()
         torch.tpu.synchronize()
-        return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+        return ((time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps,
+                (time.thread_time() - t0) / steps)
+
+
+def one_core() -> None:
+    """Pin this process to one CPU and make XLA:CPU's dots single-threaded. Must run before the
+    XLA backend starts (it reads XLA_FLAGS once)."""
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    os.sched_setaffinity(0, {cpu})
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_cpu_multi_thread_eigen=false").strip()
+    torch.set_num_threads(1)
 
 
 def main(argv=None):
@@ -115,7 +133,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=2, help="steps per timed repeat")
     ap.add_argument("--skip", default="", help="comma-separated contenders to leave out")
+    ap.add_argument("--one-core", action="store_true",
+                    help="one CPU, single-threaded XLA dots: compare work, not scheduling")
     args = ap.parse_args(argv)
+    if args.one_core:
+        one_core()
     skip = set(filter(None, args.skip.split(",")))
     names = [n for n in CONTENDERS if n not in skip]
     print(environment(), flush=True)
@@ -138,12 +160,16 @@ def main(argv=None):
     for n in names:
         res[n]["ms"] = 1e3 * statistics.median(t[0] for t in times[n])
         res[n]["cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[n])
+        res[n]["host_ms"] = 1e3 * statistics.median(t[2] for t in times[n])
+        res[n]["xla_ms"] = 1e3 * statistics.median(t[1] - t[2] for t in times[n])
         walls = [t[0] for t in times[n]]
         res[n]["spread"] = (max(walls) - min(walls)) / statistics.median(walls)
     table = Table(f"GPT training step (median of {args.repeats} interleaved repeats of "
-                  f"{args.steps} steps)", names, unit="ms")
+                  f"{args.steps} steps{', one core' if args.one_core else ''})", names, unit="ms")
     table.add("step, wall", {n: res[n]["ms"] for n in names})
     table.add("step, process CPU", {n: res[n]["cpu_ms"] for n in names})
+    table.add("  main thread (host) CPU", {n: res[n]["host_ms"] for n in names})
+    table.add("  other threads (XLA) CPU", {n: res[n]["xla_ms"] for n in names})
     table.add("programs/step", {n: res[n]["programs"] for n in names})
     table.add("first step (s)", {n: res[n]["first_s"] for n in names})
     worst = max(res[n]["spread"] for n in names)
