@@ -340,7 +340,8 @@ def burst(args) -> dict:
         # (so it never retracts one), but sizes the others by a ratio of their max_tokens
         out = send_burst(base, "tiny", args.n, args.drop, args.bad, args.max_tokens,
                          checks_model=False, ignore_eos=False)
-        res.update(codes=out["codes"], burst_s=out["burst_s"], equal=out["got"] == out["alone"])
+        res.update(codes=out["codes"], burst_s=out["burst_s"], equal=out["got"] == out["alone"],
+                   lens=[len(t) for t in out["got"]])
         res["retracted"] = metric(base, "sglang:num_retracted_requests_total")
         res["idle"] = {name: wait_for_zero(base, name) for name in (
             "sglang:token_usage", "sglang:num_used_tokens", "sglang:num_running_reqs",

@@ -189,6 +189,7 @@ def _check_burst(r):
     """tests/sglang_check.py ``burst`` (client: tests/burst_client.py, which already raised if
     a malformed request got no 4xx or a valid answer differed from the request alone)."""
     assert r["equal"] and r["healthy"], r
+    assert all(r["lens"]), r  # every answer has text (greedy, not ignore_eos: see sglang_check)
     assert all(400 <= c < 500 for c in r["codes"]) and len(r["codes"]) == r["n"][2], r
     # the pool is too small for the burst: SGLang retracted running requests and recomputed them
     assert r["retracted"] > 0, r
