@@ -15,6 +15,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
 
 PROMPTS = ["the cat sat on the mat", "hello world how are you today", "red blue green",
            "one two three four five six seven eight nine ten up down left right"]
@@ -146,11 +147,50 @@ def _metrics(base) -> dict:
     return out
 
 
+def _launch(cmd: list, log_path: str):
+    """``cmd`` (a server) in its own session, its output in ``log_path``: (process, log)."""
+    import subprocess
+
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True), log
+
+
+def _wait_healthy(proc, base: str, timeout: float) -> float:
+    """Seconds until ``base``/health answers 200; raises if the server exits or times out."""
+    import requests
+
+    t = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}")
+        try:
+            if requests.get(base + "/health", timeout=5).status_code == 200:
+                return time.time() - t
+        except requests.RequestException:
+            pass
+        if time.time() - t > timeout:
+            raise TimeoutError("server did not come up")
+        time.sleep(1)
+
+
+def _stop(proc, log) -> None:
+    """SIGTERM the server's process group, SIGKILL it after 30 s."""
+    import signal
+    import subprocess
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
 def server(args) -> dict:
     """``launch_server --device tpu``: completions, chat, streaming against HF greedy; the
     llm-d contract: /metrics gauges scraped while requests run, KV-cache events over ZMQ."""
-    import signal
-    import subprocess
     import threading
 
     import msgspec
@@ -175,8 +215,7 @@ def server(args) -> dict:
            "--max-total-tokens", str(max_total), "--max-running-requests", str(max_running),
            "--enable-metrics", "--kv-events-config", json.dumps(kv_cfg), "--random-seed", "0",
            "--log-level", "warning", *json.loads(args.server_args)]
-    log = open(os.path.join(args.out, "server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, log = _launch(cmd, os.path.join(args.out, "server.log"))
     res = {"arch": args.arch}
     events, stop = [], threading.Event()
 
@@ -194,19 +233,7 @@ def server(args) -> dict:
     th = threading.Thread(target=subscribe, daemon=True)
     th.start()
     try:
-        t = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}")
-            try:
-                if requests.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() - t > args.timeout:
-                raise TimeoutError("server did not come up")
-            time.sleep(1)
-        res["startup_s"] = time.time() - t
+        res["startup_s"] = _wait_healthy(proc, base, args.timeout)
         comp = lambda prompt, **kw: requests.post(base + "/v1/completions", json=dict(
             model=path, prompt=prompt, max_tokens=n, temperature=0, **kw), timeout=600)
         out = [comp(p).json() for p in ids]
@@ -266,13 +293,7 @@ def server(args) -> dict:
     finally:
         stop.set()
         th.join(timeout=10)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        _stop(proc, log)
     kinds = {}
     stored = []
     for e in events:
@@ -282,6 +303,53 @@ def server(args) -> dict:
     res["kv_events"] = kinds
     res["kv_stored_tokens"] = stored
     res["prompts"] = ids
+    return res
+
+
+def burst(args) -> dict:
+    """``launch_server --device tpu`` under a bounded burst (tests/burst_client.py): greedy
+    completions at once (half streamed), streams dropped after their second chunk, malformed
+    requests, with a KV pool too small for them (SGLang retracts running requests and
+    recomputes them). Every valid answer must equal the same request alone, the malformed
+    ones get a 4xx, the server stays healthy; afterwards SGLang's token usage gauges
+    (``sglang:token_usage``, ``sglang:num_used_tokens``) read 0 once idle."""
+    import requests
+    from burst_client import burst as send_burst
+    from burst_client import metric, wait_for_zero
+
+    path = _model(args.arch, args.out)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    # no radix cache: a finished request's tokens would stay in the pool as cached prefixes.
+    # --schedule-conservativeness 0.05: the scheduler admits requests reserving almost none of
+    # their future tokens (0.7 of them by default, which a burst this small never outgrew), so
+    # decode runs out of the pool and must retract running requests
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device",
+           "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--served-model-name", "tiny", "--max-total-tokens", str(args.max_total),
+           "--max-running-requests", "16", "--schedule-conservativeness", "0.05",
+           "--disable-radix-cache", "--enable-metrics",
+           "--random-seed", "0", "--log-level", "warning", *json.loads(args.server_args)]
+    proc, log = _launch(cmd, os.path.join(args.out, "server.log"))
+    res = {"arch": args.arch, "n": [args.n, args.drop, args.bad]}
+    try:
+        res["startup_s"] = _wait_healthy(proc, base, args.timeout)
+        # SGLang serves its one model whatever the request's "model" says (by design)
+        # SGLang serves its one model whatever the request's "model" says (by design). Without
+        # ignore_eos: SGLang admits an ignore_eos request only with room for all its tokens
+        # (so it never retracts one), but sizes the others by a ratio of their max_tokens
+        out = send_burst(base, "tiny", args.n, args.drop, args.bad, args.max_tokens,
+                         checks_model=False, ignore_eos=False)
+        res.update(codes=out["codes"], burst_s=out["burst_s"], equal=out["got"] == out["alone"],
+                   lens=[len(t) for t in out["got"]])
+        res["retracted"] = metric(base, "sglang:num_retracted_requests_total")
+        res["idle"] = {name: wait_for_zero(base, name) for name in (
+            "sglang:token_usage", "sglang:num_used_tokens", "sglang:num_running_reqs",
+            "sglang:num_queue_reqs")}
+        res["healthy"] = proc.poll() is None and \
+            requests.get(base + "/health", timeout=10).status_code == 200
+    finally:
+        _stop(proc, log)
     return res
 
 
@@ -457,7 +525,7 @@ def compat(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["engine", "server", "kvpub", "pd", "compat"])
+    ap.add_argument("what", choices=["engine", "server", "burst", "kvpub", "pd", "compat"])
     ap.add_argument("--arch", default="llama")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -466,8 +534,13 @@ def main() -> None:
     ap.add_argument("--server-args", default="[]")
     ap.add_argument("--load-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=600)
+    # burst: valid, dropped and malformed requests; the KV pool's size in tokens
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--drop", type=int, default=8)
+    ap.add_argument("--bad", type=int, default=8)
+    ap.add_argument("--max-total", type=int, default=192)
     args = ap.parse_args()
-    res = {"engine": engine, "server": server, "kvpub": kvpub, "pd": pd,
+    res = {"engine": engine, "server": server, "burst": burst, "kvpub": kvpub, "pd": pd,
            "compat": compat}[args.what](args)
     print("SGLANG_CHECK " + json.dumps(res), flush=True)
 

@@ -185,6 +185,47 @@ def test_server_openai_metrics_kv_events(tmp_path):
     assert all(set(p[:-1]) <= stored for p in r["prompts"])
 
 
+def _check_burst(r):
+    """tests/sglang_check.py ``burst`` (client: tests/burst_client.py, which already raised if
+    a malformed request got no 4xx or a valid answer differed from the request alone)."""
+    assert r["equal"] and r["healthy"], r
+    assert all(r["lens"]), r  # every answer has text (greedy, not ignore_eos: see sglang_check)
+    assert all(400 <= c < 500 for c in r["codes"]) and len(r["codes"]) == r["n"][2], r
+    # the pool is too small for the burst: SGLang retracted running requests and recomputed them
+    assert r["retracted"] > 0, r
+    # dropped streams and finished requests gave their KV tokens back
+    assert r["idle"] == {"sglang:token_usage": 0.0, "sglang:num_used_tokens": 0.0,
+                         "sglang:num_running_reqs": 0.0, "sglang:num_queue_reqs": 0.0}, r
+
+
+# decode buckets 1, 2, 4 (as BUCKETS), without the overlap scheduler
+BURST_SERVER = json.dumps(["--cuda-graph-max-bs-decode", "4", "--disable-overlap-schedule"])
+
+
+@needs_sglang
+def test_server_small_burst_dropped_malformed(tmp_path):
+    """``launch_server --device tpu`` under a small burst: 8 greedy completions at once (half
+    streamed), 2 streams dropped mid-way, a prompt token id outside the vocabulary (it crashed
+    the scheduler: torchtpu/sglang/input_check.py) and a body that is not JSON, over a KV pool
+    of 64 tokens: each answer equals the request alone, both bad ones get a 4xx, the server
+    stays healthy and its token usage gauges return to 0."""
+    _check_burst(sglang_check("burst", "--out", str(tmp_path), "--n", "8", "--drop", "2",
+                              "--bad", "2", "--max-tokens", "12", "--max-total", "64",
+                              "--server-args", BURST_SERVER, timeout=1200))
+
+
+@pytest.mark.slow
+@needs_sglang
+def test_server_survives_a_burst_with_dropped_and_malformed_requests(tmp_path):
+    """The same check as vLLM's (tests/vllm_scripts/burst.py): 64 concurrent completions (half
+    streamed), 8 streams dropped mid-way and 8 malformed requests against a KV pool of 192
+    tokens: every valid answer equals the request alone (retracted ones recomputed), malformed
+    ones get a 4xx, the server stays healthy and the token usage gauges return to 0."""
+    _check_burst(sglang_check("burst", "--out", str(tmp_path), "--n", "64", "--drop", "8",
+                              "--bad", "8", "--max-tokens", "12", "--max-total", "192",
+                              "--server-args", BURST_SERVER, timeout=1800))
+
+
 @needs_sglang
 def test_dynamo_compat_twins_and_skip():
     """SGLang's layer-boundary records replaced by plain classes Dynamo traces (fullgraph: no

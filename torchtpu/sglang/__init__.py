@@ -73,6 +73,11 @@ def plugin() -> None:
     from .prefill import install as install_prefill
 
     install_prefill()  # extend steps through bucketed compiled programs (prefill.py)
+    from .input_check import check_prompt_ids
+
+    # a prompt token id outside the vocabulary: a 400, not a scheduler crash (input_check.py)
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager."
+                          "_validate_one_request", check_prompt_ids, HookType.BEFORE)
     from .kv_pool import budget_bytes
 
     # a 16-bit model's pool is stored as float32 on XLA:CPU: SGLang's KV byte budget halved
