@@ -224,10 +224,14 @@ class TpuPrefillRunner:
         fb.input_ids = _pad(forward_batch.input_ids, pt, 0)
         fb.positions = _pad(forward_batch.positions, pt, 0)
         fb.out_cache_loc = _pad(forward_batch.out_cache_loc, pt, 0)
-        fb.req_pool_indices = _pad(forward_batch.req_pool_indices, pb, 0)
-        fb.seq_lens = _pad(forward_batch.seq_lens, pb, 1)
-        fb.extend_seq_lens = _pad(forward_batch.extend_seq_lens, pb, 0)
-        fb.extend_prefix_lens = _pad(forward_batch.extend_prefix_lens, pb, 1)
+        # per request: from SGLang's host copies where it keeps them (a transfer; an eager op
+        # over a device tensor of ``b`` rows compiles a program for every new ``b``)
+        f = forward_batch
+        fb.req_pool_indices = _pad_host(getattr(f, "req_pool_indices_cpu", None),
+                                        f.req_pool_indices, pb, 0)
+        fb.seq_lens = _pad_host(getattr(f, "seq_lens_cpu", None), f.seq_lens, pb, 1)
+        fb.extend_seq_lens = _pad_host(f.extend_seq_lens_cpu, f.extend_seq_lens, pb, 0)
+        fb.extend_prefix_lens = _pad_host(f.extend_prefix_lens_cpu, f.extend_prefix_lens, pb, 1)
         ctx = get_forward_context() if has_forward_context() else ForwardContext(
             attn_backend=self.model_runner.attn_backend)
         out = self._call(fb, key, ctx)
@@ -250,6 +254,15 @@ class TpuPrefillRunner:
             self.dynamo[name] = {k: v - before[k] for k, v in _dynamo_counts().items()}
             self.compile_s[name] = time.perf_counter() - t0
         return out
+
+
+def _pad_host(host, dev: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
+    """``dev`` padded with ``pad`` values ``fill``, built from its host copy ``host`` (a list or
+    CPU tensor of the same values) when there is one, else on the device."""
+    if host is None or len(host) != dev.shape[0]:
+        return _pad(dev, pad, fill)
+    vals = host.tolist() if isinstance(host, torch.Tensor) else list(host)
+    return torch.tensor(vals + [fill] * pad, dtype=torch.int64).to(dev.device)
 
 
 def _name(key) -> str:
