@@ -158,7 +158,9 @@ def child_server(path, contender, streams, out_tokens):
     for k, v in _engine_args(contender, streams).items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     log = tempfile.TemporaryFile("w+")
-    srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    metrics = os.path.join(tempfile.mkdtemp(prefix="bench-metrics-"), "m")
+    srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                           env=dict(os.environ, TORCHTPU_SGLANG_METRICS_FILE=metrics))
     try:
         t0 = time.perf_counter()
         while True:
@@ -186,14 +188,34 @@ def child_server(path, contender, streams, out_tokens):
                     marks.append(time.perf_counter() - t)
             return marks
 
+        from torchtpu.sglang import metrics_file
+
         res = []
-        for _ in range(2):  # the first round warms the server's own paths
+        for i in range(2):  # the first round warms the server's own paths
+            if i == 1:
+                m0 = metrics_file.read(metrics)
             with cf.ThreadPoolExecutor(streams) as ex:
                 res = list(ex.map(stream, prompts))
+        m1 = metrics_file.read(metrics)
         ttft = [m[0] for m in res if m]
         itl = [b - a for m in res for a, b in zip(m, m[1:])]
+        # the second round's forwards, XLA compiles and host syncs in the scheduler
+        c0, c1 = m0["counters"], m1["counters"]
+        grow = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1}
         return dict(contender=f"sglang-tpu-{contender}", ttft_s=statistics.median(ttft),
-                    itl_s=statistics.median(itl), start_s=time.perf_counter() - t0)
+                    ttft_max_s=max(ttft), itl_s=statistics.median(itl),
+                    start_s=time.perf_counter() - t0,
+                    forwards={k: v - m0["forwards"].get(k, 0)
+                              for k, v in m1["forwards"].items()},
+                    xla_compiles=sum(v for k, v in grow.items() if k.endswith("xla_compiles")),
+                    host_syncs=grow.get("host_syncs", 0),
+                    # eager compiles of the second round, per kind of step and op
+                    eager_compiles={k: {op: n - m0["per_kind_eager_compiles"].get(k, {}).get(op, 0)
+                                        for op, n in ops.items()
+                                        if n > m0["per_kind_eager_compiles"].get(k, {}).get(op, 0)}
+                                    for k, ops in m1["per_kind_eager_compiles"].items()},
+                    prefill_programs=len(m1.get("prefill_dynamo") or {}),
+                    prefill_warm_up_s=m1.get("prefill_warm_up_s"))
     finally:
         os.killpg(srv.pid, signal.SIGTERM)
         try:

@@ -75,7 +75,8 @@ def engine(args) -> dict:
         m1 = _worker_metrics()
         res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "kv_dtype",
                                                 "max_total_num_tokens", "graph_runner",
-                                                "graph_bs", "graph_dynamo", "prefill_dynamo")}
+                                                "graph_bs", "graph_dynamo", "prefill_dynamo",
+                                                "prefill_warmed")}
         res["worker"]["spmd_programs"] = m1["counters"].get("compile_spmd_programs", 0)
         d0 = m0["per_kind"].get("decode", {})
         res["third_round"] = {

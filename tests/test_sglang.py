@@ -28,7 +28,10 @@ needs_sglang = pytest.mark.skipif(
 def sglang_check(*args, timeout=900, env=None):
     """Run ``sglang_check.py args`` in the SGLang venv; its JSON result."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = child_env(PYTHONPATH=path, **(env or {}))
+    # prefill buckets warmed at start-up up to 64 tokens (the checks' prompts are shorter;
+    # the default, SGLang's chunked-prefill size, compiles 14 programs)
+    env = child_env(PYTHONPATH=path, **{"TORCHTPU_SGLANG_PREFILL_WARMUP_TOKENS": "64",
+                                        **(env or {})})
     rc, out = run([SGLANG_PY, CHECK, *args], timeout, env)
     lines = [ln for ln in out.splitlines() if ln.startswith("SGLANG_CHECK ")]
     assert rc == 0 and lines, f"sglang_check {args} exited {rc}:\n{out[-6000:]}"
@@ -81,6 +84,10 @@ def _check_compiled_decode(r, layers):
     assert pre, r["worker"]
     for key, d in pre.items():
         assert (d["graph_breaks"], d["graphs"]) == (0, 1), (key, pre)
+    # every prefill program was compiled at start-up (prefill.warm_up): the requests' extend
+    # steps, with and without a cached prefix, met no bucket of their own
+    assert r["worker"]["prefill_warmed"] and sorted(pre) == sorted(
+        r["worker"]["prefill_warmed"]), r["worker"]
     third = r["third_round"]
     assert third["forwards"]["extend"] > 0
     assert third["forwards"].get("prefill_graph", 0) == third["forwards"]["extend"], third

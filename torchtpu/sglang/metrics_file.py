@@ -113,6 +113,8 @@ def snapshot() -> dict:
             "graph_dynamo": {str(k): v for k, v in (getattr(graphs, "dynamo", None)
                                                      or {}).items()},
             "prefill_dynamo": dict(getattr(prefill, "dynamo", None) or {}),
+            "prefill_warm_up_s": getattr(prefill, "warm_up_s", None),
+            "prefill_warmed": list(getattr(prefill, "warmed", None) or []),
             "graph_bs": list(getattr(graphs, "capture_bs", None) or [])})
     return out
 

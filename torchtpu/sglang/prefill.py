@@ -17,6 +17,18 @@ serve (log probabilities, hidden-state capture, input embeddings, speculative or
 context-parallel batches, more tokens than the largest bucket, another attention backend,
 more than one rank) runs eagerly there, as before. ``TORCHTPU_SGLANG_COMPILE_PREFILL=0``
 turns it off.
+
+The buckets are few enough to compile them all at start-up (``warm_up``, after SGLang's graph
+capture, ``ModelRunner.init_cuda_graphs``): one per token bucket, whose request count and KV
+width follow from its token count (a step of ``b`` requests has at least ``b`` tokens, and
+without a cached prefix its longest sequence is at most its token count): requests padded to
+``min(tokens, MAX_PADDED_REQS)`` (a single request: 1, for token buckets up to
+``SINGLE_REQ_TOKENS``, so that its logits are not computed ``tokens`` times), the page table
+at least as wide as the token bucket. Token buckets are warmed up to the chunked-prefill
+size (``TORCHTPU_SGLANG_PREFILL_WARMUP_TOKENS`` sets another bound); only a step past those
+(more tokens, more than ``MAX_PADDED_REQS`` requests, a cached prefix longer than the bucket)
+compiles a program when first met. A decode-only (disaggregated) instance warms nothing;
+``TORCHTPU_SGLANG_PREFILL_WARMUP=0`` neither.
 """
 from __future__ import annotations
 
@@ -37,13 +49,17 @@ from sglang.srt.model_executor.forward_context import (
     has_forward_context,
 )
 
-from .attention import kv_width
+from sglang.srt.utils.common import DynamicGradMode
+
+from .attention import MIN_KV_WIDTH, kv_width
 from .graph_runner import _dynamo_counts, _pad, _raise_recompile_limit, inactive_reason
 
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 16
 DEFAULT_MAX_TOKENS = 8192
+MAX_PADDED_REQS = 64  # requests of a token bucket's program (fewer tokens: as many as tokens)
+SINGLE_REQ_TOKENS = 64  # token buckets up to this also have a one-request program
 
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
@@ -71,12 +87,20 @@ class TpuPrefillRunner:
         top = max(int(getattr(sa, "chunked_prefill_size", 0) or 0),
                   int(getattr(sa, "max_prefill_tokens", 0) or 0))
         self.max_tokens = _pow2_at_least(top if top > 0 else DEFAULT_MAX_TOKENS, MIN_TOKENS)
+        # warmed at start-up: up to the chunked-prefill size (an extend step's tokens when
+        # SGLang chunks prompts), or TORCHTPU_SGLANG_PREFILL_WARMUP_TOKENS
+        chunk = int(getattr(sa, "chunked_prefill_size", 0) or 0)
+        warm = int(os.environ.get("TORCHTPU_SGLANG_PREFILL_WARMUP_TOKENS", "0") or 0)
+        self.warm_tokens = min(self.max_tokens, _pow2_at_least(
+            warm if warm > 0 else chunk if chunk > 0 else self.max_tokens, MIN_TOKENS))
         self.max_reqs = int(model_runner.req_to_token_pool.size)
         self.kv_full = int(model_runner.req_to_token_pool.req_to_token.shape[1])
         self.page_size = int(model_runner.page_size)
         self.batches: dict = {}
         self.dynamo: dict = {}  # "tokens x requests" -> Dynamo's counts at its first call
         self.compile_s: dict = {}
+        self.warm_up_s = 0.0  # warm_up
+        self.warmed: list = []  # names of the buckets warm_up compiled
         self.served = 0  # extend steps run through a bucket's program
         # one Dynamo cache entry per bucket: past the recompile limit the frame would run
         # eagerly for good
@@ -101,8 +125,64 @@ class TpuPrefillRunner:
         n, b = int(fb.input_ids.shape[0]), int(fb.batch_size)
         if n > self.max_tokens or b > self.max_reqs or n == 0:
             return None
-        return (_pow2_at_least(n, MIN_TOKENS), min(_pow2_at_least(b), self.max_reqs),
-                kv_width(fb, self.page_size, self.kv_full))
+        tokens = _pow2_at_least(n, MIN_TOKENS)
+        reqs = self._reqs(tokens, single=b == 1)
+        if b > reqs:  # more requests than the bucket pads to: compiled when first met
+            reqs = min(_pow2_at_least(b), self.max_reqs)
+        return tokens, reqs, self._width(tokens, kv_width(fb, self.page_size, self.kv_full))
+
+    def _reqs(self, tokens: int, single: bool) -> int:
+        """The request count a token bucket's program is padded to."""
+        if single and tokens <= SINGLE_REQ_TOKENS:
+            return 1
+        return min(tokens, MAX_PADDED_REQS, self.max_reqs)
+
+    def _width(self, tokens: int, width):
+        """The KV width of a token bucket's program: at least the bucket (the longest
+        sequence of a step without cached prefix), ``width`` where a prefix needs more; None:
+        the whole table."""
+        if width is None:
+            return None
+        w = -(-max(tokens, MIN_KV_WIDTH) // self.page_size) * self.page_size
+        w = max(w, width)
+        return w if w < self.kv_full else None
+
+    def warm_buckets(self) -> list:
+        """The (tokens, requests, KV width) keys compiled at start-up."""
+        keys = []
+        t = MIN_TOKENS
+        while t <= self.warm_tokens:
+            for single in (True, False):
+                key = (t, self._reqs(t, single), self._width(t, MIN_KV_WIDTH))
+                if key not in keys:
+                    keys.append(key)
+            t *= 2
+        return keys
+
+    def warm_up(self) -> None:
+        """Compile (or load from the compile cache) every bucket of ``warm_buckets`` with an
+        extend step of padding only (no token is real: its KV lands in slot 0), in SGLang's
+        grad mode (Dynamo guards on it), after one eager step that fills what SGLang's layers
+        cache on their first call."""
+        if self.reason is not None:
+            return
+        t0 = time.perf_counter()
+        keys = self.warm_buckets()
+        ctx = ForwardContext(attn_backend=self.model_runner.attn_backend)
+        with DynamicGradMode():
+            fb = self._batch(*keys[0])
+            with forward_context(ctx, forward_batch=fb):
+                self._step(fb.input_ids, fb.positions, fb)
+            for key in keys:
+                fb = self.batches.get(key)
+                if fb is None:
+                    fb = self.batches[key] = self._batch(*key)
+                self._call(fb, key, ctx)
+                self.warmed.append(_name(key))
+        torch.tpu.synchronize()
+        self.warm_up_s = time.perf_counter() - t0
+        logger.info("torchtpu: compiled %d prefill buckets (tokens x requests x KV width) "
+                    "in %.1f s", len(keys), self.warm_up_s)
 
     # ---- the program ----
 
@@ -144,13 +224,27 @@ class TpuPrefillRunner:
         fb.input_ids = _pad(forward_batch.input_ids, pt, 0)
         fb.positions = _pad(forward_batch.positions, pt, 0)
         fb.out_cache_loc = _pad(forward_batch.out_cache_loc, pt, 0)
-        fb.req_pool_indices = _pad(forward_batch.req_pool_indices, pb, 0)
-        fb.seq_lens = _pad(forward_batch.seq_lens, pb, 1)
-        fb.extend_seq_lens = _pad(forward_batch.extend_seq_lens, pb, 0)
-        fb.extend_prefix_lens = _pad(forward_batch.extend_prefix_lens, pb, 1)
+        # per request: from SGLang's host copies where it keeps them (a transfer; an eager op
+        # over a device tensor of ``b`` rows compiles a program for every new ``b``)
+        f = forward_batch
+        fb.req_pool_indices = _pad_host(getattr(f, "req_pool_indices_cpu", None),
+                                        f.req_pool_indices, pb, 0)
+        fb.seq_lens = _pad_host(getattr(f, "seq_lens_cpu", None), f.seq_lens, pb, 1)
+        fb.extend_seq_lens = _pad_host(f.extend_seq_lens_cpu, f.extend_seq_lens, pb, 0)
+        fb.extend_prefix_lens = _pad_host(f.extend_prefix_lens_cpu, f.extend_prefix_lens, pb, 1)
         ctx = get_forward_context() if has_forward_context() else ForwardContext(
             attn_backend=self.model_runner.attn_backend)
-        name = f"{tokens}x{reqs}" + (f"x{width}" if width else "")
+        out = self._call(fb, key, ctx)
+        self.served += 1
+        if pb == 0:
+            return out
+        return type(out)(next_token_logits=out.next_token_logits[:b],
+                         hidden_states=None if out.hidden_states is None
+                         else out.hidden_states[:b])
+
+
+    def _call(self, fb, key, ctx):
+        name = _name(key)
         first = name not in self.dynamo
         if first:
             before, t0 = _dynamo_counts(), time.perf_counter()
@@ -159,12 +253,21 @@ class TpuPrefillRunner:
         if first:
             self.dynamo[name] = {k: v - before[k] for k, v in _dynamo_counts().items()}
             self.compile_s[name] = time.perf_counter() - t0
-        self.served += 1
-        if pb == 0:
-            return out
-        return type(out)(next_token_logits=out.next_token_logits[:b],
-                         hidden_states=None if out.hidden_states is None
-                         else out.hidden_states[:b])
+        return out
+
+
+def _pad_host(host, dev: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
+    """``dev`` padded with ``pad`` values ``fill``, built from its host copy ``host`` (a list or
+    CPU tensor of the same values) when there is one, else on the device."""
+    if host is None or len(host) != dev.shape[0]:
+        return _pad(dev, pad, fill)
+    vals = host.tolist() if isinstance(host, torch.Tensor) else list(host)
+    return torch.tensor(vals + [fill] * pad, dtype=torch.int64).to(dev.device)
+
+
+def _name(key) -> str:
+    tokens, reqs, width = key
+    return f"{tokens}x{reqs}" + (f"x{width}" if width else "")
 
 
 def _runner(model_runner) -> TpuPrefillRunner:
@@ -184,9 +287,24 @@ def execute_extend(original, eager_runner, forward_batch, pp_proxy_tensors=None,
     return runner.execute(forward_batch, key)
 
 
+def warm_up(result, model_runner, *args, **kwargs):
+    """After SGLang's ``ModelRunner.init_cuda_graphs`` (start-up, also with graphs off): the
+    prefill buckets compiled before the first request."""
+    sa = model_runner.server_args
+    if (os.environ.get("TORCHTPU_SGLANG_PREFILL_WARMUP", "1") == "0"
+            or getattr(sa, "disaggregation_mode", "null") == "decode"
+            or getattr(model_runner, "is_draft_worker", False)):
+        return None
+    _runner(model_runner).warm_up()
+    return None
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(
         "sglang.srt.model_executor.runner.eager_runner.EagerRunner._execute_extend",
         execute_extend, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs", warm_up,
+        HookType.AFTER)
