@@ -538,7 +538,8 @@ class Program:
         """(executable, info) for ``args`` (arrays or their abstract values): loaded from the
         disk cache, else traced, lowered and compiled (and stored). ``info``: ("disk", key,
         fast, whether the working set lists it) or ("xla", compile ms, XLA options). Runs on
-        prefetch workers too, and counts there: a guess that goes unused was compiled all the same."""
+        prefetch workers too, and counts there: a guess that goes unused was compiled all the
+        same."""
         if dkey is not None:
             key, device_id = dkey
             compiled, listed = _load(self.kind, key, device_id)
