@@ -127,3 +127,50 @@ def test_a_warm_fused_process_traces_and_compiles_nothing(tmp_path):
     off = _run(cache, FUSED, TORCHTPU_FUSED_SHAPE_CACHE="0")  # the shapes traced again
     assert off["out"] == cold["out"]
     assert off["counters"].get("fused_op_traces", 0) == c0["fused_op_traces"]
+
+
+GROWING = r"""
+import json, os, torch
+from torchtpu.runtime import prefetch
+calls = [0]
+predict = prefetch.predict
+
+
+def counted(history, sig):
+    calls[0] += 1
+    return predict(history, sig)
+
+
+prefetch.predict = counted
+x = torch.ones(2, 3, device="tpu")
+for i in range(int(os.environ["STEPS"])):
+    x = torch.cat([x, x[:, -1:] + 1], dim=1)  # a growing signature: its next one is guessed
+c = torch.tpu.metrics()["counters"]
+print(json.dumps({"out": x.cpu().tolist(), "guesses": calls[0], "counters": c}))
+"""
+
+
+def test_a_warm_process_guesses_no_signature_its_working_set_holds(tmp_path):
+    """A program the working set loaded ahead grows no guess (its progression's next executable
+    is loaded ahead too: building its disk key to find that out cost a warm generate's first
+    call ~0.2 ms a miss); past what the last run used, guessing resumes."""
+    import torch
+
+    cache = tmp_path / "cache"
+    env = {"TORCHTPU_WORKING_SET": "growing", "STEPS": "8"}
+    cold = _run(cache, GROWING, **env)
+    ref = torch.ones(2, 3)
+    for _ in range(12):
+        ref = torch.cat([ref, ref[:, -1:] + 1], dim=1)
+    assert cold["out"] == ref[:, :11].tolist()
+    assert cold["guesses"] > 0 and cold["counters"].get("eager_prefetches", 0) > 0
+    warm = _run(cache, GROWING, **env)
+    w = warm["counters"]
+    assert warm["out"] == cold["out"]
+    assert w.get("eager_xla_compiles", 0) == 0 and w.get("working_set_loads", 0) > 0
+    assert warm["guesses"] == 0
+    longer = _run(cache, GROWING, **dict(env, STEPS="12"))  # beyond the recorded set
+    assert longer["out"] == ref.tolist()
+    assert longer["guesses"] > 0 and longer["counters"].get("eager_prefetch_hits", 0) > 0
+    off = _run(cache, GROWING, **dict(env, TORCHTPU_WORKING_SET="0"))  # loaded on demand
+    assert off["out"] == cold["out"] and off["guesses"] > 0

@@ -40,6 +40,7 @@ _lock = threading.Lock()
 _used: dict = {}  # disk key -> (kind, device id): this process's working set, in first-use order
 _ahead: dict = {}  # disk key -> executable loaded ahead, or a threading.Event while loading
 _planned: set = set()  # keys the thread will load and has not started
+_listed: set = set()  # every key of the recorded set this process loads ahead
 _stop = threading.Event()
 _thread: list = []
 _forked: list = []  # a forked child: it neither loads ahead nor writes its parent's set
@@ -69,6 +70,12 @@ def note(kind: str, key: str, device_id: int) -> None:
 def holds(key: str) -> bool:
     """Whether ``key`` was loaded ahead or will be (``take`` finds it)."""
     return key in _ahead or key in _planned
+
+
+def listed(key: str) -> bool:
+    """Whether ``key`` is in the recorded set being loaded ahead (the last run used it), taken
+    or not yet."""
+    return key in _listed
 
 
 def take(key: str):
@@ -153,6 +160,7 @@ def start(loader, limit: int = MAX_ENTRIES) -> bool:
     if not entries:
         return False
     _planned.update(e[1] for e in entries)
+    _listed.update(e[1] for e in entries)
     t = threading.Thread(target=_run, args=(entries,), daemon=True, name="torchtpu-working-set")
     _thread.append(t)
     t.start()
@@ -188,6 +196,7 @@ def _after_fork() -> None:
     _lock = threading.Lock()
     _ahead.clear()
     _planned.clear()
+    _listed.clear()
     _thread.clear()
     _used.clear()
     _forked.append(True)
