@@ -23,12 +23,12 @@ import torch
 from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
+from ..eager import views as _views
 from ..lowering import registry as _registry
 from ..runtime import buffer as _buffer
 from ..runtime import custom_calls as _custom_calls
 from ..runtime import devices as _devices
 from ..runtime import memory as _memory
-from ..runtime.dtypes import TORCH_TO_JAX
 from ..runtime.metrics import COUNTERS, count
 from . import aot_cache as _aot_cache
 from . import buckets as _buckets
@@ -39,7 +39,7 @@ from . import spmd as _spmd
 
 Tensor = torch.Tensor
 _wrap = _buffer.wrap
-_NP = {k: np.dtype(v) for k, v in TORCH_TO_JAX.items()}
+_NP = _views._NP  # torch dtype -> numpy dtype
 
 
 class _Entry:
