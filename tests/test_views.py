@@ -342,3 +342,28 @@ def test_compiled_as_strided_outside_its_input_raises():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="outside its input"):
         fn(torch.arange(16.0).reshape(4, 4).to("tpu"))
+
+
+def test_strided_spec_memo_matches_planning():
+    """A strided view's spec comes from a memo keyed by (shape, strides, offset, storage size):
+    the same spec planning gives, the offset stays the tensor's own (same strides at other
+    offsets share the entry), and the values read through it are CPU's."""
+    from torchtpu.eager import views
+    from torchtpu.runtime import buffer
+
+    base_cpu = torch.arange(2 * 6 * 4 * 5, dtype=torch.float32).reshape(2, 6, 4, 5)
+    base = base_cpu.to(DEV)
+    cases = [lambda x: x.transpose(1, 2), lambda x: x[:, 1:4].transpose(2, 3),
+             lambda x: x[:, 2:5].transpose(2, 3), lambda x: x[1, :, ::2],
+             lambda x: x.permute(3, 1, 0, 2)[1:]]
+    views._STRIDED.clear()
+    for f in cases:
+        v = f(base)
+        arr = buffer.buffer_of(v).array
+        want = views._strided_spec(tuple(v.shape), tuple(v.stride()), v.storage_offset(),
+                                    arr.size)
+        for _ in range(2):  # planned, then from the memo
+            spec, off = views.spec_of(v, arr)
+            assert spec == want and off == v.storage_offset()
+        torch.testing.assert_close((v * 2).cpu(), f(base_cpu) * 2, rtol=0, atol=0)
+    assert len(views._STRIDED) == len(cases)

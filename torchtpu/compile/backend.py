@@ -23,6 +23,7 @@ import torch
 from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
+from ..eager import views as _views
 from ..lowering import registry as _registry
 from ..runtime import buffer as _buffer
 from ..runtime import custom_calls as _custom_calls
@@ -38,6 +39,7 @@ from . import spmd as _spmd
 
 Tensor = torch.Tensor
 _wrap = _buffer.wrap
+_NP = _views._NP  # torch dtype -> numpy dtype
 
 
 class _Entry:
@@ -108,8 +110,17 @@ class CompiledGraph:
         statics = {}
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
-                if a.device.type == "tpu":
-                    arr = _copy.value_of(a)
+                buf = None if a.is_cpu else getattr(a.untyped_storage(), "_tpu_buffer", None)
+                if buf is not None:
+                    arr = buf.array
+                    # a tensor that is its storage's whole array (parameters, caches, most
+                    # inputs) is that array; views go through value_of
+                    if not (arr.shape == a.shape and a.storage_offset() == 0
+                            and a.is_contiguous() and not a.is_conj() and not a.is_neg()
+                            and _NP.get(a.dtype) == arr.dtype):
+                        arr = _copy.value_of(a)
+                elif a.device.type == "tpu":
+                    arr = _copy.value_of(a)  # raises: a tpu tensor without a buffer
                 else:  # a CPU tensor (optimizer step counts): numpy, moved by the call itself
                     arr = np.array(_lower._torch_to_np(a.detach().cpu()), copy=True)
                     COUNTERS["transfers_host_to_device"] += 1

@@ -63,14 +63,30 @@ def _spec_plain(t, arr):
             if row and t.numel() % row == 0 and off % row == 0:
                 return ("c", tuple(shape), row), off
         return ("c", tuple(shape)), off
-    plan = _box_plan(tuple(shape), tuple(t.stride()), off, arr.size)
+    key = (shape, t.stride(), off, arr.size)
+    spec = _STRIDED.get(key)
+    if spec is None:
+        if len(_STRIDED) >= _STRIDED_MAX:
+            _STRIDED.clear()
+        spec = _STRIDED[key] = _strided_spec(tuple(shape), tuple(t.stride()), off, arr.size)
+    return spec, off
+
+
+# a strided view's spec is a function of (shape, strides, offset, storage size) alone; views
+# recur (a transpose per attention head per token), and planning one cost ~10 us per op
+_STRIDED: dict = {}
+_STRIDED_MAX = 4096
+
+
+def _strided_spec(shape, strides, off, n):
+    plan = _box_plan(shape, strides, off, n)
     if plan is not None:
         box, starts, limits, perm, inter = plan
         sizes = tuple(b - a for a, b in zip(starts, limits))
-        st = tuple(sorted((s_ for m, s_ in zip(shape, t.stride()) if m != 1 and s_ != 0),
+        st = tuple(sorted((s_ for m, s_ in zip(shape, strides) if m != 1 and s_ != 0),
                           reverse=True))
-        return ("k", tuple(shape), tuple(t.stride()), box, st, sizes, perm, inter), off
-    return ("s", tuple(shape), tuple(t.stride())), off
+        return ("k", shape, strides, box, st, sizes, perm, inter)
+    return ("s", shape, strides)
 
 
 def has_offset(spec) -> bool:
