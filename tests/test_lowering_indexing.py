@@ -426,6 +426,28 @@ def test_folded_checks_of_different_kinds_name_every_kind():
     del outs
 
 
+def test_folding_folded_checks_names_each_kind_once():
+    """A long asynchronous run folds already-folded flags again: the folded entry's op names
+    and messages are merged, not nested (they grew without bound, several KB per entry)."""
+    from torchtpu.eager import checks
+
+    torch.tpu.synchronize()
+    xt = torch.randn(5, 3, device=DEV)
+    p = torch.tensor([[0.5, 0.5]], device=DEV)
+    i = torch.tensor([1], device=DEV)
+    outs = []
+    for _ in range(6):
+        outs += [torch.index_select(xt, 0, i) for _ in range(checks._FOLD_AT // 2)]
+        outs += [torch.multinomial(p, 1) for _ in range(checks._FOLD_AT // 2)]
+    folded = [it for it in checks._pending if it[1].startswith("one of ")]
+    assert folded, "no fold happened: the test does not exercise folding"
+    for _, name, exc, msg in checks._pending:
+        assert name.count("index_select") <= 1 and name.count("multinomial") <= 1, name
+        assert len(msg) < 400, msg
+    torch.tpu.synchronize()  # every check passed
+    del outs
+
+
 @pytest.mark.parametrize("name,op,exc", _OOB_CASES, ids=[c[0] for c in _OOB_CASES])
 def test_out_of_range_index_raises_at_the_next_sync_when_compiled(name, op, exc):
     torch._dynamo.reset()

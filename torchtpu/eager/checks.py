@@ -35,6 +35,14 @@ def add(ok, name: str, exc: type, message: str) -> None:
         _fold()
 
 
+_NAMES = "one of "
+_KINDS = "one of these input checks failed: "
+
+
+def _parts(text: str, prefix: str, sep: str) -> list:
+    return text[len(prefix):].split(sep) if text.startswith(prefix) else [text]
+
+
 def _fold() -> None:
     """Replace the oldest ``_FOLD_AT`` computed flags by one flag computed on device (always
     that many, so the fold compiles once), so a long asynchronous stretch keeps a short list
@@ -50,14 +58,15 @@ def _fold() -> None:
             rest.append(it)
     if len(ready) < _FOLD_AT:
         return
-    names = sorted({it[1] for it in ready})
-    kinds = sorted({(it[2], it[3]) for it in ready}, key=lambda k: k[1])
-    if len(kinds) == 1:
-        exc, msg = kinds[0]
-    else:  # folded checks of different kinds: one of them failed
-        exc = kinds[0][0] if len({k[0] for k in kinds}) == 1 else RuntimeError
-        msg = "one of these input checks failed: " + "; ".join(k[1] for k in kinds)
-    name = names[0] if len(names) == 1 else "one of " + ", ".join(names)
+    # an entry folded before is split into its parts again, so folding the fold (a long run)
+    # names each op and message once instead of nesting them without bound
+    names = sorted({n for it in ready for n in _parts(it[1], _NAMES, ", ")})
+    excs = {it[2] for it in ready}
+    msgs = sorted({m for it in ready for m in _parts(it[3], _KINDS, "; ")})
+    exc = excs.pop() if len(excs) == 1 else RuntimeError
+    # folded checks of different kinds: one of them failed
+    msg = msgs[0] if len(msgs) == 1 else _KINDS + "; ".join(msgs)
+    name = names[0] if len(names) == 1 else _NAMES + ", ".join(names)
     _pending[:] = [(_all([it[0] for it in ready]), name, exc, msg)] + rest
 
 
