@@ -29,6 +29,13 @@ def test_program_on_tpu_draws_what_cpu_draws():
     got = prog(packed.to("tpu"), logits.to("tpu"), R).cpu()
     assert torch.equal(got, ref)
     assert torch.equal(ref[temp == 0], logits[temp == 0].argmax(-1).to(torch.int32))
+    # an all-greedy step takes the program's other branch (no noise computed): the argmax,
+    # from the same program
+    zeros = torch.zeros(R)
+    packed0 = torch.cat([zeros.view(torch.int32), seeds, pos])
+    got0 = prog(packed0.to("tpu"), logits.to("tpu"), R).cpu()
+    assert torch.equal(got0, logits.argmax(-1).to(torch.int32))
+    assert torch.equal(got0, S.sample(logits, zeros, seeds, pos))
     # the same (seed, position) draws the same; another position or seed draws anew
     u = S.uniform(seeds, pos, V)
     assert torch.equal(u, S.uniform(seeds, pos, V))

@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     activations,
     asserts,
     attention,
+    control_flow,  # fills hops.HOPS
     copy,
     elementwise,
     factories,

@@ -116,8 +116,9 @@ def _call(gm, target, args, kwargs):
     if low is None or low.random or dyn or low.reads_layout or low.mutates:
         why = "has no lowering" if low is None else "is random, data-dependent or writes its input"
         raise NotImplementedError(
-            f"Could not run '{_name(target)}' inside a score_mod/mask_mod subgraph compiled for "
-            f"the 'tpu' backend: it {why} (subgraphs run on the device only)")
+            f"Could not run '{_name(target)}' inside a subgraph (a FlexAttention score_mod/"
+            f"mask_mod, a torch.cond branch or a torch.while_loop function) compiled for the "
+            f"'tpu' backend: it {why} (subgraphs run on the device only)")
     return low.fn(*args, **kwargs)
 
 

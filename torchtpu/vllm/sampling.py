@@ -46,6 +46,22 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
     """Token ids (int32 ``[R]``) of ``logits [R, V]``: greedy where ``temperature < eps``,
     else a draw from ``softmax(logits / temperature)``."""
     logits = logits.to(torch.float32)
+    args = (logits, temperature, seeds, positions)
+    if torch.compiler.is_compiling():
+        # in a step's program the noise (rows x vocab hashes) is computed only when a row
+        # samples: XLA's conditional runs one branch (lowering/control_flow.py)
+        # (a branch's operands may not alias each other: the rows' parameters are slices of
+        # the step's one packed input, so they pass as copies, R numbers each)
+        args = (logits,) + tuple(a.clone() for a in args[1:])
+        return torch.cond((temperature >= _EPS).any(), _draw, _greedy, args)
+    return _draw(*args)  # eager: no predicate read (a host sync)
+
+
+def _greedy(logits, temperature, seeds, positions):
+    return logits.argmax(dim=-1).to(torch.int32)
+
+
+def _draw(logits, temperature, seeds, positions):
     greedy = logits.argmax(dim=-1)
     greedy_row = temperature < _EPS
     t = torch.where(greedy_row, torch.ones_like(temperature), temperature)

@@ -1,0 +1,105 @@
+"""torch.cond / torch.while_loop compiled for "tpu" (lowering/control_flow.py) against PyTorch
+eager on CPU."""
+import pytest
+import torch
+import torch._dynamo.testing
+
+import torchtpu  # noqa: F401
+
+DEV = "tpu"
+
+
+def _branches(x, w):
+    def hot(x, w):
+        return (x @ w).softmax(-1), x.sum(-1)
+
+    def cold(x, w):
+        return (x - w.mean()).abs(), x.amax(-1)
+
+    return hot, cold
+
+
+def _f(x, w, t):
+    hot, cold = _branches(x, w)
+    return torch.cond((t > 0).any(), hot, cold, (x, w))
+
+
+@pytest.mark.parametrize("taken", ["true", "false"])
+def test_cond_tensor_predicate_matches_cpu(taken):
+    torch._dynamo.reset()
+    x, w = torch.randn(6, 6), torch.randn(6, 6)
+    t = torch.tensor([0.0, 1.0] if taken == "true" else [0.0, -1.0])
+    cf = torch.compile(_f, backend="tpu", fullgraph=True)
+    got = cf(x.to(DEV), w.to(DEV), t.to(DEV))
+    want = _f(x, w, t)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.cpu(), e)
+
+
+def test_cond_both_branches_one_program_no_recompile():
+    """The predicate is data: flipping it reuses the compiled graph."""
+    torch._dynamo.reset()
+    x, w = torch.randn(6, 6), torch.randn(6, 6)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("tpu")
+    cf = torch.compile(_f, backend=counter, fullgraph=True, dynamic=False)
+    for sign in (1.0, -1.0, 1.0):
+        t = torch.tensor([sign])
+        for g, e in zip(cf(x.to(DEV), w.to(DEV), t.to(DEV)), _f(x, w, t)):
+            torch.testing.assert_close(g.cpu(), e)
+    assert counter.frame_count == 1
+
+
+def test_cond_closure_tensor_and_python_predicate():
+    torch._dynamo.reset()
+    b = torch.randn(5)
+
+    def f(x, flag: bool):
+        return torch.cond(flag, lambda x: x + b.to(x.device), lambda x: x * 2, (x,))
+
+    x = torch.randn(5)
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    for flag in (True, False):
+        torch.testing.assert_close(cf(x.to(DEV), flag).cpu(), f(x, flag))
+
+
+def test_cond_grad_matches_cpu():
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+
+    def f(x, w):
+        return torch.cond(x.sum() > 0, lambda x, w: (x @ w).tanh(), lambda x, w: x * w,
+                          (x, w)).sum()
+
+    for sign in (1.0, -1.0):
+        xs = (x.abs() * sign)
+        xc, wc = xs.clone().requires_grad_(), w.clone().requires_grad_()
+        f(xc, wc).backward()
+        xt, wt = xs.to(DEV).requires_grad_(), w.to(DEV).requires_grad_()
+        torch.compile(f, backend="tpu")(xt, wt).backward()
+        torch.testing.assert_close(xt.grad.cpu(), xc.grad)
+        torch.testing.assert_close(wt.grad.cpu(), wc.grad)
+
+
+def test_while_loop_matches_cpu():
+    torch._dynamo.reset()
+
+    def f(i, x, w):
+        return torch._higher_order_ops.while_loop(
+            lambda i, x: i < 5, lambda i, x: (i + 1, (x @ w).tanh()), (i, x))
+
+    i, x, w = torch.tensor(0), torch.randn(3, 3), torch.randn(3, 3)
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    got = cf(i.to(DEV), x.to(DEV), w.to(DEV))
+    want = f(i, x, w)
+    assert int(got[0].cpu()) == int(want[0]) == 5
+    torch.testing.assert_close(got[1].cpu(), want[1])
+
+
+def test_random_op_in_a_branch_is_a_clear_error():
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda x: x + torch.rand_like(x), lambda x: x * 2, (x,))
+
+    with pytest.raises(Exception, match="rand_like.*torch.cond branch"):
+        torch.compile(f, backend="tpu")(torch.randn(4, device=DEV))

@@ -1,0 +1,53 @@
+"""``torch.cond`` and ``torch.while_loop`` in graphs compiled with ``torch.compile(backend="tpu")``.
+
+Dynamo turns them into the higher-order ops ``cond(pred, true_fn, false_fn, operands)`` and
+``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)`` whose functions are
+subgraphs. They lower to XLA's own control flow, ``lax.cond`` and ``lax.while_loop``, with each
+subgraph evaluated through the op table (``hops.run_subgraph``): the branch not taken costs
+nothing at run time, as on CUDA, where only the taken branch's kernels launch. (Eager
+``torch.cond`` needs no lowering: PyTorch reads the predicate and calls one function.)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .hops import register_hop, run_subgraph
+
+_hop = torch.ops.higher_order
+
+
+def _tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _branch(gm):
+    return lambda ops: _tuple(run_subgraph(gm, *ops))
+
+
+@register_hop(_hop.cond)
+def cond(pred, true_fn, false_fn, operands):
+    operands = tuple(operands)
+    if isinstance(pred, (bool, int)):  # a predicate known when tracing: one branch
+        return _tuple(run_subgraph(true_fn if pred else false_fn, *operands))
+    pred = jnp.asarray(pred).reshape(()).astype(bool)
+    return jax.lax.cond(pred, _branch(true_fn), _branch(false_fn), operands)
+
+
+@register_hop(_hop.while_loop)
+def while_loop(cond_fn, body_fn, carried_inputs, additional_inputs):
+    carried, extra = tuple(carried_inputs), tuple(additional_inputs)
+
+    def keep_going(c):
+        p = run_subgraph(cond_fn, *c, *extra)
+        p = p[0] if isinstance(p, (tuple, list)) else p
+        return jnp.asarray(p).reshape(()).astype(bool)
+
+    def body(c):
+        # the body's results take the carried values' dtypes (Python scalars come back weak)
+        out = _tuple(run_subgraph(body_fn, *c, *extra))
+        return tuple(jnp.asarray(o, dtype=jnp.asarray(v).dtype) for o, v in zip(out, c))
+
+    carried = tuple(jnp.asarray(v) for v in carried)
+    return jax.lax.while_loop(keep_going, body, carried)
