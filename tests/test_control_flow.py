@@ -103,3 +103,17 @@ def test_random_op_in_a_branch_is_a_clear_error():
 
     with pytest.raises(Exception, match="rand_like.*torch.cond branch"):
         torch.compile(f, backend="tpu")(torch.randn(4, device=DEV))
+
+
+def test_eager_cond_and_while_loop_on_tpu_match_cpu():
+    x = torch.randn(4)
+    for sign in (1.0, -1.0):
+        xs = x.abs() * sign
+        want = torch.cond(xs.sum() > 0, lambda x: x + 1, lambda x: x * 2, (xs,))
+        got = torch.cond(xs.to(DEV).sum() > 0, lambda x: x + 1, lambda x: x * 2, (xs.to(DEV),))
+        torch.testing.assert_close(got.cpu(), want)
+    body = (lambda i, x: i < 3, lambda i, x: (i + 1, x * 2))
+    want = torch._higher_order_ops.while_loop(*body, (torch.tensor(0), x))
+    got = torch._higher_order_ops.while_loop(*body, (torch.tensor(0, device=DEV), x.to(DEV)))
+    assert int(got[0].cpu()) == int(want[0]) == 3
+    torch.testing.assert_close(got[1].cpu(), want[1])
