@@ -433,3 +433,37 @@ def test_multihead_attention_inference_fast_path():
             if a[1] is not None:
                 torch.testing.assert_close(b[1].cpu(), a[1])
     assert _fallbacks() == before
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+def test_sdpa_without_dropout_draws_no_randomness(mode):
+    # as on CUDA (the philox offset advances only when dropout is on): an SDPA call with
+    # dropout_p == 0 leaves the generator as it was, in every executor, while dropout > 0
+    # still draws (and is reproducible under the seed)
+    q, k, v = (_r(2, 3, 5, 4, seed=s).to(DEV) for s in (40, 41, 42))
+    if mode == "compiled":
+        torch._dynamo.reset()
+        f = torch.compile(lambda q, k, v, p: SDPA(q, k, v, dropout_p=p, is_causal=True),
+                          backend="tpu")
+    else:
+        f = lambda q, k, v, p: SDPA(q, k, v, dropout_p=p, is_causal=True)  # noqa: E731
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    expect = SDPA(q.cpu(), k.cpu(), v.cpu(), is_causal=True)
+    with ctx:
+        torch.manual_seed(3)
+        state = torch.tpu.get_rng_state()
+        for _ in range(2):
+            torch.testing.assert_close(f(q, k, v, 0.0).cpu(), expect)
+        assert torch.equal(torch.tpu.get_rng_state(), state)
+        after = torch.rand(3, device=DEV).cpu()
+        torch.manual_seed(3)
+        torch.testing.assert_close(torch.rand(3, device=DEV).cpu(), after)
+        # dropout on: draws, and the next draw differs; same seed, same mask
+        torch.manual_seed(3)
+        a = f(q, k, v, 0.5).cpu()
+        assert not torch.equal(torch.tpu.get_rng_state(), state)
+        assert not torch.equal(torch.rand(3, device=DEV).cpu(), after)
+        torch.manual_seed(3)
+        torch.testing.assert_close(f(q, k, v, 0.5).cpu(), a)
+        assert not torch.allclose(a, expect)

@@ -162,7 +162,7 @@ class GraphLowering:
             if low is None and _is_inplace(n.target):
                 f = _functional_of(n.target)
                 low = registry.get(f) if f is not None else None
-            if low is not None and low.random:
+            if low is not None and low.random and low.draws(n.args, n.kwargs):
                 self.random_nodes.append(n)
             for name in (low.mutates if low is not None else ()):
                 dst = _arg_by_name(n, name)
@@ -453,6 +453,8 @@ class GraphLowering:
                 count("compile_collectives", op=op_name(op))  # once per program built
             if low.random:
                 kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+                if not low.draws(n.args, n.kwargs):  # this call draws nothing
+                    return low.fn(None, *args, **kwargs)
                 i = self.random_index.get(n)
                 if i is None:  # an in-place random op traced through its functional form
                     raise Unsupported(f"{self.name}: random op {op_name(op)} outside the table")

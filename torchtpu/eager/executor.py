@@ -377,7 +377,9 @@ def make_traced(lowering, kind, args, kwargs, specs, tensors, write_slots, with_
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
     fn = lowering.fn
-    is_random = lowering.random
+    is_random = lowering.draws(args, kwargs)
+    if lowering.random and not is_random:  # a random op's call that draws nothing
+        fn = functools.partial(fn, None)
     op_name = lowering.name
     n = len(tensors)
     strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
@@ -515,6 +517,9 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
     sk_args = _skeleton(args, counter)
     sk_kwargs = {k: _skeleton(v, counter) for k, v in kwargs.items()}
     fn = lowering.fn
+    is_random = lowering.draws(args, kwargs)
+    if lowering.random and not is_random:  # a random op's call that draws nothing
+        fn = functools.partial(fn, None)
     op_name = lowering.name
     n = len(tensors)
     n_writes = len(write_slots)
@@ -523,7 +528,7 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
     strided = [i for i, sp in enumerate(specs) if views.has_offset(sp)]
     check_fn = lowering.check[0] if with_check and lowering.check is not None else None
     top = list(sk_args) + list(sk_kwargs.values())
-    whole = lowering.random or any(
+    whole = is_random or any(
         type(x) is _Slot and isinstance(tensors[x.i], Tensor) for x in top)
     per_pos = []
     for pos in range(n_writes):
@@ -550,7 +555,7 @@ def _sequential(lowering, args, kwargs, specs, tensors, write_slots, with_check,
             a_sk, kw_sk = per_pos[pos]
             a = _fill_lazy(a_sk, get)
             kw = {k: _fill_lazy(v, get) for k, v in kw_sk.items()}
-            if lowering.random:
+            if is_random:
                 out = fn(_rng.key_from(flat[-1]), *a, **kw)
             else:
                 out = fn(*a, **kw)
@@ -827,6 +832,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
+    draws = lowering.random and lowering.draws(args, kwargs)
     if lowering.reads_layout:
         kwargs = with_layout(args, kwargs)
     orig = (args, kwargs)
@@ -893,7 +899,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     else:
         guess = False
         COUNTERS["eager_cache_hits"] += 1
-    if lowering.random:
+    if draws:
         flat.append(_rng.next_state(gen))
     prog = entry.jitted
     call = flat
@@ -935,7 +941,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     if kind == FUNCTIONAL:
         res = _results(out)
         if plain and _fastpath.pending() is lowering and mode is _STRICT:
-            _offer(lowering, entry, flat, tensors, out, groups, dev)
+            _offer(lowering, entry, flat, tensors, out, groups, dev, draws)
         return res
     if kind == FUNCTIONAL_RAW:
         if type(out) is tuple or type(out) is list:
@@ -946,13 +952,13 @@ def run(lowering, kind, args, kwargs, mode=None):
     return args[0] if args else kwargs["self"]
 
 
-def _offer(lowering, entry, flat, tensors, out, groups, dev) -> None:
+def _offer(lowering, entry, flat, tensors, out, groups, dev, draws) -> None:
     """Hand an eligible call to the C++ fast path (eager/fastpath.py), which serves the next
     calls with the same key itself. Eligible: nothing but the program's call happens on this
     path for that key (no random state, mutated arguments, written storages, storage groups,
     several devices; a check's flag goes to checks.add, as in ``run``). A factory's entry is
     made for tpu:0 (the only device where ``_multi_device`` is false)."""
-    if (lowering.random or lowering.mutates or entry.writes
+    if (draws or lowering.mutates or entry.writes
             or lowering.reads_layout or groups is not None or dev is not None
             or _multi_device() or lowering.meta.get("eager_layout") is not None):
         return

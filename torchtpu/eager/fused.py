@@ -191,6 +191,7 @@ def record(lowering, kind, args, kwargs):
     if lowering.random and "generator" in kwargs:
         kwargs = dict(kwargs)
         gen = kwargs.pop("generator")
+    draws = lowering.random and lowering.draws(args, kwargs)
     if lowering.reads_layout:
         kwargs = executor.with_layout(args, kwargs)
     orig = (args, kwargs)
@@ -256,7 +257,7 @@ def record(lowering, kind, args, kwargs):
             inputs.append(executor.offset_value(off))
             flat_avals.append(off_aval)
             aval_ids.append(id(off_aval))
-    if lowering.random:
+    if draws:
         words = executor._rng.next_state(gen)
         refs.append(g.input_ref(words))
         words_aval = _aval(words.shape, np.dtype(words.dtype))

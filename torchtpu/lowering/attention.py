@@ -13,9 +13,11 @@ forward and the backward:
 - otherwise the blockwise online-softmax kernel of ``flash.py`` on any PJRT device: memory
   O(L*d + block^2) per head, causal key blocks beyond the diagonal skipped.
 
-Dropout: the op is ``random``; the key's two 32-bit words are returned packed in
-``philox_seed`` (int64), so the backward regenerates exactly the same keep-mask (per tile in
-the blockwise kernel).
+Dropout: the op is ``random`` when ``dropout_p > 0`` (``_draws_dropout``); the key's two 32-bit
+words are returned packed in ``philox_seed`` (int64), so the backward regenerates exactly the same
+keep-mask (per tile in the blockwise kernel). Without dropout (every inference call) it draws
+nothing, as CUDA's kernels advance the philox offset only when dropout is on: the generator's
+state is unchanged and the key argument is ``None``.
 """
 from __future__ import annotations
 
@@ -528,7 +530,13 @@ def splash_sdpa_backward(grad_out, query, key, value, out, logsumexp, q_segment_
             dv.reshape(value.shape).astype(value.dtype))
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable.default, random=True,
+def _draws_dropout(args, kwargs):
+    """The fused op's ``random`` predicate: it draws a key only for ``dropout_p > 0``."""
+    p = kwargs["dropout_p"] if "dropout_p" in kwargs else args[4] if len(args) > 4 else 0.0
+    return not isinstance(p, (int, float)) or p > 0
+
+
+@register(aten._scaled_dot_product_fused_attention_overrideable.default, random=_draws_dropout,
           reads_precision=True)
 def sdpa_fused(rng, query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
                return_debug_mask=False, *, scale=None):

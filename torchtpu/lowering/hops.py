@@ -113,12 +113,15 @@ def _call(gm, target, args, kwargs):
     dyn = low is not None and low.dynamic_shape
     if dyn and dyn is not True:
         dyn = dyn(args, kwargs)  # a per-call predicate (boolean-mask indexing)
-    if low is None or low.random or dyn or low.reads_layout or low.mutates:
+    draws = low is not None and low.random and low.draws(args, kwargs)
+    if low is None or draws or dyn or low.reads_layout or low.mutates:
         why = "has no lowering" if low is None else "is random, data-dependent or writes its input"
         raise NotImplementedError(
             f"Could not run '{_name(target)}' inside a subgraph (a FlexAttention score_mod/"
             f"mask_mod, a torch.cond branch or a torch.while_loop function) compiled for the "
             f"'tpu' backend: it {why} (subgraphs run on the device only)")
+    if low.random:  # a random op's call that draws nothing
+        return low.fn(None, *args, **kwargs)
     return low.fn(*args, **kwargs)
 
 

@@ -18,7 +18,10 @@ Contract for a lowering ``fn``:
 
 Flags (the executors read them; no op is special-cased inside an executor):
 - ``random``: fn(key, *args, **kwargs) receives a fresh ``jax.random`` key first; the op's
-  ``generator`` argument is removed.
+  ``generator`` argument is removed. It may also be a predicate ``(args, kwargs) -> bool`` over
+  the op's own arguments (their static values: a dropout probability), for ops random only for
+  some calls: a call for which it is false draws nothing from the generator (its state is left
+  as is) and its lowering receives ``None`` as the key (``Lowering.draws``).
 - ``dynamic_shape``: output shape depends on data; run un-jitted on concrete arrays, counted as
   a host sync.
   It may also be a predicate ``(args, kwargs) -> bool`` over the op's own (torch) arguments, for
@@ -69,7 +72,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 class Lowering:
     op: OpOverload
     fn: Callable
-    random: bool = False
+    random: object = False  # bool, or a predicate (args, kwargs) -> bool; see ``draws``
     dynamic_shape: object = False  # bool, or a predicate (args, kwargs) -> bool
     scalar_args: tuple = ()
     mutates: tuple = ()
@@ -89,6 +92,15 @@ class Lowering:
                                      if not a.kwarg_only and str(a.type) == "Tensor")
         except AttributeError:  # not an OpOverload (tests register stand-ins)
             self.wrapped_pos = ()
+
+    def draws(self, args, kwargs) -> bool:
+        """Whether this call takes a key from the generator (registry flag ``random``). A
+        lowering with a ``random`` flag always receives a key argument first: ``None`` for a
+        call that draws nothing."""
+        r = self.random
+        if r is False or r is True:
+            return r
+        return bool(r(args, kwargs))
 
     @property
     def name(self) -> str:
@@ -154,7 +166,7 @@ def _overloads(op) -> list[OpOverload]:
     raise TypeError(f"cannot register a lowering for {op!r}")
 
 
-def register(*ops, random: bool = False, dynamic_shape=False, scalar_args=(), mutates=(),
+def register(*ops, random=False, dynamic_shape=False, scalar_args=(), mutates=(),
              check=None, reads_precision=False, reads_layout=False, graph_only=False, writes=()):
     """Decorator: register ``fn`` as the lowering of each op.
 
