@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ..runtime.metrics import count
+
 
 def joint_partitioned(gm: fx.GraphModule, n_fwd: int) -> fx.GraphModule:
     """``gm``'s outputs are ``n_fwd`` forward outputs (buffer updates, the loss) then the
@@ -35,6 +37,7 @@ def joint_partitioned(gm: fx.GraphModule, n_fwd: int) -> fx.GraphModule:
     orig_names = [p.name for p in phs]
     joint = fx.GraphModule(gm, _renamed(g, phs, seed))
     fw, bw = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=n_fwd)
+    count("trainer_partitions")
     return _stitch(gm, fw, bw, orig_names, n_fwd, loss_pos, seed.meta)
 
 

@@ -42,7 +42,7 @@ from .optimizer import _OneProgramStep
 
 
 # the joint graph partitioned as torch.compile's AOTAutograd does (partition.py); False: as
-# aot_export_module gives it (for A/B measurements)
+# aot_export_module gives it (for A/B measurements; read when a trainer is made)
 PARTITION = True
 
 
@@ -59,7 +59,7 @@ class _Loss(nn.Module):
 class _Traced:
     """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
 
-    def __init__(self, module, batch):
+    def __init__(self, module, batch, partition=True):
         # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
         from torch._functorch.aot_autograd import aot_export_module
 
@@ -72,7 +72,7 @@ class _Traced:
         # the output names, before partitioning renames any node
         out_names = [o.name if isinstance(o, torch.fx.Node) else None
                      for o in gm.graph.output_node().args[0]]
-        if PARTITION:
+        if partition:
             n_fwd = len(sig.buffers_to_mutate) + len(sig.user_outputs)
             gm = _partition.joint_partitioned(gm, n_fwd)
         self.low = _lower.GraphLowering(gm, "trainer")
@@ -150,6 +150,7 @@ class SingleTraceTrainer:
         self._module = _Loss(model, loss_fn)
         self._traced: dict = {}
         self._programs: dict = {}
+        self._partition = PARTITION  # benchmarks/single_trace.py's trainer+joint sets False
 
     # ---- one step ----
 
@@ -181,7 +182,7 @@ class SingleTraceTrainer:
         key = (tuple((tuple(t.shape), t.dtype) for t in batch), self.model.training)
         traced = self._traced.get(key)
         if traced is None:
-            traced = self._traced[key] = _Traced(self._module, batch)
+            traced = self._traced[key] = _Traced(self._module, batch, self._partition)
         plan = self._plan(traced)
         for t in [*traced.inputs, *(v for e in plan.entries for v in e.state.values())]:
             why = _program.fallback_reason(t)
