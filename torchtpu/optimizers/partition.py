@@ -17,23 +17,25 @@ from torch import fx
 from ..runtime.metrics import count
 
 
-def joint_partitioned(gm: fx.GraphModule, n_fwd: int) -> fx.GraphModule:
-    """``gm``'s outputs are ``n_fwd`` forward outputs (buffer updates, the loss) then the
-    gradients. Returns an equivalent graph laid out as the min-cut partition's forward followed
-    by its backward (the values recomputed in the backward computed there)."""
+def joint_partitioned(gm: fx.GraphModule, n_fwd: int, loss: str) -> fx.GraphModule:
+    """``gm``'s outputs are ``n_fwd`` forward outputs (buffer updates, the loss: the node named
+    ``loss``) then the gradients. Returns an equivalent graph laid out as the min-cut
+    partition's forward followed by its backward (the values recomputed in the backward
+    computed there)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     g = gm.graph
     phs = [n for n in g.nodes if n.op == "placeholder"]
-    seeds = [n for n in g.nodes if n.op == "call_function"
-             and n.target is torch.ops.aten.ones_like.default]
-    if len(seeds) != 1:
-        return gm  # not the one-loss joint graph this expects: lower it unpartitioned
-    seed = seeds[0]
-    outs = list(gm.graph.output_node().args[0])
-    if seed.args[0] not in outs[:n_fwd]:
+    outs = list(g.output_node().args[0])
+    loss_pos = next((i for i, o in enumerate(outs[:n_fwd])
+                     if isinstance(o, fx.Node) and o.name == loss), None)
+    seeds = [] if loss_pos is None else [
+        n for n in outs[loss_pos].users
+        if n.target is torch.ops.aten.ones_like.default]
+    if len(seeds) != 1:  # not the one-loss joint graph this expects: lower it as it is
+        count("trainer_partitions_skipped")
         return gm
-    loss_pos = outs.index(seed.args[0])
+    seed = seeds[0]
     orig_names = [p.name for p in phs]
     joint = fx.GraphModule(gm, _renamed(g, phs, seed))
     fw, bw = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=n_fwd)

@@ -74,7 +74,7 @@ class _Traced:
                      for o in gm.graph.output_node().args[0]]
         if partition:
             n_fwd = len(sig.buffers_to_mutate) + len(sig.user_outputs)
-            gm = _partition.joint_partitioned(gm, n_fwd)
+            gm = _partition.joint_partitioned(gm, n_fwd, sig.user_outputs[0])
         self.low = _lower.GraphLowering(gm, "trainer")
         if self.low.mutated:
             raise RuntimeError("SingleTraceTrainer: the exported training graph writes its "
