@@ -8,6 +8,9 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
 
 - ``trainer``: ``SingleTraceTrainer(model, loss, torch.tpu.optimizers.AdamW)``: forward, loss,
   backward and the AdamW update as one XLA program, parameters and state donated;
+- ``trainer+joint``: the same, its forward/backward lowered as ``aot_export_module`` gives the
+  joint graph rather than partitioned as AOTAutograd's min-cut partitioner does (the A/B of
+  optimizers/partition.py);
 - ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
   ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
 - ``trainer+clip`` / ``compiled+clip``: the same with gradient clipping
@@ -45,7 +48,7 @@ import compile_step as cs  # noqa: E402  (the shared benchmark models)
 from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
-CONTENDERS = ("trainer", "compiled", "trainer+clip", "compiled+clip", "fused", "fused+opt",
+CONTENDERS = ("trainer", "trainer+joint", "compiled", "trainer+clip", "compiled+clip", "fused", "fused+opt",
               "strict", "strict+opt")
 MAX_NORM = 1.0
 
@@ -70,6 +73,7 @@ def build(name):
     if name.startswith("trainer"):
         kw = dict(max_grad_norm=MAX_NORM, write_grads=True) if name.endswith("+clip") else {}
         trainer = torch.tpu.optimizers.SingleTraceTrainer(model, cs.gpt_loss, opt, **kw)
+        trainer._partition = name != "trainer+joint"  # the A/B of the min-cut partition
         return lambda: trainer.step(idx, tgt)
     step = cs.make_step(cs.gpt_loss)
     if name.endswith("+clip"):
@@ -177,7 +181,8 @@ def main(argv=None):
                        + ("  (a loaded machine: the CPU-time row is the steadier one)"
                           if worst > 0.3 else ""))
     table.notes.append(environment())
-    table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer+clip", "compiled+clip"),
+    table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer", "trainer+joint"),
+                                     ("trainer+joint", "compiled"), ("trainer+clip", "compiled+clip"),
                                      ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]
                  if a in names and b in names])

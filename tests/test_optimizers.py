@@ -806,3 +806,44 @@ def test_programs_keyed_by_text_never_share_an_executable(tmp_path, monkeypatch)
     hits = COUNTERS.get("optim_disk_cache_hits", 0)
     assert pc.Program("optim", lambda v: v * 3, pc.BY_TEXT)(x).tolist() == [0.0, 3.0, 6.0, 9.0]
     assert COUNTERS.get("optim_disk_cache_hits", 0) == hits + 1
+
+
+def test_trainer_partitioned_joint_graph_is_bit_equal_to_the_joint_graph(monkeypatch):
+    """The joint graph partitioned as AOTAutograd does (GELU's forward recomputed in the
+    backward, optimizers/partition.py) and stitched back into one program computes exactly what
+    the unpartitioned joint graph does: the same gradients, weights, running statistics and
+    dropout masks, step after step (a causal mask built per layer, which the partitioner's CSE
+    builds once)."""
+    from torchtpu.optimizers import trainer as trainer_mod
+
+    def run(partition):
+        monkeypatch.setattr(trainer_mod, "PARTITION", partition)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(),
+                              nn.Dropout(0.25), nn.Linear(32, 4)).to(TPU)
+
+        def loss_fn(m, x, y):
+            h = m(x)
+            for _ in range(2):  # causal attention over the batch's rows
+                a = h @ h.T
+                mask = torch.ones(8, 8, dtype=torch.bool, device=TPU).tril()
+                h = a.masked_fill(~mask, float("-inf")).softmax(-1) @ h
+            return F.mse_loss(h, y)
+
+        before = counter("trainer_partitions")
+        trainer = opts.SingleTraceTrainer(model, loss_fn,
+                                          opts.AdamW(model.parameters(), lr=1e-2),
+                                          write_grads=True)
+        x, y = torch.randn(8, 16, device=TPU), torch.randn(8, 4, device=TPU)
+        losses = [trainer.step(x, y).item() for _ in range(3)]
+        low = next(iter(trainer._traced.values())).low
+        n_tril = sum(n.target is torch.ops.aten.tril.default for n in low.gm.graph.nodes)
+        return (losses, [p.grad.cpu() for p in model.parameters()],
+                [t.detach().cpu() for t in model.state_dict().values()],
+                counter("trainer_partitions") - before, n_tril)
+
+    joint, parted = run(False), run(True)
+    assert parted[0] == joint[0]
+    for a, b in zip(parted[1] + parted[2], joint[1] + joint[2]):
+        assert torch.equal(a, b)
+    assert (parted[3], parted[4]) == (1, 1) and (joint[3], joint[4]) == (0, 2)

@@ -54,7 +54,7 @@ SUBMODULES = {
 }
 # the export package's modules (torch.tpu.export.stablehlo / .litert / .artifact)
 SUBMODULE_MODULES = {"export": {"artifact", "litert", "stablehlo"},
-                     "optimizers": {"optimizer", "program", "trainer", "update"}}
+                     "optimizers": {"optimizer", "partition", "program", "trainer", "update"}}
 
 # every __all__ of torchtpu's packages: (names, names still coming)
 ALL = {

@@ -36,8 +36,14 @@ from ..eager import rng as _rng
 from ..runtime import buffer as _buffer
 from ..runtime import program_cache
 from ..runtime.metrics import count
+from . import partition as _partition
 from . import program as _program
 from .optimizer import _OneProgramStep
+
+
+# the joint graph partitioned as torch.compile's AOTAutograd does (partition.py); False: as
+# aot_export_module gives it (for A/B measurements; read when a trainer is made)
+PARTITION = True
 
 
 class _Loss(nn.Module):
@@ -53,7 +59,7 @@ class _Loss(nn.Module):
 class _Traced:
     """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
 
-    def __init__(self, module, batch):
+    def __init__(self, module, batch, partition=True):
         # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
         from torch._functorch.aot_autograd import aot_export_module
 
@@ -63,6 +69,12 @@ class _Traced:
         gm, sig = aot_export_module(module, tuple(batch), trace_joint=True,
                                     output_loss_index=0, decompositions=_LazyDecompositions())
         count("trainer_traces")
+        # the output names, before partitioning renames any node
+        out_names = [o.name if isinstance(o, torch.fx.Node) else None
+                     for o in gm.graph.output_node().args[0]]
+        if partition:
+            n_fwd = len(sig.buffers_to_mutate) + len(sig.user_outputs)
+            gm = _partition.joint_partitioned(gm, n_fwd, sig.user_outputs[0])
         self.low = _lower.GraphLowering(gm, "trainer")
         if self.low.mutated:
             raise RuntimeError("SingleTraceTrainer: the exported training graph writes its "
@@ -72,8 +84,6 @@ class _Traced:
         # the graph's inputs: parameters, buffers (each by name), then the batch
         self.inputs = [named[n] for n in sig.parameters] + [named[n] for n in sig.buffers]
         self.n_batch = len(sig.user_inputs)
-        outs = self.low.out_node.args[0]
-        out_names = [o.name if isinstance(o, torch.fx.Node) else None for o in outs]
         self.n_out = len(out_names)
         # the loss is the one user output (backward_signature.loss_output names the graph's
         # first output, which is a buffer update when the model has BatchNorm)
@@ -140,6 +150,7 @@ class SingleTraceTrainer:
         self._module = _Loss(model, loss_fn)
         self._traced: dict = {}
         self._programs: dict = {}
+        self._partition = PARTITION  # benchmarks/single_trace.py's trainer+joint sets False
 
     # ---- one step ----
 
@@ -171,7 +182,7 @@ class SingleTraceTrainer:
         key = (tuple((tuple(t.shape), t.dtype) for t in batch), self.model.training)
         traced = self._traced.get(key)
         if traced is None:
-            traced = self._traced[key] = _Traced(self._module, batch)
+            traced = self._traced[key] = _Traced(self._module, batch, self._partition)
         plan = self._plan(traced)
         for t in [*traced.inputs, *(v for e in plan.entries for v in e.state.values())]:
             why = _program.fallback_reason(t)
