@@ -26,3 +26,29 @@ def token_batches(n, batch, seq_len, vocab, seed=2):
         x = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
+
+
+def json_result(proc, timeout: float):
+    """The last stdout line of the child ``proc`` as JSON, once it exits 0 within ``timeout``
+    seconds (killed past it: never left running after the test)."""
+    import json
+    import subprocess
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_json(script: str, env: dict, timeout: float):
+    """Run ``python -c script`` with ``env``; its ``json_result``."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return json_result(proc, timeout)

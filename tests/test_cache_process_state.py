@@ -7,7 +7,6 @@ custom-call targets and are made ready (or rebuilt, never run) before they are l
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import struct
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_json
 
 from torchtpu.runtime import custom_calls, program_cache as pc
 from torchtpu.runtime.metrics import COUNTERS, PER_OP
@@ -72,16 +72,7 @@ print(json.dumps({"res": res, "ref": ref, "counters": {k: v for k, v in c.items(
 
 def _run(cache):
     env = dict(os.environ, TORCHTPU_CACHE_DIR=str(cache))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # bounded: never left running after the test
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{err[-3000:]}"
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json(SCRIPT, env, timeout=400)
 
 
 def test_second_process_runs_cached_linear_algebra(tmp_path):

@@ -4,12 +4,10 @@ variable for it), and every result must be bit-equal to the default (async) disp
 PyTorch on CPU. Each setting needs its own process: the client reads the option once."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import run_json
 
 from torchtpu.runtime import devices
 
@@ -54,16 +52,7 @@ print(json.dumps({"dispatch": devices.cpu_dispatch(), "ready": ready, "close": c
 
 def _run(sync: bool):
     env = dict(os.environ, TORCHTPU_CPU_SYNC_DISPATCH="1" if sync else "0")
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # bounded: never left running after the test
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{err[-3000:]}"
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json(SCRIPT, env, timeout=300)
 
 
 @pytest.mark.skipif(devices.platform() != "cpu",

@@ -7,7 +7,6 @@ the same entries at once leave them usable; an executable is keyed by the device
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import json_result
 import torch
 
 from torchtpu.runtime import program_cache as pc
@@ -58,14 +58,7 @@ def _start(cache):
 
 
 def _result(proc):
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # bounded: never left running after the test
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return json_result(proc, timeout=240)
 
 
 def _expected():
