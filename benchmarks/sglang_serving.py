@@ -48,11 +48,15 @@ VLLM_BENCH = os.path.join(HERE, "vllm_serving.py")
 
 
 def _requests(n, seed=0, lo=16, hi=400):
-    """benchmarks/vllm_serving.py's request set (the same seeded prompt token ids)."""
+    """Seeded prompt token ids, as benchmarks/vllm_serving.py draws them, within the tiny
+    model's vocabulary (the tokenizer's 7 special tokens, then the words; ids past it were
+    sent here before, which SGLang on "tpu" now answers with a 400)."""
     import numpy as np
+    from tiny_models import WORDS
 
     rng = np.random.default_rng(seed)
-    return [[1] + [int(x) for x in rng.integers(7, 70, int(rng.integers(lo, hi)))]
+    vocab = 7 + len(WORDS)
+    return [[1] + [int(x) for x in rng.integers(7, vocab, int(rng.integers(lo, hi)))]
             for _ in range(n)]
 
 
