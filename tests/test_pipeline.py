@@ -59,3 +59,10 @@ def test_mpmd_abort_two_ranks():
     program's rank; later collectives raise a clear error (tests/dist_scripts/mpmd_check.py
     abort)."""
     ok(*torchrun("mpmd_check.py", "abort", timeout=300))
+
+
+@pytest.mark.slow
+def test_mpmd_abort_three_ranks():
+    """The same with 3 ranks: rank 0 runs a new program while ranks 1 and 2 re-run a checked
+    one; every rank raises within seconds and every member's collectives are aborted."""
+    ok(*torchrun("mpmd_check.py", "abort", nproc=3, timeout=300))

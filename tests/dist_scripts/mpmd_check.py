@@ -7,7 +7,7 @@ checked before (``abort``: both ranks raise; the processes' collectives are abor
 peer dead before a new program, are errors within seconds. A failed check's store entries are
 never read as a later launch's (also after the group is re-created on the same store).
 
-Run under torchrun with 2 ranks (``mpmd_check.py [abort]``); prints "OK <case>" per check and "ALL OK <n>" at the end.
+Run under torchrun with 2 ranks (``mpmd_check.py [abort]``; ``abort`` also with 3); prints "OK <case>" per check and "ALL OK <n>" at the end.
 """
 from __future__ import annotations
 
@@ -69,13 +69,15 @@ def abort_case():
     the transport): both ranks raise within seconds, naming both programs; the collectives of
     both processes are aborted: later collectives raise a clear error; local work goes on."""
     dist.init_process_group("tpu_dist", timeout=datetime.timedelta(seconds=300))
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("tpu", int(os.environ.get("LOCAL_RANK", rank)))
     still_usable(dev)
     old = torch.ones(4, device=dev)
     dist.all_reduce(old)
     dist.barrier()
-    needles = ("MPMD check", "rank 0 runs", "rank 1 runs", "f32[6]", "f32[4]", "aborted")
+    needles = ("MPMD check", "rank 0 runs", "rank 1 runs", "f32[6]", "f32[4]",
+               "collectives of " + ("both processes" if world == 2 else "every member")
+               + " are aborted")
     if rank == 0:
         expect_mismatch("new vs re-run", lambda: dist.all_reduce(torch.ones(6, device=dev)),
                         *needles)
@@ -89,10 +91,10 @@ def abort_case():
             for n in needles + ("all_reduce (sequence number",):
                 assert n in msg, (n, msg)
             assert took < LIMIT_S, (took, msg)
-            print(f"  rank 1, blocked in the re-run program: {took:.2f} s: {msg[:400]}",
+            print(f"  rank {rank}, blocked in the re-run program: {took:.2f} s: {msg[:400]}",
                   flush=True)
         else:
-            raise AssertionError("rank 1: no error")
+            raise AssertionError(f"rank {rank}: no error")
     assert metric("mpmd_aborts") == 1
     ok("a new program against a peer blocked in a re-run one: an error on both ranks")
     for later in (lambda: dist.all_reduce(torch.ones(4, device=dev)),
@@ -107,7 +109,8 @@ def abort_case():
                                torch.arange(3.0) * 2)
     got = torch.empty(5, device=dev)
     if rank == 0:
-        dist.send(torch.arange(5.0, device=dev), 1)
+        for peer in range(1, world):
+            dist.send(torch.arange(5.0, device=dev), peer)
     else:
         dist.recv(got, 0)
         torch.testing.assert_close(got.cpu(), torch.arange(5.0))
@@ -116,7 +119,7 @@ def abort_case():
     # coordination service, whose loss ends the other process
     store = dist.distributed_c10d._get_default_store()
     store.set(f"abort_done/{rank}", "1")
-    store.wait([f"abort_done/{r}" for r in range(2)], datetime.timedelta(seconds=60))
+    store.wait([f"abort_done/{r}" for r in range(world)], datetime.timedelta(seconds=60))
     print("ALL OK", len(checked), flush=True)
     os._exit(0)  # the group was aborted: no collective shutdown
 
@@ -124,7 +127,8 @@ def abort_case():
 def still_usable(dev):
     t = torch.full((3,), float(dist.get_rank() + 1), device=dev)
     dist.all_reduce(t)
-    torch.testing.assert_close(t.cpu(), torch.full((3,), 3.0))
+    n = dist.get_world_size()
+    torch.testing.assert_close(t.cpu(), torch.full((3,), n * (n + 1) / 2))
 
 
 def large_p2p(rank, dev):

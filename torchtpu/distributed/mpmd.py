@@ -183,7 +183,8 @@ def check(devices, n: int, name: str, records) -> None:
                        f"whose collectives differ at launch {n} on this group: rank {r} runs "
                        f"there a program it ran before (first checked at launch {first}), "
                        f"rank {me} a new one; rank {r} was blocked in the transport: the "
-                       f"collectives of both processes are aborted. {_program(me, mine)}; "
+                       f"collectives of {'both processes' if len(ranks) == 2 else 'every member'} "
+                       f"are aborted. {_program(me, mine)}; "
                        f"{what}")
                 _abort(store, prefix, ranks, me, msg)
                 raise launches.Mismatch(msg)
