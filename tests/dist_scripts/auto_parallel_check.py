@@ -272,7 +272,7 @@ def main():
             assert plan.units["layers.*.attention"]["choice"] == "tp", plan
             assert plan.units["layers.*.attention"]["ins"] == ["qkv_linear.wqkv"], plan
             check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab)
-        elif cfg in ("titan_lp", "2d_titan_lp"):
+        elif cfg in ("titan_lp", "2d_titan_lp", "titan_lp_compile"):
             # the same model with its loss given to the search (TorchTitan's loss_fn): under
             # 0.9 x pure FSDP's memory, loss parallelism for that loss too -- the module
             # returns the logits sharded on the vocabulary (and on the batch over dp), the loop
@@ -286,13 +286,14 @@ def main():
             fsdp = plan_for(tm, world, (x,), dp=world, tp=1, tp_units=None, **lkw)
             # tp-only: under 0.9 x pure FSDP's memory; 2 x 2 (0.96 x FSDP's: the smallest
             # plan on that mesh): the smallest plan
-            shape, budget = ((2, world // 2), None) if cfg == "2d_titan_lp" else \
+            shape, budget = ((2, world // 2), None) if cfg.startswith("2d") else \
                 ((1, world), 0.9 * fsdp.predicted["memory_bytes"])
             plan = td.auto_parallelize(tm, world, (x,), memory_budget=budget,
                                        mesh_shapes=[shape], verify=False, objective="memory",
                                        **lkw)
             assert plan.sequence_parallel and plan.loss_parallel and plan.loss_outside, plan
-            check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab)
+            check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab,
+                  compiled=cfg.endswith("compile"))
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()

@@ -216,7 +216,8 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
         from .verify import compile_plans, judge
 
         t3 = time.perf_counter()
-        res = compile_plans(model, args, kwargs, plans, optimizer_states, s.an.batch)
+        res = compile_plans(model, args, kwargs, plans, optimizer_states, s.an.batch,
+                            loss_fn=loss_fn, loss_args=s.loss_args)
         for p, r in zip(plans, res):
             p.compiled = judge(p, r, s.spec, s.sec_per_flop())
         search["verify_s"] = time.perf_counter() - t3
