@@ -134,6 +134,29 @@ def test_verification_compiles_candidates_and_reranks():
     assert "compiled by XLA (4 devices)" in str(plan)
 
 
+def test_verification_traces_the_loss_fn():
+    """With ``loss_fn`` the compiled train step is the user's loss on the outputs (its targets
+    one more input, sharded over dp like the batch), not the sum of the outputs."""
+    from torchtpu.distributed.auto_parallel.analysis import namer
+    from torchtpu.distributed.auto_parallel.verify import candidate_specs, trace_step
+
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+    y = tokens()
+    gm0, names, n0 = trace_step(m, (x,), {}, 2)
+    gm1, _, n1 = trace_step(m, (x,), {}, 2, _token_loss, (y,))
+    assert n1 == n0 + 1
+    ops0 = {str(n.target) for n in gm0.graph.nodes if n.op == "call_function"}
+    ops1 = {str(n.target) for n in gm1.graph.nodes if n.op == "call_function"}
+    assert not any("nll_loss" in o for o in ops0)
+    assert any("nll_loss_forward" in o for o in ops1), sorted(ops1)
+    fsdp = plan_for(m, 4, (x,), dp=4, tp=1, tp_units=None, device_spec="cpu",
+                    loss_fn=_token_loss, loss_args=(y,))
+    shapes = [n.meta["val"] for n in gm1.graph.nodes if n.op == "placeholder"]
+    specs = candidate_specs(fsdp, names, shapes, 2, len(list(m.buffers())), 4, n1, namer(m))
+    assert specs["in_specs"][n1 - 1] == ["dp", None]  # the labels: split like the batch
+
+
 @pytest.mark.slow  # ~30 s: one more compile subprocess
 def test_compiled_collectives_of_hand_written_plans():
     """A TP plan's compiled all-reduces are exactly the predicted ones; FSDP's per-device
@@ -353,16 +376,17 @@ def test_torchtitan_debug_model_tp_sp_under_fsdp_budget_trains_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_sp", timeout=600))
 
 
-@pytest.mark.slow  # ~2 min (2 processes) + ~2.5 min (4 processes)
+@pytest.mark.slow  # ~4 min (2 processes) + ~2.5 min (4 processes)
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                     reason="torchtitan is not installed")
 def test_torchtitan_debug_model_loss_parallel_for_its_loss_fn_trains_like_one():
     """TorchTitan's llama3 debug model with its loss given to the search (``loss_fn=``):
     TP + SP + loss parallelism for that loss (the module returns the logits sharded on the
     vocabulary, the loop computes ``plan.loss(loss_fn)``), under 0.9 x pure FSDP's memory on 2
-    processes and as the smallest 2 x 2 plan on 4; 5 steps with losses, every step's gradients
-    and the final parameters equal to one CPU process."""
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_lp", timeout=600))
+    processes (eager, and the applied module under torch.compile(backend="tpu")) and as the
+    smallest 2 x 2 plan on 4; 5 steps with losses, every step's gradients and the final
+    parameters equal to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_lp", "titan_lp_compile", timeout=900))
     dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_titan_lp", nproc=4, timeout=800))
 
 
