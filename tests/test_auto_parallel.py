@@ -376,17 +376,19 @@ def test_torchtitan_debug_model_tp_sp_under_fsdp_budget_trains_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_sp", timeout=600))
 
 
-@pytest.mark.slow  # ~4 min (2 processes) + ~2.5 min (4 processes)
+@pytest.mark.slow  # ~5 min (2 processes) + ~2.5 min (4 processes)
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                     reason="torchtitan is not installed")
 def test_torchtitan_debug_model_loss_parallel_for_its_loss_fn_trains_like_one():
     """TorchTitan's llama3 debug model with its loss given to the search (``loss_fn=``):
     TP + SP + loss parallelism for that loss (the module returns the logits sharded on the
     vocabulary, the loop computes ``plan.loss(loss_fn)``), under 0.9 x pure FSDP's memory on 2
-    processes (eager, and the applied module under torch.compile(backend="tpu")) and as the
+    processes (eager; with PyTorch's own ``loss_parallel()`` context instead of ``plan.loss``;
+    the applied module under torch.compile(backend="tpu")) and as the
     smallest 2 x 2 plan on 4; 5 steps with losses, every step's gradients and the final
     parameters equal to one CPU process."""
-    dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_lp", "titan_lp_compile", timeout=900))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_lp", "titan_lp_torch", "titan_lp_compile",
+                       timeout=1200))
     dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_titan_lp", nproc=4, timeout=800))
 
 
