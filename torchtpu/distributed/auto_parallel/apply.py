@@ -22,31 +22,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .analysis import namer
-
-
-class _GatherBatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, n, rank):
-        ctx.n, ctx.rank = n, rank
-        out = x.new_empty((x.shape[0] * n,) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.chunk(ctx.n)[ctx.rank] * ctx.n, None, None, None
-
-
-class _MeanScalar(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, n):
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out / n
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None
+from .dp_ops import _GatherBatch, _MeanScalar
 
 
 def _batch_hooks(model: nn.Module, dp: int, rank: int, group, mesh) -> None:

@@ -130,7 +130,7 @@ class _OutsideMode(_Mode):
     def _parallel(self, x, target, kwargs):
         from torch.distributed.tensor import DTensor, Shard
 
-        from .apply import _GatherBatch, _MeanScalar
+        from .dp_ops import _GatherBatch, _MeanScalar, _SumScalar
 
         mesh = x.device_mesh
         if mesh.ndim == 1:
@@ -157,21 +157,6 @@ class _OutsideMode(_Mode):
         if red == "sum":
             return _SumScalar.apply(loss, group, dp)
         return _GatherBatch.apply(loss, group, dp, rank)
-
-
-class _SumScalar(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, n):
-        import torch.distributed as dist
-
-        ctx.n = n
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.n, None, None
 
 
 def outside_loss(loss_fn):
