@@ -214,8 +214,9 @@ def evaluate(c: Costs, unit_choice: dict, group_choice: dict, sp: bool = False,
         tot = tot + c.sp
     if lp:
         if c.lp is None or unit_choice.get(c.head, "none") == "none":
-            raise ValueError("loss parallelism needs a model that computes its cross-entropy "
-                             "on its head's output, and the head sharded")
+            raise ValueError("loss parallelism needs a cross-entropy on the head's output (in "
+                             "the model, or in the loss_fn given to the search), and the head "
+                             "sharded")
         tot = tot + c.lp
     for u, opt in unit_choice.items():
         tot = tot + c.unit_opts[u][opt]
