@@ -51,7 +51,16 @@ def titan_debug():
     x = torch.randint(0, 2048, (b, s))
     pos = torch.arange(s).repeat(b, 1)
     mask = create_block_mask(lambda b_, h, q, k: q >= k, None, None, s, s, device="cpu")
-    return "llama3 debug (TorchTitan)", m, (x,), {"positions": pos, "attention_masks": mask}
+    # its loss is computed outside the model, as TorchTitan's loss_fn does: given to the search
+    # (loss parallelism for it: the module returns vocab-sharded logits, plan.loss(loss_fn))
+    labels = torch.randint(0, 2048, (b, s))
+    return ("llama3 debug (TorchTitan)", m, (x,), {"positions": pos, "attention_masks": mask},
+            {"loss_fn": token_loss, "loss_args": (labels,)})
+
+
+def token_loss(pred, labels):
+    """TorchTitan's loss_fn (mean reduction): every token's cross-entropy."""
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def llama_1b():
@@ -66,7 +75,7 @@ def llama_1b():
     x = torch.randint(0, 128256, (8, 1024))
     # trained as HF models are: the model computes its own loss (labels=), which is what loss
     # parallelism can shard
-    return "Llama-3.2-1B shapes, untied head (HF, 1.5B)", m, (), {"input_ids": x, "labels": x}
+    return "Llama-3.2-1B shapes, untied head (HF, 1.5B)", m, (), {"input_ids": x, "labels": x}, {}
 
 
 def titan_plan(model, n, a, common):
@@ -100,15 +109,16 @@ def main():
     print(f"load average: {os.getloadavg()}")
     builders = {"debug": titan_debug, "1b": llama_1b}
     for key in args.models.split(","):
-        name, model, a, kw = builders[key]()
+        name, model, a, kw, lkw = builders[key]()
         nparams = sum(p.numel() for p in model.parameters())
         print(f"\n=== {name}: {nparams / 1e6:.1f}M parameters, batch "
               f"{next(iter([*a, *kw.values()])).shape} ===")
         for n in [int(x) for x in args.meshes.split(",")]:
             t0 = time.perf_counter()
-            auto = auto_parallelize(model, n, a, example_kwargs=kw, device_spec="v6e", top_k=3)
+            auto = auto_parallelize(model, n, a, example_kwargs=kw, device_spec="v6e", top_k=3,
+                                    **lkw)
             wall = time.perf_counter() - t0
-            common = dict(example_kwargs=kw, device_spec="v6e")
+            common = dict(example_kwargs=kw, device_spec="v6e", **lkw)
             plans = {"auto": auto,
                      "titan fsdp+tp": titan_plan(model, n, a, common),
                      "fsdp": plan_for(model, n, a, dp=n, tp=1, tp_units=None, **common),
@@ -117,7 +127,8 @@ def main():
             t1 = time.perf_counter()
             hand = list(plans.values())[1:]
             spec = device_spec("v6e")
-            res = compile_plans(model, a, kw, hand, 2, next(iter([*a, *kw.values()])).shape[0])
+            res = compile_plans(model, a, kw, hand, 2, next(iter([*a, *kw.values()])).shape[0],
+                                **lkw)
             fp32 = any(p.dtype == torch.float32 for p in model.parameters())
             spf = (spec.fp32_slowdown if fp32 else 1.0) / (spec.peak_flops * spec.efficiency)
             for p, r in zip(hand, res):
@@ -139,7 +150,7 @@ def main():
                   f"{'XLA v6e ms':>11}  unpredicted")
             pred_t, comp_t = [], []
             for label, p in plans.items():
-                v5e = predict(model, p, a, device_spec="v5e", example_kwargs=kw)
+                v5e = predict(model, p, a, device_spec="v5e", example_kwargs=kw, **lkw)
                 c = p.compiled
                 pr = p.predicted
                 pred_t.append(pr["step_time_s"])
@@ -160,17 +171,17 @@ def main():
                   f"{auto.predicted['step_time_s'] / titan['step_time_s']:.2f}x, memory "
                   f"{auto.predicted['memory_bytes'] / titan['memory_bytes']:.2f}x")
             same = auto_parallelize(model, n, a, example_kwargs=kw, device_spec="v6e",
-                                    memory_budget=titan["memory_bytes"], verify=False)
+                                    memory_budget=titan["memory_bytes"], verify=False, **lkw)
             print(f"   auto under TorchTitan's memory as budget: dp={same.dp} x tp={same.tp}, "
                   f"step {same.predicted['step_time_s'] / titan['step_time_s']:.2f}x, memory "
                   f"{same.predicted['memory_bytes'] / titan['memory_bytes']:.2f}x TorchTitan's")
             if key in args.measure.split(","):
-                measure(model, a, kw, plans, args.reps)
+                measure(model, a, kw, plans, args.reps, lkw)
             budget = 0.9 * plans["fsdp"].predicted["memory_bytes"]
             t2 = time.perf_counter()
             try:
                 tight = auto_parallelize(model, n, a, example_kwargs=kw, device_spec="v6e",
-                                         memory_budget=budget, verify=False)
+                                         memory_budget=budget, verify=False, **lkw)
                 print(f"   budget 0.9 x FSDP's memory ({mib(budget).strip()} MiB): dp={tight.dp} "
                       f"x tp={tight.tp}, {mib(tight.predicted['memory_bytes']).strip()} MiB, "
                       f"TP units {[u for u, d in tight.units.items() if d['choice'] != 'none']}, "
@@ -180,19 +191,19 @@ def main():
                 print(f"   budget 0.9 x FSDP's memory: {e}")
 
 
-def measure(model, a, kw, plans, reps):
+def measure(model, a, kw, plans, reps, lkw):
     from torchtpu.distributed.auto_parallel import predict
     from torchtpu.distributed.auto_parallel.verify import compile_plans
 
     batch = next(iter([*a, *kw.values()])).shape[0]
     t0 = time.perf_counter()
-    res = compile_plans(model, a, kw, list(plans.values()), 2, batch, measure=reps)
+    res = compile_plans(model, a, kw, list(plans.values()), 2, batch, measure=reps, **lkw)
     print(f"   measured on {plans['auto'].world_size} virtual XLA:CPU devices (median of {reps}, "
           f"compile + run {time.perf_counter() - t0:.1f} s, load {os.getloadavg()[0]:.1f}):")
     auto_t = res[0]["measured_step_s"]
     pred, meas = [], []
     for (label, p), r in zip(plans.items(), res):
-        cpu = predict(model, p, a, device_spec="cpu", example_kwargs=kw)["step_time_s"]
+        cpu = predict(model, p, a, device_spec="cpu", example_kwargs=kw, **lkw)["step_time_s"]
         pred.append(cpu)
         meas.append(r["measured_step_s"])
         print(f"   {label:<15}{f'{p.dp}x{p.tp}':>8}  measured {r['measured_step_s'] * 1e3:9.1f} ms"

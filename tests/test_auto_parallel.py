@@ -134,6 +134,29 @@ def test_verification_compiles_candidates_and_reranks():
     assert "compiled by XLA (4 devices)" in str(plan)
 
 
+def test_verification_traces_the_loss_fn():
+    """With ``loss_fn`` the compiled train step is the user's loss on the outputs (its targets
+    one more input, sharded over dp like the batch), not the sum of the outputs."""
+    from torchtpu.distributed.auto_parallel.analysis import namer
+    from torchtpu.distributed.auto_parallel.verify import candidate_specs, trace_step
+
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens()
+    y = tokens()
+    gm0, names, n0 = trace_step(m, (x,), {}, 2)
+    gm1, _, n1 = trace_step(m, (x,), {}, 2, _token_loss, (y,))
+    assert n1 == n0 + 1
+    ops0 = {str(n.target) for n in gm0.graph.nodes if n.op == "call_function"}
+    ops1 = {str(n.target) for n in gm1.graph.nodes if n.op == "call_function"}
+    assert not any("nll_loss" in o for o in ops0)
+    assert any("nll_loss_forward" in o for o in ops1), sorted(ops1)
+    fsdp = plan_for(m, 4, (x,), dp=4, tp=1, tp_units=None, device_spec="cpu",
+                    loss_fn=_token_loss, loss_args=(y,))
+    shapes = [n.meta["val"] for n in gm1.graph.nodes if n.op == "placeholder"]
+    specs = candidate_specs(fsdp, names, shapes, 2, len(list(m.buffers())), 4, n1, namer(m))
+    assert specs["in_specs"][n1 - 1] == ["dp", None]  # the labels: split like the batch
+
+
 @pytest.mark.slow  # ~30 s: one more compile subprocess
 def test_compiled_collectives_of_hand_written_plans():
     """A TP plan's compiled all-reduces are exactly the predicted ones; FSDP's per-device
@@ -209,8 +232,32 @@ def test_torchtitan_llama3_debug_plan():
     assert tight.units["layers.*.attention"]["ins"] == ["qkv_linear.wqkv"]
     assert tight.units["layers.*.attention"]["choice"] == "tp"
     assert tight.units["layers.*.feed_forward"]["ins"] == ["w1", "w3"]
-    assert not tight.loss_parallel  # its loss is computed outside the model
+    assert not tight.loss_parallel  # its loss is computed outside the model, unknown here
     assert "tok_embeddings" not in tight.units
+    # the loss given to the search (TorchTitan's loss_fn): it is counted (every rank's loss on
+    # the dp-gathered logits: pure FSDP needs more), and loss parallelism for it is offered
+    # and chosen (dist_scripts' titan_lp trains it)
+    lkw = dict(example_kwargs=kw, device_spec="cpu", loss_fn=_token_loss, loss_args=(x,))
+    fsdp_l = plan_for(m, 2, (x,), dp=2, tp=1, tp_units=None, **lkw)
+    assert fsdp_l.predicted["memory_bytes"] > fsdp.predicted["memory_bytes"]
+    lp = td.auto_parallelize(m, 2, (x,), memory_budget=0.9 * fsdp_l.predicted["memory_bytes"],
+                             verify=False, objective="memory", **lkw)
+    assert lp.sequence_parallel and lp.loss_parallel and lp.loss_outside, lp
+    assert lp.search["loss_parallel"] == "possible (the loss_fn's cross-entropy)"
+    assert "plan.loss(loss_fn)" in str(lp)
+    assert Plan.from_dict(lp.to_dict()).decisions() == lp.decisions()
+    # what loss parallelism saves: the log-probabilities of every rank's whole batch (without
+    # it, gathered over dp) -> its batch and vocabulary slice
+    nolp = plan_for(m, 2, (x,), dp=lp.dp, tp=lp.tp, sequence_parallel=True, **lkw)
+    lp_ = plan_for(m, 2, (x,), dp=lp.dp, tp=lp.tp, sequence_parallel=True, loss_parallel=True,
+                   **lkw)
+    logprobs = 4 * 32 * 2048 * 4  # batch x seq x vocab float32 (+ the NLL's int64 targets)
+    assert nolp.predicted["memory_bytes"] - lp_.predicted["memory_bytes"] == pytest.approx(
+        (logprobs + 4 * 32 * 8) * (1 - 1 / lp.world_size), abs=8)
+
+
+def _token_loss(pred, labels):
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def test_fused_qkv_split_checked_numerically():
@@ -329,6 +376,22 @@ def test_torchtitan_debug_model_tp_sp_under_fsdp_budget_trains_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_sp", timeout=600))
 
 
+@pytest.mark.slow  # ~5 min (2 processes) + ~2.5 min (4 processes)
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                    reason="torchtitan is not installed")
+def test_torchtitan_debug_model_loss_parallel_for_its_loss_fn_trains_like_one():
+    """TorchTitan's llama3 debug model with its loss given to the search (``loss_fn=``):
+    TP + SP + loss parallelism for that loss (the module returns the logits sharded on the
+    vocabulary, the loop computes ``plan.loss(loss_fn)``), under 0.9 x pure FSDP's memory on 2
+    processes (eager; with PyTorch's own ``loss_parallel()`` context instead of ``plan.loss``;
+    the applied module under torch.compile(backend="tpu")) and as the
+    smallest 2 x 2 plan on 4; 5 steps with losses, every step's gradients and the final
+    parameters equal to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_lp", "titan_lp_torch", "titan_lp_compile",
+                       timeout=1200))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_titan_lp", nproc=4, timeout=800))
+
+
 @pytest.mark.slow  # ~2 min, 4 processes
 def test_two_dimensional_plan_trains_on_four_processes_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "2d", "2d_fsdp", nproc=4, timeout=600))
@@ -339,8 +402,8 @@ def test_hf_llama_sequence_and_loss_parallel_fit_under_fsdp_budget():
     FSDP's predicted memory: the smallest plan is TP with sequence parallelism entered at the
     first decoder layer (the prologue -- mask, positions, rotary tables -- replicated) and loss
     parallelism (vocab-sharded logits into HF's own cross-entropy); each saves what the cost
-    model says. Without ``labels=`` (the loss computed outside) loss parallelism is never
-    offered: the outputs stay the global logits."""
+    model says. Without ``labels=`` and no ``loss_fn`` (the loss computed outside, unknown to
+    the search) loss parallelism is never offered: the outputs stay the global logits."""
     torch.manual_seed(0)
     m = tiny_llama(512)
     x = tokens(4, 32)
@@ -371,7 +434,7 @@ def test_hf_llama_sequence_and_loss_parallel_fit_under_fsdp_budget():
     outside = td.auto_parallelize(m, 4, (), example_kwargs=no_labels, device_spec="cpu",
                                   verify=False, mesh_shapes=[(1, 4)])
     assert not outside.loss_parallel
-    assert "does not compute a cross-entropy" in outside.search["loss_parallel"]
+    assert "no cross-entropy on the head's output" in outside.search["loss_parallel"]
     with pytest.raises(ValueError, match="loss parallelism needs"):
         plan_for(m, 4, (), dp=1, tp=4, loss_parallel=True, device_spec="cpu",
                  example_kwargs=no_labels)

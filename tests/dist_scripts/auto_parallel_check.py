@@ -23,12 +23,17 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
   titan_sp, 2d_titan_sp  TorchTitan's llama3 debug model (fused wqkv; its loss outside the
            model) under 0.9 x pure FSDP's memory: TP (wqkv colwise) + sequence parallelism,
            5 steps (tp-only; 2 x 2)
+  titan_lp, 2d_titan_lp  the same with its loss given to the search (``loss_fn=``): TP + SP +
+           loss parallelism for that loss (logits returned vocab-sharded, ``plan.loss``);
+           titan_lp_compile: the applied module compiled; titan_lp_torch: the loss and its
+           backward under PyTorch's own ``loss_parallel()`` instead of ``plan.loss``
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -55,24 +60,33 @@ def batches(vocab, seq=SEQ, steps=STEPS):
              torch.randint(0, vocab, (BATCH, seq), generator=g)) for _ in range(steps)]
 
 
-def train(model, data, device, hf=False, adam=False, run=None, fwd=None):
+def token_loss(pred, labels):
+    """TorchTitan's loss_fn: the cross-entropy of every token, computed outside the model."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def train(model, data, device, hf=False, adam=False, run=None, fwd=None, loss_fn=token_loss,
+          ctx=contextlib.nullcontext):
     """An ordinary loop (SGD with momentum, or AdamW, over model.parameters()); returns the
     losses and each step's gradients (full tensors). ``run``: what is called for the forward
     (the model, or ``torch.compile(model, backend="tpu")``); ``fwd(run, x)``: the logits, where
-    the model takes more than the tokens (TorchTitan's positions and masks)."""
+    the model takes more than the tokens (TorchTitan's positions and masks); ``loss_fn``: the
+    loss on the logits (``plan.loss(token_loss)`` for an applied model); ``ctx``: a context
+    around the loss and its backward (PyTorch's ``loss_parallel``)."""
     run = model if run is None else run
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, grads = [], []
     for x, y in data:
         x, y = x.to(device), y.to(device)
-        if hf:
-            loss = run(input_ids=x, labels=y).loss
-        else:
-            logits = run(x) if fwd is None else fwd(run, x)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         opt.zero_grad()
-        loss.backward()
+        with ctx():
+            if hf:
+                loss = run(input_ids=x, labels=y).loss
+            else:
+                logits = run(x) if fwd is None else fwd(run, x)
+                loss = loss_fn(logits, y)
+            loss.backward()
         grads.append({n: full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         losses.append(loss.item())
@@ -86,7 +100,7 @@ def full(p):
 
 
 def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq=SEQ,
-          steps=STEPS, fwd=None, vocab=None):
+          steps=STEPS, fwd=None, vocab=None, torch_loss_parallel=False):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
@@ -103,7 +117,8 @@ def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq
         # backend="aot_eager" as here
         torch._dynamo.reset()
         eager_model = plan.apply(copy.deepcopy(model))
-        eager_losses, eager_grads = train(eager_model, data, "tpu", hf, adam, fwd=fwd)
+        eager_losses, eager_grads = train(eager_model, data, "tpu", hf, adam, fwd=fwd,
+                                          loss_fn=plan.loss(token_loss))
         torch.testing.assert_close(torch.tensor(eager_losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=1e-5)
     model = plan.apply(model)
@@ -111,7 +126,14 @@ def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq
     if compiled:
         run = torch.compile(model, backend="tpu")
         before = torch.tpu.metrics()["counters"].get("compile_graphs", 0)
-    losses, grads = train(model, data, "tpu", hf, adam, run=run, fwd=fwd)
+    if torch_loss_parallel:  # PyTorch's own context instead of plan.loss (a tp-only plan)
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        losses, grads = train(model, data, "tpu", hf, adam, run=run, fwd=fwd,
+                              ctx=loss_parallel)
+    else:
+        losses, grads = train(model, data, "tpu", hf, adam, run=run, fwd=fwd,
+                              loss_fn=plan.loss(token_loss))
     if compiled:
         assert torch.tpu.metrics()["counters"].get("compile_graphs", 0) > before, \
             torch.tpu.metrics()["counters"]
@@ -262,6 +284,28 @@ def main():
             assert plan.units["layers.*.attention"]["choice"] == "tp", plan
             assert plan.units["layers.*.attention"]["ins"] == ["qkv_linear.wqkv"], plan
             check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab)
+        elif cfg in ("titan_lp", "2d_titan_lp", "titan_lp_compile", "titan_lp_torch"):
+            # the same model with its loss given to the search (TorchTitan's loss_fn): under
+            # 0.9 x pure FSDP's memory, loss parallelism for that loss too -- the module
+            # returns the logits sharded on the vocabulary (and on the batch over dp), the loop
+            # computes its loss with plan.loss(token_loss)
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            make, fwd, tkw, tvocab = titan(32)
+            tm = make()
+            x = torch.randint(0, tvocab, (BATCH, 32))
+            lkw = dict(example_kwargs=tkw, device_spec="cpu", loss_fn=token_loss, loss_args=(x,))
+            fsdp = plan_for(tm, world, (x,), dp=world, tp=1, tp_units=None, **lkw)
+            # tp-only: under 0.9 x pure FSDP's memory; 2 x 2 (0.96 x FSDP's: the smallest
+            # plan on that mesh): the smallest plan
+            shape, budget = ((2, world // 2), None) if cfg.startswith("2d") else \
+                ((1, world), 0.9 * fsdp.predicted["memory_bytes"])
+            plan = td.auto_parallelize(tm, world, (x,), memory_budget=budget,
+                                       mesh_shapes=[shape], verify=False, objective="memory",
+                                       **lkw)
+            assert plan.sequence_parallel and plan.loss_parallel and plan.loss_outside, plan
+            check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab,
+                  compiled=cfg.endswith("compile"), torch_loss_parallel=cfg.endswith("torch"))
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()

@@ -46,12 +46,15 @@ def _split_inputs(example_inputs, example_kwargs):
 class _Search:
     """What auto_parallelize and plan_for share: the analysed model and its cost tables."""
 
-    def __init__(self, model, n, args, kwargs, spec, optimizer_states):
+    def __init__(self, model, n, args, kwargs, spec, optimizer_states, loss_fn=None,
+                 loss_args=()):
         self.model, self.n, self.args, self.kwargs = model, n, args, kwargs
+        self.loss_fn, self.loss_args = loss_fn, tuple(loss_args)
         self.spec = device_spec(spec)
         self.optimizer_states = optimizer_states
         self.an = analyse(model, args, kwargs,
-                          tp_degrees=[tp for _, tp in factorisations(n) if tp > 1])
+                          tp_degrees=[tp for _, tp in factorisations(n) if tp > 1],
+                          loss_fn=loss_fn, loss_args=self.loss_args)
         self.modules = dict(model.named_modules())
         self.units = units(self.an, self.modules)
         self._costs = {}
@@ -83,6 +86,7 @@ class _Search:
             p.sp_modules = self.sp_modules()
         if lp:
             p.loss_head = c.head
+            p.loss_outside = self.an.loss_outside
         return p
 
     def sp_modules(self) -> dict:
@@ -106,7 +110,7 @@ class _Search:
 def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
              data_parallel="fsdp", sequence_parallel: bool = False,
              loss_parallel: bool = False, example_kwargs=None, device_spec="v6e",
-             optimizer_states: int = 2) -> Plan:
+             optimizer_states: int = 2, loss_fn=None, loss_args=()) -> Plan:
     """A hand-written plan in the same space, with the cost model's prediction: ``dp`` x ``tp``,
     every TP unit sharded (``tp_units="all"``), none (``None``) or those named (a list of unit
     names), every parameter ``data_parallel`` ("fsdp" or "replicate") over dp. TorchTitan's
@@ -114,11 +118,13 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
     ``(dp=n, tp=1, data_parallel="replicate")``; ``sequence_parallel=True`` (with every unit
     sharded) is TorchTitan's SP, where the model allows it (else a ValueError says why not);
     ``loss_parallel=True`` keeps the head's logits sharded on the vocabulary for the model's
-    own cross-entropy (a model that computes its loss itself, HF's ``labels=``)."""
+    own cross-entropy (a model that computes its loss itself, HF's ``labels=``, or the user's
+    ``loss_fn``: see ``auto_parallelize``)."""
     from .cost import evaluate
 
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
-    s = _Search(model, _mesh_size(mesh), args, kwargs, device_spec, optimizer_states)
+    s = _Search(model, _mesh_size(mesh), args, kwargs, device_spec, optimizer_states, loss_fn,
+                loss_args)
     if dp * tp != s.n:
         raise ValueError(f"plan_for: dp * tp = {dp * tp} != {s.n} devices")
     c = s.costs(dp, tp)
@@ -137,14 +143,15 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
 
 
 def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwargs=None,
-            optimizer_states: int = 2) -> dict:
+            optimizer_states: int = 2, loss_fn=None, loss_args=()) -> dict:
     """The cost model's figures (step_time_s, memory_bytes, dp_bytes, tp_bytes, ...) of an
     existing plan on another device."""
     from .cost import evaluate
     from .plan import _term_dict
 
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
-    s = _Search(model, plan.world_size, args, kwargs, device_spec, optimizer_states)
+    s = _Search(model, plan.world_size, args, kwargs, device_spec, optimizer_states, loss_fn,
+                loss_args)
     c = s.costs(plan.dp, plan.tp)
     return _term_dict(evaluate(c, {u: d["choice"] for u, d in plan.units.items()},
                                {g: d["dp"] for g, d in plan.groups.items()},
@@ -153,7 +160,8 @@ def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwa
 
 def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spec="v6e",
                      objective="step_time", *, example_kwargs=None, optimizer_states: int = 2,
-                     mesh_shapes=None, verify: bool = True, top_k: int = 3) -> Plan:
+                     mesh_shapes=None, verify: bool = True, top_k: int = 3, loss_fn=None,
+                     loss_args=()) -> Plan:
     """Find a parallel plan for training ``model`` on ``mesh`` (a DeviceMesh, or a device count
     for analysis alone) with ``example_inputs`` (the global batch every rank will pass).
 
@@ -161,7 +169,12 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
     device_spec: "v5e", "v6e", "h100", "cpu" or a ``DeviceSpec``; objective: "step_time" or
     "memory"; optimizer_states: state tensors per parameter (AdamW: 2, SGD with momentum: 1);
     mesh_shapes: restrict the (dp, tp) factorisations tried; verify: compile the ``top_k``
-    plans with XLA for the mesh's device count and re-rank them by XLA's figures.
+    plans with XLA for the mesh's device count and re-rank them by XLA's figures;
+    loss_fn: the loss the training loop computes on the model's output, called as
+    ``loss_fn(output, *loss_args)`` (TorchTitan's ``loss_fn(pred, labels)``): the search and
+    the verification count it, and a cross-entropy in it on the head's logits makes loss
+    parallelism possible (the applied module then returns the logits as a DTensor sharded on
+    the vocabulary: compute the loss with ``plan.loss(loss_fn)``).
     Returns a ``Plan`` (``plan.apply(model)`` shards the model).
     """
     if objective not in ("step_time", "memory"):
@@ -169,7 +182,8 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
                          f"{objective!r}")
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
     t0 = time.perf_counter()
-    s = _Search(model, _mesh_size(mesh), args, kwargs, device_spec, optimizer_states)
+    s = _Search(model, _mesh_size(mesh), args, kwargs, device_spec, optimizer_states, loss_fn,
+                loss_args)
     budget = float(memory_budget) if memory_budget is not None else s.spec.hbm_bytes
     t1 = time.perf_counter()
     found = []
@@ -193,15 +207,17 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
     search = {"analyse_s": t1 - t0, "solve_s": t2 - t1, "candidates": len(found),
               "sequence_parallel": s.an.sp_blocker or (
                   "possible" + (f", entered at {s.an.sp_entry[0]}" if s.an.sp_entry else "")),
-              "loss_parallel": "possible" if s.an.loss_inside else
-              "the model does not compute a cross-entropy on its head's output",
+              "loss_parallel": ("possible" + (" (the loss_fn's cross-entropy)"
+                                              if s.an.loss_outside else "")) if s.an.loss_inside
+              else "no cross-entropy on the head's output (in the model or in loss_fn)",
               "not_tp_blocks": s.an.not_blocks,
               "factorisations": [list(x) for x in s.shapes(mesh_shapes)]}
     if verify:
         from .verify import compile_plans, judge
 
         t3 = time.perf_counter()
-        res = compile_plans(model, args, kwargs, plans, optimizer_states, s.an.batch)
+        res = compile_plans(model, args, kwargs, plans, optimizer_states, s.an.batch,
+                            loss_fn=loss_fn, loss_args=s.loss_args)
         for p, r in zip(plans, res):
             p.compiled = judge(p, r, s.spec, s.sec_per_flop())
         search["verify_s"] = time.perf_counter() - t3

@@ -101,6 +101,9 @@ class Analysis:
     layers: list = field(default_factory=list)  # the repeated layers holding TP blocks
     loss_inside: bool = False  # the model applies F.cross_entropy to its head's output
     loss_saved: int = 0  # bytes autograd saves inside that cross_entropy
+    # the cross-entropy is the user's ``loss_fn`` on the model's output (TorchTitan's): it runs
+    # on the (dp-gathered) global batch on every rank unless loss parallelism keeps it sharded
+    loss_outside: bool = False
     # Linear / Embedding leaves whose class overrides ``forward`` (TorchTitan's Embedding
     # unwraps a DTensor weight for its own vocab-parallel path): ColwiseParallel /
     # RowwiseParallel would hand that code DTensors it does not expect, so they are never
@@ -199,9 +202,12 @@ def _head_counts(mod: nn.Module) -> list:
     return found
 
 
-def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None) -> Analysis:
+def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None, loss_fn=None,
+            loss_args=()) -> Analysis:
     """``tp_degrees``: the tp sizes the search will consider (a fused projection's split is
-    checked at those only; None: every degree up to ``fused_split.MAX_TP``)."""
+    checked at those only; None: every degree up to ``fused_split.MAX_TP``). ``loss_fn``: the
+    user's loss, called as ``loss_fn(output, *loss_args)`` after the forward (else the
+    backward starts from the sum of the float outputs)."""
     params = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
     gn = namer(model)
     groups = defaultdict(list)
@@ -220,6 +226,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None) -> Ana
         return f
 
     margs, mkwargs = pytree.tree_map(fake_in, (args, kwargs))
+    mloss_args = pytree.tree_map(fake_in, tuple(loss_args))
     tensors = [t for t in pytree.tree_leaves((margs, mkwargs)) if isinstance(t, torch.Tensor)]
     if not tensors:
         raise ValueError("auto_parallelize: example_inputs hold no tensor")
@@ -284,7 +291,12 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None) -> Ana
                     and t.is_floating_point()]
             if not outs:
                 raise ValueError("auto_parallelize: the model returned no floating-point tensor")
-            loss = sum(o.float().sum() for o in outs)
+            if loss_fn is not None:
+                loss = loss_fn(out, *mloss_args)
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise ValueError("auto_parallelize: loss_fn must return a 0-dim tensor")
+            else:
+                loss = sum(o.float().sum() for o in outs)
             fc.backward = True
             if loss.requires_grad:
                 loss.backward()
@@ -376,6 +388,7 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None) -> Ana
     an.loss_inside = bool(head is not None and head.kind == "linear" and
                           lw.last_leaf == head.fqn and mods[head.fqn].out_features in lw.classes)
     an.loss_saved = lw.saved if an.loss_inside else 0
+    an.loss_outside = an.loss_inside and loss_fn is not None
     an.layers = _layers(an, mods)
     an.sp_blocker = _sp_blocker(model, an, mods)
     if not an.sp_blocker:

@@ -22,34 +22,10 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .analysis import namer
+from .dp_ops import _GatherBatch, _MeanScalar
 
 
-class _GatherBatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, n, rank):
-        ctx.n, ctx.rank = n, rank
-        out = x.new_empty((x.shape[0] * n,) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.chunk(ctx.n)[ctx.rank] * ctx.n, None, None, None
-
-
-class _MeanScalar(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, n):
-        out = x.detach().clone()
-        dist.all_reduce(out, group=group)
-        return out / n
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None
-
-
-def _batch_hooks(model: nn.Module, dp: int, rank: int, group) -> None:
+def _batch_hooks(model: nn.Module, dp: int, rank: int, group, mesh) -> None:
     state = {}
 
     def split(mod, args, kwargs):
@@ -73,8 +49,17 @@ def _batch_hooks(model: nn.Module, dp: int, rank: int, group) -> None:
         local = state.get("local")
 
         def join(t):
+            from torch.distributed.tensor import DTensor, Shard
+
             if not isinstance(t, torch.Tensor):
                 return t
+            if isinstance(t, DTensor):  # vocab-sharded logits for the user's loss: their
+                # batch stays split over dp too (Plan.loss)
+                if t.dim() == 0 or t.device_mesh.ndim != 1 or mesh.ndim != 2:
+                    raise NotImplementedError(f"Plan.apply: a DTensor output placed "
+                                              f"{t.placements} cannot be batch-gathered")
+                return DTensor.from_local(t.to_local(), mesh, [Shard(0), *t.placements],
+                                          run_check=False)
             if t.dim() == 0:
                 if t.is_floating_point():
                     return _MeanScalar.apply(t, group, dp)
@@ -217,7 +202,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         if plan.loss_parallel:
             from .loss_parallel import install
 
-            install(model)
+            install(model, outside=plan.loss_outside)
     _replicate_rest(model, full["tp"] if plan.tp > 1 else full["dp"], plan, gn)
     replicated = []
     if plan.dp > 1:
@@ -241,7 +226,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         _sync_replicated(model)
     if plan.dp > 1:
         dp_mesh = full["dp"]
-        _batch_hooks(model, plan.dp, dp_mesh.get_local_rank(), dp_mesh.get_group())
+        _batch_hooks(model, plan.dp, dp_mesh.get_local_rank(), dp_mesh.get_group(), full)
         _average_grads(replicated, dp_mesh.get_group(), plan.dp)
     return model
 

@@ -142,6 +142,10 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     rest_flops = max(_flops(an, "") - unit_flops, 0.0)
     rest_saved = max(sum(an.saved.values()) - unit_saved, 0.0)
     c.const = Term(rest_flops / dp * sec_per_flop, memory=rest_saved / dp + an.input_bytes)
+    if an.loss_outside:
+        # the user's loss runs on the outputs gathered over dp: every rank saves the global
+        # batch's log-probabilities (unless loss parallelism keeps the logits sharded)
+        c.const.memory += (1 - 1 / dp) * an.loss_saved
     if tp > 1 and not an.sp_blocker and an.seq_len % tp == 0 and \
             all(len(o) > 1 for o in c.unit_opts.values()):
         c.sp = _sp_term(an, modules, dp, tp, spec, sec_per_flop)
@@ -156,7 +160,11 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
         per_token = leaf.out_bytes / max(modules[leaf.fqn].out_features, 1)  # one value each
         ag_b, ag_s = ring("all_gather", leaf.out_bytes / dp, tp, spec)
         ar_b, ar_s = ring("all_reduce", 3 * per_token / dp, tp, spec)
-        c.lp = Term(0.0, ar_s - ag_s, -(1 - 1 / tp) * an.loss_saved / dp, tp_bytes=ar_b - ag_b)
+        if an.loss_outside:  # the user's loss on the (dp, vocab)-sharded logits
+            lp_mem = -(1 - 1 / (dp * tp)) * an.loss_saved
+        else:
+            lp_mem = -(1 - 1 / tp) * an.loss_saved / dp
+        c.lp = Term(0.0, ar_s - ag_s, lp_mem, tp_bytes=ar_b - ag_b)
         c.head = head.name
     return c
 
@@ -206,8 +214,9 @@ def evaluate(c: Costs, unit_choice: dict, group_choice: dict, sp: bool = False,
         tot = tot + c.sp
     if lp:
         if c.lp is None or unit_choice.get(c.head, "none") == "none":
-            raise ValueError("loss parallelism needs a model that computes its cross-entropy "
-                             "on its head's output, and the head sharded")
+            raise ValueError("loss parallelism needs a cross-entropy on the head's output (in "
+                             "the model, or in the loss_fn given to the search), and the head "
+                             "sharded")
         tot = tot + c.lp
     for u, opt in unit_choice.items():
         tot = tot + c.unit_opts[u][opt]

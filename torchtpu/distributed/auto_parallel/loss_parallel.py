@@ -13,6 +13,15 @@ loop knowing: the loss is computed on a detached alias of the logits inside an
 pattern activation checkpointing uses). At the module's output every DTensor is made a plain
 tensor again: replicated ones (the loss) are their local value, sharded ones (the logits) are
 gathered, so the outputs equal one process's.
+
+For a loss the user computes outside the model (``auto_parallelize(..., loss_fn=...)``,
+TorchTitan's ``loss_fn(pred, labels)``) the logits leave the module as that DTensor (on a
+``dp x tp`` mesh ``(Shard(0), Shard(-1))``: the batch stays split over dp, the calling
+convention's gather skips them) and ``Plan.loss(loss_fn)`` runs the user's loss under the same
+kind of mode: per dp rank PyTorch's ``loss_parallel`` on its batch slice over the tp mesh, then
+the scalar averaged (``mean``) or summed (``sum``) over dp. With ``dp == 1`` the logits are a
+DTensor on the one-dimensional tp mesh, which PyTorch's own
+``torch.distributed.tensor.parallel.loss_parallel()`` context also takes.
 """
 from __future__ import annotations
 
@@ -56,6 +65,9 @@ class _ParallelCrossEntropy(torch.autograd.Function):
 class _Mode(torch.overrides.TorchFunctionMode):
     """``F.cross_entropy`` on vocabulary-sharded DTensor logits -> loss parallel."""
 
+    def _parallel(self, x, target, kwargs):
+        return _ParallelCrossEntropy.apply(x, target, kwargs)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.cross_entropy:
@@ -66,7 +78,7 @@ class _Mode(torch.overrides.TorchFunctionMode):
                 if len(args) > 2 + i:
                     kwargs[name] = args[2 + i]
             if _vocab_sharded(x):
-                return _ParallelCrossEntropy.apply(x, target, kwargs)
+                return self._parallel(x, target, kwargs)
             return func(x, target, **kwargs)
         return func(*args, **kwargs)
 
@@ -81,9 +93,10 @@ def _plain(t):
     return t.full_tensor()
 
 
-def install(model: nn.Module) -> None:
+def install(model: nn.Module, outside: bool = False) -> None:
     """The loss-parallel mode around ``model``'s forward and plain outputs after it (a hook
-    that always runs, so a failing forward leaves no mode behind)."""
+    that always runs, so a failing forward leaves no mode behind); ``outside``: the loss is
+    the user's, vocabulary-sharded outputs (the logits) stay DTensors."""
     state = {}
 
     def enter(mod, args, kwargs):
@@ -94,7 +107,63 @@ def install(model: nn.Module) -> None:
         modes = state.get("modes")
         if modes:
             modes.pop().__exit__(None, None, None)
-        return pytree.tree_map(_plain, out)
+        return pytree.tree_map(lambda t: t if outside and _vocab_sharded_out(t) else _plain(t),
+                               out)
 
     model.register_forward_pre_hook(enter, with_kwargs=True)
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def _vocab_sharded_out(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and t.dim() >= 1 and any(
+        p.is_shard(t.dim() - 1) for p in t.placements)
+
+
+class _OutsideMode(_Mode):
+    """``_Mode`` for the user's loss on the applied module's logits: on a ``dp x tp`` mesh
+    each dp rank computes the loss of its batch slice over the tp mesh, then the ranks' scalars
+    are combined over dp the way the calling convention's gradients expect (each rank's
+    gradient is dp times its share; FSDP's average over dp makes it the one-process one)."""
+
+    def _parallel(self, x, target, kwargs):
+        from torch.distributed.tensor import DTensor, Shard
+
+        from .dp_ops import _GatherBatch, _MeanScalar, _SumScalar
+
+        mesh = x.device_mesh
+        if mesh.ndim == 1:
+            return _plain(_ParallelCrossEntropy.apply(x, target, kwargs))
+        names = mesh.mesh_dim_names
+        dp_dim = next(i for i, p in enumerate(x.placements) if p.is_shard(0))
+        tp_dim = 1 - dp_dim
+        if mesh.ndim != 2 or not x.placements[tp_dim].is_shard(1):
+            raise NotImplementedError(f"Plan.loss: cross_entropy on logits placed "
+                                      f"{x.placements} on a {mesh.ndim}-D mesh is not supported")
+        dp, rank = mesh.size(dp_dim), mesh.get_local_rank(dp_dim)
+        group = mesh.get_group(dp_dim)
+        local = DTensor.from_local(x.to_local(), mesh[names[tp_dim]], [Shard(1)],
+                                   run_check=False)
+        if isinstance(target, DTensor):
+            target = target.full_tensor()
+        if target.shape[0] != x.shape[0]:
+            raise ValueError(f"Plan.loss: cross_entropy's target has {target.shape[0]} rows, "
+                             f"its input {x.shape[0]}")
+        red = kwargs.get("reduction", "mean")
+        loss = _plain(_ParallelCrossEntropy.apply(local, target.chunk(dp)[rank], kwargs))
+        if red == "mean":  # the ranks' means averaged (exact when each slice counts as many
+            return _MeanScalar.apply(loss, group, dp)  # targets: no ignore_index in one only)
+        if red == "sum":
+            return _SumScalar.apply(loss, group, dp)
+        return _GatherBatch.apply(loss, group, dp, rank)
+
+
+def outside_loss(loss_fn):
+    """``loss_fn`` run under ``_OutsideMode`` (``Plan.loss``)."""
+
+    def run(*args, **kwargs):
+        with _OutsideMode():
+            return loss_fn(*args, **kwargs)
+
+    return run

@@ -27,6 +27,9 @@ class Plan:
     sp_modules: dict = field(default_factory=dict)  # with it: {"norms", "blocks", "entry"}
     loss_parallel: bool = False  # the head's logits vocab-sharded for the model's own loss
     loss_head: str = ""  # with it: the head's unit
+    # with it: the loss is the user's (``loss_fn``), the module returns the logits as a DTensor
+    # sharded on the vocabulary (and the batch over dp), ``Plan.loss`` computes it
+    loss_outside: bool = False
 
     # ---- building ----
 
@@ -84,7 +87,10 @@ class Plan:
                          + ")" + (f", entered at {self.sp_modules['entry'][0]} (the "
                                   f"prologue before it replicated)"
                                   if self.sp_modules.get("entry") else ""))
-        if self.loss_parallel:
+        if self.loss_parallel and self.loss_outside:
+            lines.append("  loss parallel: the model returns its logits as a DTensor sharded "
+                         "on the vocabulary; compute the loss with plan.loss(loss_fn)")
+        elif self.loss_parallel:
             lines.append("  loss parallel: the head's logits stay sharded on the vocabulary "
                          "for the model's own cross-entropy (outputs gathered)")
         lines.append("  parameters:")
@@ -105,7 +111,8 @@ class Plan:
                 "units": self.units, "groups": self.groups, "predicted": self.predicted,
                 "compiled": self.compiled, "why": self.why, "search": self.search,
                 "sequence_parallel": self.sequence_parallel, "sp_modules": self.sp_modules,
-                "loss_parallel": self.loss_parallel, "loss_head": self.loss_head}
+                "loss_parallel": self.loss_parallel, "loss_head": self.loss_head,
+                "loss_outside": self.loss_outside}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -114,7 +121,7 @@ class Plan:
         return cls(d["dp"], d["tp"], d["device"], d["units"], d["groups"], d["predicted"],
                    d["compiled"], d["why"], d["search"], d.get("sequence_parallel", False),
                    d.get("sp_modules", {}), d.get("loss_parallel", False),
-                   d.get("loss_head", ""))
+                   d.get("loss_head", ""), d.get("loss_outside", False))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -128,7 +135,7 @@ class Plan:
     def decisions(self) -> dict:
         """The placements alone (what apply() uses), for comparing plans."""
         return {"dp": self.dp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
-                "loss_parallel": self.loss_parallel,
+                "loss_parallel": self.loss_parallel, "loss_outside": self.loss_outside,
                 "units": {n: u["choice"] for n, u in self.units.items()},
                 "groups": {g: (d["dp"], d["tp"]) for g, d in self.groups.items()}}
 
@@ -141,6 +148,19 @@ class Plan:
         from .apply import apply_plan
 
         return apply_plan(self, model, mesh, device)
+
+    def loss(self, loss_fn):
+        """``loss_fn`` (called as ``loss_fn(output, *args, **kwargs)``) made to run on what the
+        applied module returns: with loss parallelism for a loss outside the model the logits
+        are a DTensor sharded on the vocabulary (and on the batch over dp), and each
+        ``F.cross_entropy`` on them runs as PyTorch's ``loss_parallel()`` computes it, forward
+        and backward (``loss.backward()`` needs no context); targets are the global plain
+        tensors. Without loss parallelism it is ``loss_fn`` itself."""
+        if not (self.loss_parallel and self.loss_outside):
+            return loss_fn
+        from .loss_parallel import outside_loss
+
+        return outside_loss(loss_fn)
 
     def to_torchtitan(self) -> dict:
         """TorchTitan's ``parallelism`` settings for this plan, where one exists: data

@@ -1,7 +1,8 @@
 """Verification by compilation: the candidate plans as one global SPMD program each, compiled by
 XLA for the mesh's device count.
 
-The train step (forward, loss = sum of the float outputs, backward, an Adam-like update of
+The train step (forward, the loss -- the user's ``loss_fn``, else the sum of the float outputs --,
+backward, an Adam-like update of
 every parameter with ``optimizer_states`` state tensors) is traced once to an aten graph
 (``make_fx`` on fake CPU tensors, torchtpu's decompositions), lowered through torchtpu's own
 FX -> JAX lowering (``compile/lower.py``: the same table every executor uses) and exported with
@@ -31,15 +32,17 @@ from .analysis import eager, fake_like, fake_mode, namer
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_worker.py")
 
 
-def trace_step(model, args, kwargs, optimizer_states: int):
-    """(GraphModule, parameter names, number of inputs) of one functional train step."""
+def trace_step(model, args, kwargs, optimizer_states: int, loss_fn=None, loss_args=()):
+    """(GraphModule, parameter names, number of inputs) of one functional train step; the loss
+    is ``loss_fn(output, *loss_args)`` (its tensors are inputs of the step), else the sum of
+    the float outputs."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ...compile.backend import _LazyDecompositions
 
     names = [n for n, _ in model.named_parameters()]
     bnames = [n for n, _ in model.named_buffers()]
-    flat_in, spec = pytree.tree_flatten((args, kwargs))
+    flat_in, spec = pytree.tree_flatten((args, kwargs, tuple(loss_args)))
     from torch.nn.attention.flex_attention import BlockMask
 
     # a BlockMask (not a pytree) enters the graph as constants, real small tensors on "tpu"
@@ -54,17 +57,19 @@ def trace_step(model, args, kwargs, optimizer_states: int):
         ins = list(flat_in)
         for j, i in enumerate(tensor_pos):
             ins[i] = flat[n_p * (1 + k) + n_b + j]
-        a, kw = pytree.tree_unflatten(ins, spec)
+        a, kw, la = pytree.tree_unflatten(ins, spec)
 
-        def loss_fn(ps):
+        def step_loss(ps):
             out = torch.func.functional_call(model, (ps, bufs), a, kw)
+            if loss_fn is not None:
+                return loss_fn(out, *la)
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
                     and t.is_floating_point()]
             return sum(o.float().sum() for o in outs)
 
         leaves = {n_: p.detach().requires_grad_() for n_, p in params.items()}
         with torch.enable_grad():
-            loss = loss_fn(leaves)
+            loss = step_loss(leaves)
             gl = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         grads = {n_: torch.zeros_like(params[n_]) if g is None else g
                  for n_, g in zip(names, gl)}
@@ -221,7 +226,8 @@ def _extrapolate(r1: dict, r2: dict, n: int) -> dict:
 
 
 def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
-                  timeout: float = 600, full_depth: bool = False, measure: int = 0) -> list:
+                  timeout: float = 600, full_depth: bool = False, measure: int = 0,
+                  loss_fn=None, loss_args=()) -> list:
     """XLA's figures (a dict per plan, see ``xla_worker``) for each plan (same mesh size).
 
     A model with a stack of more than four repeated layers is traced and compiled with 1 and
@@ -231,7 +237,7 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     model (tests compare the two). ``measure=k``: also run each compiled step ``k`` times on
     the virtual devices (the whole model, compiled with XLA's full optimisation) and report the
     median as ``measured_step_s`` (a sanity figure: XLA:CPU devices sharing this host's
-    cores)."""
+    cores). ``loss_fn`` / ``loss_args``: the user's loss on the outputs (``auto_parallelize``)."""
     import jax
 
     n = plans[0].world_size
@@ -242,7 +248,8 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
         for d in depths:
             with _depth(trunk, d if d is not None else layers):
                 n_b = len(list(model.buffers()))
-                gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states)
+                gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states,
+                                                 loss_fn, loss_args)
                 path = os.path.join(tmp, f"step{d}.jaxexport")
                 shapes = export_step(gm, path)
                 programs.append({
