@@ -12,6 +12,7 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
            (foreach over sharded and replicated DTensors)
   hf       a tiny HF LlamaForCausalLM (computing its own loss) under a budget-forced TP plan
   hf_fsdp  the same under a budget-forced FSDP plan: the 0-dim loss averaged over dp
+           (labels ignored unevenly over the dp slices: a clear error)
   meta     the fsdp plan applied to a model built on "meta" (initialised by apply; trains, the
            same losses on every rank)
   2d       dp=2 x tp=2 (4 ranks)
@@ -27,6 +28,7 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
            loss parallelism for that loss (logits returned vocab-sharded, ``plan.loss``);
            titan_lp_compile: the applied module compiled; titan_lp_torch: the loss and its
            backward under PyTorch's own ``loss_parallel()`` instead of ``plan.loss``
+           (every titan_lp case with ignored labels spread unevenly over the dp slices)
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
@@ -54,10 +56,17 @@ STEPS, BATCH, SEQ = 3, 4, 8
 checked = []
 
 
-def batches(vocab, seq=SEQ, steps=STEPS):
+def batches(vocab, seq=SEQ, steps=STEPS, uneven=False):
+    """``uneven``: the first half of row 0's labels ignored (-100), so the batch's first slice
+    over dp counts fewer targets than the others (a mean of the slices' means is then not one
+    process's mean)."""
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, vocab, (BATCH, seq), generator=g),
-             torch.randint(0, vocab, (BATCH, seq), generator=g)) for _ in range(steps)]
+    out = [(torch.randint(0, vocab, (BATCH, seq), generator=g),
+            torch.randint(0, vocab, (BATCH, seq), generator=g)) for _ in range(steps)]
+    if uneven:
+        for _, y in out:
+            y[0, :seq // 2] = -100
+    return out
 
 
 def token_loss(pred, labels):
@@ -100,12 +109,12 @@ def full(p):
 
 
 def check(name, plan, make, hf=False, edit=None, adam=False, compiled=False, seq=SEQ,
-          steps=STEPS, fwd=None, vocab=None, torch_loss_parallel=False):
+          steps=STEPS, fwd=None, vocab=None, torch_loss_parallel=False, uneven=False):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     vocab = vocab or (VOCAB if not hf else model.config.vocab_size)
-    data = batches(vocab, seq, steps)
+    data = batches(vocab, seq, steps, uneven)
     ref_losses, ref_grads = train(ref, data, "cpu", hf, adam, fwd=fwd)
     if edit is not None:
         plan = edit(plan)
@@ -304,8 +313,11 @@ def main():
                                        mesh_shapes=[shape], verify=False, objective="memory",
                                        **lkw)
             assert plan.sequence_parallel and plan.loss_parallel and plan.loss_outside, plan
+            # labels with ignored (-100) targets spread unevenly over the dp slices: the loss
+            # divides by the whole batch's count, as one process's does
             check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab,
-                  compiled=cfg.endswith("compile"), torch_loss_parallel=cfg.endswith("torch"))
+                  compiled=cfg.endswith("compile"), torch_loss_parallel=cfg.endswith("torch"),
+                  uneven=True)
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()
@@ -313,6 +325,17 @@ def main():
                           hf=True)
             assert any(g["dp"] == "fsdp" for g in plan.groups.values()), plan
             check("hf_fsdp", plan, tiny_llama, hf=True)
+            # the model's own loss averaged over dp is one process's only if each slice counts
+            # as many targets: ignored labels spread unevenly are a clear error, not a wrong loss
+            applied = plan.apply(tiny_llama())
+            x, y = batches(hfm.config.vocab_size, uneven=True)[0]
+            try:
+                applied(input_ids=x.to("tpu"), labels=y.to("tpu"))
+            except ValueError as e:
+                assert "spread unevenly" in str(e) and "loss_fn" in str(e), str(e)
+            else:
+                raise AssertionError("uneven ignored labels over dp: no error")
+            checked.append("hf_fsdp uneven labels")
         elif cfg == "meta":  # built on meta, materialised by apply (reset_parameters)
             plan = search(probe, world, (world, 1), _fsdp_memory(probe, world))
             torch.manual_seed(dist.get_rank())  # ranks seeded apart: apply must agree them

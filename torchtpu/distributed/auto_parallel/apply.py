@@ -37,6 +37,7 @@ def _batch_hooks(model: nn.Module, dp: int, rank: int, group, mesh) -> None:
             raise ValueError(f"auto_parallelize: the batch size {b} of the first input is not "
                              f"divisible by the plan's data-parallel degree {dp}")
         state["local"] = b // dp
+        _check_even_labels(kwargs.get("labels"), b, dp)
 
         def cut(t):
             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == b:
@@ -76,6 +77,29 @@ def _batch_hooks(model: nn.Module, dp: int, rank: int, group, mesh) -> None:
 
     model.register_forward_pre_hook(split, with_kwargs=True, prepend=True)
     model.register_forward_hook(gather, with_kwargs=True)
+
+
+def _check_even_labels(labels, b: int, dp: int) -> None:
+    """A loss the model computes itself (HF's ``labels=``) is averaged over dp: one process's
+    mean only if every dp slice counts as many targets. Labels marked -100 (ignored) unevenly
+    across the slices -- as they are or shifted by one token, as causal LMs shift them -- would
+    give another loss and other gradients than one process: a clear error instead (one host
+    read of the counts; only for integer ``labels`` holding -100)."""
+    if dp == 1 or not isinstance(labels, torch.Tensor) or labels.is_floating_point() or \
+            labels.dim() == 0 or labels.shape[0] != b:
+        return
+    valid = (labels != -100).reshape(b, -1)
+    counts = torch.stack([valid.reshape(dp, -1).sum(1),
+                          valid[:, 1:].reshape(dp, -1).sum(1)]).cpu()
+    if bool((counts != counts[:, :1]).any()):
+        raise ValueError(
+            f"Plan.apply: the model computes its loss from labels whose ignored (-100) targets "
+            f"are spread unevenly over the {dp} data-parallel slices of the batch (counted "
+            f"targets per slice {counts[0].tolist()}, shifted by one token "
+            f"{counts[1].tolist()}): the slices' mean losses averaged would not be one "
+            f"process's loss. Compute the loss outside the model and pass it to the search "
+            f"(auto_parallelize(..., loss_fn=...), then plan.loss(loss_fn)), which divides by "
+            f"the whole batch's count, or spread the ignored targets evenly.")
 
 
 def _check_same_plan(plan) -> None:

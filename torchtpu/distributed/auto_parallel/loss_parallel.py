@@ -26,6 +26,7 @@ DTensor on the one-dimensional tp mesh, which PyTorch's own
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
@@ -151,12 +152,34 @@ class _OutsideMode(_Mode):
             raise ValueError(f"Plan.loss: cross_entropy's target has {target.shape[0]} rows, "
                              f"its input {x.shape[0]}")
         red = kwargs.get("reduction", "mean")
-        loss = _plain(_ParallelCrossEntropy.apply(local, target.chunk(dp)[rank], kwargs))
-        if red == "mean":  # the ranks' means averaged (exact when each slice counts as many
-            return _MeanScalar.apply(loss, group, dp)  # targets: no ignore_index in one only)
+        mine = target.chunk(dp)[rank]
+        if red == "mean" and not mine.is_floating_point():
+            # one process's mean divides by the whole batch's count of counted targets
+            # (ignore_index ones excluded, each weighted by its class weight): the slices'
+            # sums over that total, not the mean of the slices' means (those differ when
+            # the slices count different numbers of targets)
+            loss = _plain(_ParallelCrossEntropy.apply(local, mine,
+                                                      dict(kwargs, reduction="sum")))
+            total = _counted(mine, kwargs).to(loss.dtype)
+            dist.all_reduce(total, group=group)
+            return _SumScalar.apply(loss, group, dp) / total
+        loss = _plain(_ParallelCrossEntropy.apply(local, mine, kwargs))
+        if red == "mean":  # probability targets: every row counts, the slices are equal
+            return _MeanScalar.apply(loss, group, dp)
         if red == "sum":
             return _SumScalar.apply(loss, group, dp)
         return _GatherBatch.apply(loss, group, dp, rank)
+
+
+def _counted(target, kwargs):
+    """What ``F.cross_entropy``'s mean divides by for class-index ``target``: the number of
+    targets other than ``ignore_index``, or with a class ``weight`` the sum of their weights."""
+    valid = target != kwargs.get("ignore_index", -100)
+    weight = kwargs.get("weight")
+    if weight is None:
+        return valid.sum()
+    w = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    return (w[torch.where(valid, target, 0)] * valid).sum()
 
 
 def outside_loss(loss_fn):
