@@ -823,3 +823,21 @@ def test_evicted_programs_are_not_kept_alive_by_entries():
     out = a * 5.5
     assert _c("eager_fastpath_misses") == m + 1
     assert torch.equal(out.cpu(), a.cpu() * 5.5)
+
+
+def test_timing_counts_outermost_kernel_calls():
+    """fastpath.timing (benchmarks/generate_ops.py's split): hits and Python-path calls are
+    counted once per outermost Kernel call, the executable's call within the hit's time."""
+    a = _rand(8, 8)
+    a * 3.5
+    fastpath.timing(True)
+    try:
+        for _ in range(5):
+            a * 3.5
+        a * 9.25  # a new key: the Python kernel runs
+    finally:
+        t = fastpath.timing(False)
+    assert t["hits"] == 5 and t["python"] == 1
+    assert 0 < t["call_ns"] <= t["hit_ns"] and t["python_ns"] > 0
+    a * 3.5
+    assert fastpath.timing()["hits"] == 5  # stopped

@@ -13,11 +13,13 @@ notes the outputs in flight and makes the output tensors and storages itself, as
 ``buffer.wrap_noted`` does: no Python frame of torchtpu runs. Anything else runs the Python
 kernel (eager/executor.py): a miss sets this thread's pending key first, and the executor
 installs an entry for it (``offer``) only for a call it proved eligible: a functional op in
-Strict mode, every tensor on a storage array (no CPU scalar), no random state, no mutated
-argument, one device, array results (a checked op's flag goes to ``checks.add`` from C++; a
-factory is served where tpu:0 is the only device). Everything else (in-place writes and
-donation, Debug and Fused modes, dynamic shapes, random ops, fallbacks) takes the Python path
-every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
+Strict mode, every tensor on a storage array (no CPU scalar), no random state drawn, no
+mutated argument, one device, array results (None and Python scalar results are constants of
+the entry; a checked op's flag goes to ``checks.add`` from C++; a factory is served where tpu:0
+is the only device; SDPA's fused op and its backward are restrided like their inputs, registry
+meta ``eager_layout_like``). Everything else (in-place writes and donation, Debug and Fused
+modes, dynamic shapes, calls that draw random state, fallbacks) takes the Python path every
+time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
 too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
@@ -164,7 +166,8 @@ def native_guard() -> bool:
 
 def timing(start=None):
     """Where Kernel calls' time goes (benchmarks): ``timing(True)`` starts timing (zeroed),
-    ``timing(False)`` stops; returns what was timed so far: per outermost Kernel call, ``hits``
+    ``timing(False)`` stops; returns what was timed so far, in the calling thread's CPU time
+(a loaded host's wall clock is mostly the wait for a core), per outermost Kernel call: ``hits``
     served in C++ and their ``hit_ns``, of which ``call_ns`` in the executable's call (JAX's
     C++ call; with synchronous XLA:CPU dispatch the program's run too), and ``python`` calls
     that ran the Python kernel and their ``python_ns``. Empty where the fast path is not bound."""
