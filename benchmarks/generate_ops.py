@@ -111,10 +111,12 @@ def _kernel_kinds():
 
                 low = registry.get(func)
                 # a functional lowering's kernel is a C++ Kernel in front of the Python one
-                # (eager/kernels.py), except where it restrides its outputs (eager_layout)
+                # (eager/kernels.py), except where it restrides its outputs in a way the C++
+                # path does not reproduce (eager_layout without eager_layout_like)
+                layout_ok = (not low.meta.get("eager_layout")
+                             or low.meta.get("eager_layout_like") is not None) if low else False
                 kinds[name] = ("program op (C++ Kernel)" if low is not None and fastpath.enabled()
-                               and low.op == func and not low.meta.get("eager_layout")
-                               else "Python kernel")
+                               and low.op == func and layout_ok else "Python kernel")
         return kinds[name]
 
     return kind
@@ -171,6 +173,35 @@ def split(run, tokens):
             "python_entries": [(k, per(v)) for k, v in entries.most_common(10)]}
 
 
+def time_split(run, tokens, repeats):
+    """Per token, where a call's main-thread CPU time goes (medians of ``repeats`` timed calls;
+    the fast path's Kernel timing, eager/fastpath.py ``timing``, in thread CPU time: on a
+    loaded host the wall clock mostly measures the wait for a core): ops served by the C++ fast path (of
+    which the executable's call: JAX's C++ call, and with synchronous dispatch XLA's run of the
+    program; the rest is our C++: key, lookup, gathering arrays, output tensors), functional
+    ops whose C++ Kernel ran the Python kernel (a miss, or a call it does not serve), and
+    everything else: HF's and PyTorch's Python, the dispatcher, composite and metadata ops,
+    the Python kernels no Kernel fronts (copies, SDPA's routing), and the final synchronize."""
+    from torchtpu.eager import fastpath
+
+    if not fastpath.available():
+        return None
+    rows = []
+    for _ in range(repeats):
+        fastpath.timing(True)
+        t0 = time.thread_time()
+        run()
+        total = time.thread_time() - t0
+        t = fastpath.timing(False)
+        rows.append({"total": total * 1e3, "hits": t["hits"], "hit": t["hit_ns"] / 1e6,
+                     "call": t["call_ns"] / 1e6, "python": t["python"],
+                     "python_ms": t["python_ns"] / 1e6})
+    med = {k: statistics.median(r[k] for r in rows) / tokens for k in rows[0]}
+    med["ours"] = med["hit"] - med["call"]
+    med["rest"] = med["total"] - med["hit"] - med["python_ms"]
+    return med
+
+
 def child(tokens, repeats, want_split):
     import torch
 
@@ -199,7 +230,8 @@ def child(tokens, repeats, want_split):
     ms = lambda v: 1000 * statistics.median(v) / tokens  # noqa: E731
     out = {"dispatch": devices.cpu_dispatch(), "same": same, "wall": ms(wall),
            "main_cpu": ms(main_cpu), "proc_cpu": ms(proc_cpu), "cpu_1thread": ms(cpu_wall),
-           "loops": tight_loops(), "load": os.getloadavg()[0]}
+           "loops": tight_loops(), "time_split": time_split(strict, tokens, repeats),
+           "load": os.getloadavg()[0]}
     if want_split:
         out["split"] = split(strict, tokens)
     print(json.dumps(out))
@@ -256,6 +288,25 @@ def main():
               f"(target <= 2x); tokens = CPU greedy: "
               f"{'yes' if all(r['same'] for r in runs[mode]) else 'NO'}")
     print()
+    ts = {m: [r["time_split"] for r in runs[m] if r.get("time_split")] for m in runs}
+    if ts["async"] and ts["sync"]:
+        tm = lambda mode, key: statistics.median(r[key] for r in ts[mode])  # noqa: E731
+        print("Where a token's main-thread CPU time goes, ms/token (fast path's Kernel timing)")
+        for key, label in (("total", "generate, main-thread CPU"),
+                           ("hit", "C++ fast-path hits, total"),
+                           ("call", "  of which the executable's call"),
+                           ("ours", "  of which our C++"),
+                           ("python_ms", "Kernels that ran the Python path"),
+                           ("rest", "rest (HF/PyTorch Python, dispatcher,")):
+            print(f"{label:<38}{tm('async', key):>16.3f}{tm('sync', key):>16.3f}")
+        print(f"{'  composite/metadata ops, other kernels)':<38}")
+        print(f"{'hits / Python-path Kernel calls per token':<38}"
+              f"{tm('async', 'hits'):>8.1f} / {tm('async', 'python'):<5.1f}"
+              f"{tm('sync', 'hits'):>8.1f} / {tm('sync', 'python'):<5.1f}")
+        print(f"{'us per hit: call / our C++':<38}"
+              + "".join(f"{1e3 * tm(m, 'call') / tm(m, 'hits'):>9.2f} / "
+                        f"{1e3 * tm(m, 'ours') / tm(m, 'hits'):<4.2f}" for m in ("async", "sync")))
+        print()
     print(f"{'us per op, tight loop (min / median)':<38}{'async':>16}{'sync':>16}")
     for name in runs["async"][0]["loops"]:
         cell = lambda mode: "%.1f / %.1f" % tuple(  # noqa: E731

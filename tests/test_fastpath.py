@@ -343,6 +343,101 @@ def test_autograd_bitwise():
     _same(ref, got)
 
 
+def _sdpa_inputs(L=5, S=7, hq=4, hk=4, e=8, causal=False, mask=None, grad=False):
+    """HF-like attention inputs: (batch, seq, heads, dim) projections transposed to (batch,
+    heads, seq, dim), so the query is not contiguous and the output is restrided like it."""
+    def make():
+        g = torch.Generator().manual_seed(11)
+        q = torch.randn(2, L, hq, e, generator=g).to("tpu").transpose(1, 2)
+        k = torch.randn(2, S, hk, e, generator=g).to("tpu").transpose(1, 2)
+        v = torch.randn(2, S, hk, e, generator=g).to("tpu").transpose(1, 2)
+        if grad:
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        m = None
+        if mask == "bool":
+            m = (torch.randn(L, S, generator=g) > -0.5).to("tpu")
+        elif mask == "float":
+            m = torch.randn(2, 1, L, S, generator=g).to("tpu")
+        return q, k, v, m
+    return make
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(mask="bool"),
+                                  dict(mask="float"), dict(hq=4, hk=2), dict(L=1, S=9)])
+def test_sdpa_fused_op_is_served_with_its_layout(case):
+    """SDPA's fused op (HF's attention) is served in C++: its result tuple holds None and ints
+    (constants of the entry) and its output is restrided like the query (eager_layout_like),
+    bit for bit as the Python path's ``_like_layout`` does."""
+    causal = case.pop("causal", False)
+    gqa = case.get("hq", 4) != case.get("hk", 4)
+    make = _sdpa_inputs(causal=causal, **case)
+    F = torch.nn.functional
+    out = both(make, lambda q, k, v, m: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, is_causal=causal, enable_gqa=gqa))
+    assert not out.is_contiguous() or case.get("L") == 1  # restrided like the query
+    fused = torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default
+    if case.get("mask") != "bool" and not gqa:
+        res = both(make, lambda q, k, v, m: fused(q, k, v, m, 0.0, causal, False, scale=0.3))
+        assert res[2] is None and isinstance(res[4], int) and res[8] is None
+    q, k, v, m = make()
+    n = _c("eager_fastpath_misses")
+    h = _c("eager_fastpath_hits")
+    F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=gqa)
+    assert _c("eager_fastpath_misses") == n and _c("eager_fastpath_hits") > h
+
+
+def test_sdpa_backward_and_dropout():
+    """The fused op's backward (restrided like q, k, v) is served bit for bit; a call that
+    draws dropout never is (the generator advances on the Python path only)."""
+    F = torch.nn.functional
+    make = _sdpa_inputs(grad=True)
+
+    def run(q, k, v, m):
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.backward(torch.ones_like(out))
+        return out.detach(), q.grad, k.grad, v.grad
+
+    got = both(make, run)
+    assert not got[1].is_contiguous()
+    make = _sdpa_inputs()
+
+    def drop(q, k, v, m):
+        torch.manual_seed(5)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5), torch.rand(3, device="tpu")
+
+    both(make, drop, hit=False)
+    op = torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default
+    q, k, v, _ = make()
+    op(q, k, v, None, 0.5, False, False)
+    n = _c("eager_fastpath_misses")
+    op(q, k, v, None, 0.5, False, False)
+    assert _c("eager_fastpath_misses") == n + 1  # never installed: the Python path each time
+
+
+def test_device_guard_answers_in_cpp():
+    """The PrivateUse1 device guard's type and device come from C++ (PyTorch's Python backend
+    guard entered the Python ``type_`` once per guarded op); streams and device contexts still
+    reach the registered guard."""
+    calls = [0]
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "type_":
+            calls[0] += 1
+
+    x = torch.arange(6.0)
+    sys.setprofile(prof)
+    try:
+        t = x.to("tpu")  # enters the guard
+    finally:
+        sys.setprofile(None)
+    assert calls[0] == 0
+    assert torch.equal(t.cpu(), x) and t.device == torch.device("tpu", 0)
+    s = torch.Stream(device="tpu")
+    assert s.device == torch.device("tpu", 0)
+    with torch.tpu.device(0):
+        assert torch.zeros(2, device="tpu").device == torch.device("tpu", 0)
+
+
 def test_inference_mode_outputs():
     a, b = _rand(3, 3), _rand(3, 3, seed=1)
     with torch.inference_mode():
@@ -728,3 +823,21 @@ def test_evicted_programs_are_not_kept_alive_by_entries():
     out = a * 5.5
     assert _c("eager_fastpath_misses") == m + 1
     assert torch.equal(out.cpu(), a.cpu() * 5.5)
+
+
+def test_timing_counts_outermost_kernel_calls():
+    """fastpath.timing (benchmarks/generate_ops.py's split): hits and Python-path calls are
+    counted once per outermost Kernel call, the executable's call within the hit's time."""
+    a = _rand(8, 8)
+    a * 3.5
+    fastpath.timing(True)
+    try:
+        for _ in range(5):
+            a * 3.5
+        a * 9.25  # a new key: the Python kernel runs
+    finally:
+        t = fastpath.timing(False)
+    assert t["hits"] == 5 and t["python"] == 1
+    assert 0 < t["call_ns"] <= t["hit_ns"] and t["python_ns"] > 0
+    a * 3.5
+    assert fastpath.timing()["hits"] == 5  # stopped

@@ -49,6 +49,9 @@ def register() -> None:
 
     kernels.bind_runtime()
     kernels.bind_table()
+    from ..eager import fastpath
+
+    fastpath.native_guard()  # the guard's type/device in C++ (the Python _Guard behind it)
     from ..eager import fused
 
     fused.install()

@@ -941,7 +941,7 @@ def run(lowering, kind, args, kwargs, mode=None):
     if kind == FUNCTIONAL:
         res = _results(out)
         if plain and _fastpath.pending() is lowering and mode is _STRICT:
-            _offer(lowering, entry, flat, tensors, out, groups, dev, draws)
+            _offer(lowering, entry, flat, tensors, out, groups, dev, draws, orig[0])
         return res
     if kind == FUNCTIONAL_RAW:
         if type(out) is tuple or type(out) is list:
@@ -952,21 +952,30 @@ def run(lowering, kind, args, kwargs, mode=None):
     return args[0] if args else kwargs["self"]
 
 
-def _offer(lowering, entry, flat, tensors, out, groups, dev, draws) -> None:
+def _offer(lowering, entry, flat, tensors, out, groups, dev, draws, args) -> None:
     """Hand an eligible call to the C++ fast path (eager/fastpath.py), which serves the next
     calls with the same key itself. Eligible: nothing but the program's call happens on this
-    path for that key (no random state, mutated arguments, written storages, storage groups,
-    several devices; a check's flag goes to checks.add, as in ``run``). A factory's entry is
-    made for tpu:0 (the only device where ``_multi_device`` is false)."""
+    path for that key (no random state drawn, mutated arguments, written storages, storage
+    groups, several devices; a check's flag goes to checks.add, as in ``run``; an
+    ``eager_layout`` only where ``eager_layout_like`` says which argument each result is laid
+    out like: the entry restrides it so). A factory's entry is made for tpu:0 (the only device
+    where ``_multi_device`` is false)."""
+    like = lowering.meta.get("eager_layout_like")
     if (draws or lowering.mutates or entry.writes
             or lowering.reads_layout or groups is not None or dev is not None
-            or _multi_device() or lowering.meta.get("eager_layout") is not None):
+            or _multi_device()
+            or (lowering.meta.get("eager_layout") is not None and like is None)):
         return
     if not tensors and _device_index(None) != 0:  # a factory: the C++ path makes tpu:0 outputs
         return
     try:
         check = None if lowering.check is None else _check_adder(lowering)
-        _fastpath.offer(lowering, entry.jitted, flat, tensors, out, Traced, check)
+        layout = None
+        if like is not None:  # each result's order (None: as returned), from the key's metadata
+            layout = tuple(args[p] if p < len(args) and isinstance(args[p], torch.Tensor)
+                           else None for p in like)
+        _fastpath.offer(lowering, entry.jitted, flat, tensors, out, Traced, check,
+                        static_type=_Static, layout_like=layout)
     except Exception as e:  # noqa: BLE001 - an entry not installed is the Python path
         count("eager_fastpath_offer_errors")
         _fastpath._log.debug("torchtpu: fast path entry not installed: %r", e)

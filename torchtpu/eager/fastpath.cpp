@@ -19,8 +19,10 @@
 #include <ATen/Tensor.h>
 #include <c10/core/DefaultDtype.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/Layout.h>
 #include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/Storage.h>
@@ -31,6 +33,7 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <ctime>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -43,6 +46,13 @@ struct OutMeta {
   std::vector<int64_t> sizes, strides;
   c10::ScalarType dtype;
   int64_t nbytes;
+  // >= 0: the result is this constant of the entry (None, or a Python scalar such as SDPA's
+  // max_q: the key fixes it), not an array
+  int konst = -1;
+  // non-empty: the output is restrided to this dimension order (registry meta
+  // eager_layout_like: t.permute(order).contiguous().permute(inverse), as lowering/attention.py
+  // `_like_layout` does)
+  std::vector<int64_t> order, inverse;
 };
 
 struct Entry {
@@ -54,6 +64,7 @@ struct Entry {
   std::vector<char> in_weak;            // ... its weak_type
   bool tuple_out = false;
   std::vector<OutMeta> outs;
+  std::vector<PyObject*> out_consts;    // OutMeta::konst's values (owned)
   // a checked op (registry `check`): the executable returns (results, flag) and the flag goes
   // to this callable (checks.add with the op's name, exception and message bound), as the
   // Python path hands it over in Strict mode (owned; nullptr: no check)
@@ -62,6 +73,7 @@ struct Entry {
     Py_XDECREF(call);
     Py_XDECREF(check);
     for (auto* c : consts) Py_XDECREF(c);
+    for (auto* c : out_consts) Py_XDECREF(c);
     for (auto* d : in_dtypes) Py_XDECREF(d);
   }
 };
@@ -121,6 +133,26 @@ void bump(PyObject* name) {
   if (nv == nullptr) { PyErr_Clear(); return; }
   if (PyDict_SetItem(g_counters, name, nv) < 0) PyErr_Clear();
   Py_DECREF(nv);
+}
+
+// ---- where a Kernel's time goes (set_timing(True); benchmarks/generate_ops.py prints it) ----
+// In the calling thread's CPU time, per outermost Kernel call (a Kernel entered inside another's Python kernel or relayout is
+// part of the outer one's time): how many were served in C++ and how long they took, of which
+// the executable's call (JAX's C++ call, and with synchronous XLA:CPU dispatch the program's
+// execution); how many ran the Python kernel and how long they took.
+struct Timing {
+  bool on = false;
+  long long hits = 0, hit_ns = 0, call_ns = 0, python = 0, python_ns = 0;
+};
+Timing g_timing;
+thread_local int tl_depth = 0;
+thread_local long long tl_call_ns = 0;
+// the calling thread's CPU time: on a loaded host the wall clock mostly measures the wait for
+// a core (with synchronous XLA:CPU dispatch the program runs on this thread, so it counts)
+inline long long now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
 // ---- the thread's pending key: what the Python kernel may install an entry for ----
@@ -345,6 +377,33 @@ fail:
   return res;
 }
 
+// One result of a hit: its constant, the output tensor on `arr`, or that tensor restrided to
+// its order (the permuted copy runs through the dispatcher: `clone`'s own kernel, a fast-path
+// hit itself, as `_like_layout`'s `.contiguous()` is in Python); new reference or nullptr
+// with a Python error set.
+PyObject* wrap_out(PyObject* arr, const Entry& e, const OutMeta& m) {
+  if (m.konst >= 0) {
+    PyObject* c = e.out_consts[m.konst];
+    Py_INCREF(c);
+    return c;
+  }
+  PyObject* w = wrap(arr, m);
+  if (w == nullptr || m.order.empty()) return w;
+  try {
+    at::Tensor t = THPVariable_Unpack(w).permute(m.order).contiguous().permute(m.inverse);
+    Py_DECREF(w);
+    return THPVariable_Wrap(std::move(t));
+  } catch (python_error& err) {
+    err.restore();
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what_without_backtrace());
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+  }
+  Py_DECREF(w);
+  return nullptr;
+}
+
 enum HitResult { HIT_OK, HIT_FALLBACK, HIT_ERROR };
 
 HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
@@ -359,7 +418,9 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   }
   PyObject* call = e.call;
   Py_INCREF(call);
+  long long t0 = g_timing.on && tl_depth == 1 ? now_ns() : 0;
   PyObject* out = PyObject_Vectorcall(call, args, n, nullptr);
+  if (t0 != 0) tl_call_ns += now_ns() - t0;
   Py_DECREF(call);
   // the call's own references to the storage arrays go now: a write after this op must see
   // only its storage's (donation counts references)
@@ -388,8 +449,9 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   size_t n_out = e.outs.size();
   bool shape_ok = e.tuple_out ? (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == (Py_ssize_t)n_out)
                               : reinterpret_cast<PyObject*>(Py_TYPE(out)) == g_array_type;
-  for (size_t i = 0; shape_ok && e.tuple_out && i < n_out; i++)
-    shape_ok = reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(out, i))) == g_array_type;
+  for (size_t i = 0; shape_ok && e.tuple_out && i < n_out; i++)  // (a constant's slot: no array)
+    shape_ok = (reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(out, i))) == g_array_type) ==
+               (e.outs[i].konst < 0);
   if (!shape_ok) {
     Py_DECREF(out);
     bump(c_errors);
@@ -407,11 +469,11 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   Py_XDECREF(ready);
   PyObject* res;
   if (!e.tuple_out) {
-    res = wrap(out, e.outs[0]);
+    res = wrap_out(out, e, e.outs[0]);
   } else {
     res = PyTuple_New(n_out);
     for (size_t i = 0; res != nullptr && i < n_out; i++) {
-      PyObject* w = wrap(PyTuple_GET_ITEM(out, i), e.outs[i]);
+      PyObject* w = wrap_out(PyTuple_GET_ITEM(out, i), e, e.outs[i]);
       if (w == nullptr) { Py_CLEAR(res); break; }
       PyTuple_SET_ITEM(res, i, w);
     }
@@ -461,8 +523,36 @@ bool key_precision(std::string& key) {
   return true;
 }
 
+PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* served);
+
 PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<Kernel*>(obj);
+  if (!g_timing.on) {
+    bool served;
+    return Kernel_serve(self, args, kwargs, &served);
+  }
+  tl_depth++;
+  bool served = false;
+  long long t0 = tl_depth == 1 ? now_ns() : 0;
+  tl_call_ns = tl_depth == 1 ? 0 : tl_call_ns;
+  PyObject* res = Kernel_serve(self, args, kwargs, &served);
+  if (tl_depth == 1) {
+    long long dt = now_ns() - t0;
+    if (served) {
+      g_timing.hits++;
+      g_timing.hit_ns += dt;
+      g_timing.call_ns += tl_call_ns;
+    } else {
+      g_timing.python++;
+      g_timing.python_ns += dt;
+    }
+  }
+  tl_depth--;
+  return res;
+}
+
+PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* served) {
+  *served = false;
   if (!g_enabled || g_mode_state == nullptr) return forward(self, args, kwargs);
   PyObject* mode = PyDict_GetItemWithError(g_mode_state, s_mode);  // borrowed
   if (mode != g_strict) {
@@ -525,6 +615,7 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
         return nullptr;
       }
       if (r == HIT_OK) {
+        *served = true;
         bump(c_hits);
         bump(c_cache_hits);
         return res;
@@ -644,6 +735,21 @@ PyObject* m_set_enabled(PyObject*, PyObject* arg) {
 
 PyObject* m_enabled(PyObject*, PyObject*) { return PyBool_FromLong(g_enabled); }
 
+// set_timing(flag): start (zeroed) or stop timing Kernel calls; timing(): what was timed.
+PyObject* m_set_timing(PyObject*, PyObject* arg) {
+  int v = PyObject_IsTrue(arg);
+  if (v < 0) return nullptr;
+  if (v != 0) g_timing = Timing();  // (stopping keeps what was timed)
+  g_timing.on = v != 0;
+  Py_RETURN_NONE;
+}
+
+PyObject* m_timing(PyObject*, PyObject*) {
+  const Timing& t = g_timing;
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L}", "hits", t.hits, "hit_ns", t.hit_ns, "call_ns",
+                       t.call_ns, "python", t.python, "python_ns", t.python_ns);
+}
+
 // The lowering whose call may install an entry now (this thread's pending key), or None.
 PyObject* m_pending(PyObject*, PyObject*) {
   if (tl_pending == nullptr || tl_pending->kernel == nullptr) Py_RETURN_NONE;
@@ -713,9 +819,32 @@ PyObject* m_install(PyObject*, PyObject* args) {
   }
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); i++) {
     PyObject* o = PyList_GET_ITEM(outs, i);
-    PyObject *shape, *dt;
-    if (!PyArg_ParseTuple(o, "O!O!", &PyTuple_Type, &shape, &THPDtypeType, &dt)) return nullptr;
+    PyObject *shape, *dt, *order = nullptr;
     OutMeta m;
+    if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 1) {  // (constant,)
+      if (i == 0) Py_RETURN_FALSE;  // the first result is an array (inflight.note reads it)
+      PyObject* c = PyTuple_GET_ITEM(o, 0);
+      Py_INCREF(c);
+      e->out_consts.push_back(c);
+      m.konst = static_cast<int>(e->out_consts.size()) - 1;
+      e->outs.push_back(std::move(m));
+      continue;
+    }
+    if (!PyArg_ParseTuple(o, "O!O!|O!", &PyTuple_Type, &shape, &THPDtypeType, &dt,
+                          &PyTuple_Type, &order))
+      return nullptr;
+    if (order != nullptr) {
+      Py_ssize_t nd = PyTuple_GET_SIZE(order);
+      if (nd != PyTuple_GET_SIZE(shape)) Py_RETURN_FALSE;
+      m.inverse.assign(nd, -1);
+      for (Py_ssize_t j = 0; j < nd; j++) {
+        long d = PyLong_AsLong(PyTuple_GET_ITEM(order, j));
+        if (d == -1 && PyErr_Occurred()) return nullptr;
+        if (d < 0 || d >= nd || m.inverse[d] != -1) Py_RETURN_FALSE;  // not a permutation
+        m.order.push_back(d);
+        m.inverse[d] = j;
+      }
+    }
     m.dtype = reinterpret_cast<THPDtype*>(dt)->scalar_type;
     int64_t numel = 1;
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
@@ -816,6 +945,86 @@ PyObject* m_cpu_redispatch(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+
+// ---- the device guard, without its Python frame ----
+// PyTorch's Python backend registration (torch._C._acc) makes the PrivateUse1 device guard a
+// pybind11 object whose type() calls the Python method `type_` (device/registration.py's
+// _Guard) and whose getDevice()/exchangeDevice() answer Device(type(), 0): every op with a
+// device guard entered Python once (17 times per token of HF generate). This guard answers
+// those three in C++ with the same values and hands every other call to the guard it
+// replaces, which stays registered behind it (never freed: the registry does not own it).
+struct NativeGuard final : public c10::impl::DeviceGuardImplInterface {
+  const c10::impl::DeviceGuardImplInterface* prev;
+  explicit NativeGuard(const c10::impl::DeviceGuardImplInterface* p) : prev(p) {}
+  static c10::Device dev() { return c10::Device(c10::DeviceType::PrivateUse1, 0); }
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
+  c10::Device exchangeDevice(c10::Device) const override { return dev(); }
+  c10::Device getDevice() const override { return dev(); }
+  void setDevice(c10::Device d) const override { prev->setDevice(d); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override { prev->uncheckedSetDevice(d); }
+  c10::Stream getStream(c10::Device d) const override { return prev->getStream(d); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return prev->getDefaultStream(d); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool hi) const override {
+    return prev->getStreamFromGlobalPool(d, hi);
+  }
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return prev->getNewStream(d, priority);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override { return prev->exchangeStream(s); }
+  void* getStreamNativeHandle(const c10::Stream s) const override {
+    return prev->getStreamNativeHandle(s);
+  }
+  void destroyEvent(void* e, const c10::DeviceIndex i) const noexcept override {
+    prev->destroyEvent(e, i);
+  }
+  void record(void** e, const c10::Stream& s, const c10::DeviceIndex i,
+              const c10::EventFlag f) const override {
+    prev->record(e, s, i, f);
+  }
+  void block(void* e, const c10::Stream& s) const override { prev->block(e, s); }
+  bool queryEvent(void* e) const override { return prev->queryEvent(e); }
+  c10::DeviceIndex deviceCount() const noexcept override { return prev->deviceCount(); }
+  c10::DeviceCapability getDeviceCapability(c10::Device d) const override {
+    return prev->getDeviceCapability(d);
+  }
+  bool queryStream(const c10::Stream& s) const override { return prev->queryStream(s); }
+  void synchronizeStream(const c10::Stream& s) const override { prev->synchronizeStream(s); }
+  bool isStreamCapturing(const c10::Stream& s) const override {
+    return prev->isStreamCapturing(s);
+  }
+  void synchronizeEvent(void* e) const override { prev->synchronizeEvent(e); }
+  void synchronizeDevice(const c10::DeviceIndex i) const override { prev->synchronizeDevice(i); }
+  void recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s) const override {
+    prev->recordDataPtrOnStream(p, s);
+  }
+  double elapsedTime(void* a, void* b, const c10::DeviceIndex i) const override {
+    return prev->elapsedTime(a, b, i);
+  }
+};
+
+// native_guard(): put NativeGuard in front of the registered PrivateUse1 guard, once. True if
+// it is (now or already) in front; False where the registered guard does not answer what
+// NativeGuard answers (its type, device and exchanged device: then it stays as it is).
+PyObject* m_native_guard(PyObject*, PyObject*) {
+  static NativeGuard* installed = nullptr;
+  auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(
+      c10::DeviceType::PrivateUse1)];
+  const auto* cur = slot.load();
+  if (installed != nullptr && cur == installed) Py_RETURN_TRUE;
+  if (cur == nullptr) Py_RETURN_FALSE;
+  try {
+    if (cur->type() != c10::DeviceType::PrivateUse1 || cur->getDevice() != NativeGuard::dev() ||
+        cur->exchangeDevice(NativeGuard::dev()) != NativeGuard::dev())
+      Py_RETURN_FALSE;
+  } catch (const std::exception& e) {
+    PyErr_Clear();
+    Py_RETURN_FALSE;
+  }
+  installed = new NativeGuard(cur);
+  slot.store(installed);
+  Py_RETURN_TRUE;
+}
+
 PyObject* m_clear(PyObject*, PyObject*) {
   for (Kernel* k : all_kernels()) k->table->clear();
   Py_RETURN_NONE;
@@ -834,11 +1043,15 @@ PyMethodDef module_methods[] = {
     {"cpu_redispatch", m_cpu_redispatch, METH_VARARGS,
      "bind an op's PrivateUse1 kernel to its CPU kernel (metadata-only ops)"},
     {"entries", m_entries, METH_NOARGS, "entries in every table"},
+    {"native_guard", m_native_guard, METH_NOARGS,
+     "answer the PrivateUse1 device guard's type and device in C++"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
     {"set_precision_state", m_set_precision_state, METH_O,
      "JAX's default_matmul_precision config state, read for ops that read the precision"},
     {"enabled", m_enabled, METH_NOARGS, "whether hits are served"},
+    {"set_timing", m_set_timing, METH_O, "time Kernel calls (zeroed) or stop"},
+    {"timing", m_timing, METH_NOARGS, "Kernel calls timed: hits, Python kernels, their ns"},
     {"pending", m_pending, METH_NOARGS, "the lowering this thread's pending key belongs to"},
     {"install", m_install, METH_VARARGS, "install an entry for this thread's pending key"},
     {nullptr, nullptr, 0, nullptr}};

@@ -13,11 +13,13 @@ notes the outputs in flight and makes the output tensors and storages itself, as
 ``buffer.wrap_noted`` does: no Python frame of torchtpu runs. Anything else runs the Python
 kernel (eager/executor.py): a miss sets this thread's pending key first, and the executor
 installs an entry for it (``offer``) only for a call it proved eligible: a functional op in
-Strict mode, every tensor on a storage array (no CPU scalar), no random state, no mutated
-argument, one device, array results (a checked op's flag goes to ``checks.add`` from C++; a
-factory is served where tpu:0 is the only device). Everything else (in-place writes and
-donation, Debug and Fused modes, dynamic shapes, random ops, fallbacks) takes the Python path
-every time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
+Strict mode, every tensor on a storage array (no CPU scalar), no random state drawn, no
+mutated argument, one device, array results (None and Python scalar results are constants of
+the entry; a checked op's flag goes to ``checks.add`` from C++; a factory is served where tpu:0
+is the only device; SDPA's fused op and its backward are restrided like their inputs, registry
+meta ``eager_layout_like``). Everything else (in-place writes and donation, Debug and Fused
+modes, dynamic shapes, calls that draw random state, fallbacks) takes the Python path every
+time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
 too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
@@ -39,6 +41,7 @@ import os
 import threading
 
 from ..lowering import registry as _registry
+from ..lowering.attention import layout_order as _layout_order
 from ..runtime import buffer as _buffer
 from ..runtime import inflight as _inflight
 from ..runtime import metrics as _metrics
@@ -146,6 +149,37 @@ def cpu_redispatch(op) -> bool:
     return True
 
 
+def native_guard() -> bool:
+    """Answer the PrivateUse1 device guard's type and device in C++ (the guard PyTorch's Python
+    backend registration makes calls the Python ``type_`` for each, once per guarded op); the
+    registered guard still answers everything else. False where the fast path is not bound
+    (TORCHTPU_FASTPATH=0: the Python guard, the reference) or that guard answers otherwise."""
+    if not wanted():
+        return False
+    ext = _load()
+    if ext is None:
+        return False
+    ok = bool(ext.native_guard())
+    _metrics.count("device_guard_native" if ok else "device_guard_python")
+    return ok
+
+
+def timing(start=None):
+    """Where Kernel calls' time goes (benchmarks): ``timing(True)`` starts timing (zeroed),
+    ``timing(False)`` stops; returns what was timed so far, in the calling thread's CPU time
+(a loaded host's wall clock is mostly the wait for a core), per outermost Kernel call: ``hits``
+    served in C++ and their ``hit_ns``, of which ``call_ns`` in the executable's call (JAX's
+    C++ call; with synchronous XLA:CPU dispatch the program's run too), and ``python`` calls
+    that ran the Python kernel and their ``python_ns``. Empty where the fast path is not bound."""
+    ext = _state["ext"]
+    if ext is None:
+        return {}
+    res = ext.timing()
+    if start is not None:
+        ext.set_timing(bool(start))
+    return res
+
+
 def available() -> bool:
     return _state["ext"] is not None
 
@@ -189,7 +223,8 @@ def _forget(calls) -> None:
 _Array = None
 
 
-def offer(lowering, prog, flat, tensors, out, traced_type, check=None) -> bool:
+def offer(lowering, prog, flat, tensors, out, traced_type, check=None, static_type=None,
+          layout_like=None) -> bool:
     """Install the entry for this thread's pending key: the call of ``prog`` just made with
     ``flat`` (one argument per item of ``tensors``: a tensor's storage array, or a Traced
     scalar's value; then the traced storage offsets of its views) returned ``out``. The
@@ -200,7 +235,12 @@ def offer(lowering, prog, flat, tensors, out, traced_type, check=None) -> bool:
     the entry records and a hit checks; so the program (and its offsets, constants of the
     entry: the key holds the storage offset) is the one the Python path would run.
     ``check``: a checked op's (registry ``check``) callable for the flag its program returns
-    next to ``out`` (what the Python path passes the flag to in Strict mode)."""
+    next to ``out`` (what the Python path passes the flag to in Strict mode).
+    ``static_type``: the executor's wrapper of a Python scalar result (a SymInt return such as
+    SDPA's ``max_q``); such a result and a None one are constants of the entry (the key fixes
+    them: shapes decide them). ``layout_like``: per result, the argument tensor it is laid out
+    like (registry meta ``eager_layout_like``; lowering/attention.py ``layout_order`` gives the
+    order, a function of that tensor's metadata, which the key holds), or None."""
     global _Array
     if _Array is None:
         from jax._src.array import ArrayImpl as _Array
@@ -210,7 +250,9 @@ def offer(lowering, prog, flat, tensors, out, traced_type, check=None) -> bool:
     if type(out) is _Array:
         outs = (out,)
         tuple_out = False
-    elif type(out) is tuple and out and all(type(o) is _Array for o in out):
+    elif type(out) is tuple and out and type(out[0]) is _Array and all(
+            type(o) is _Array or o is None or (static_type is not None and type(o) is static_type)
+            for o in out):
         outs = out
         tuple_out = True
     else:
@@ -234,7 +276,12 @@ def offer(lowering, prog, flat, tensors, out, traced_type, check=None) -> bool:
             return False
         plan.append((off,))
     metas = []
-    for o in outs:
+    for i, o in enumerate(outs):
+        if type(o) is not _Array:  # a constant result: None, or a Python scalar
+            metas.append((None if o is None else o.value,))
+            continue
         shape, dt, _strides, _nbytes = _buffer._meta(o.shape, o.dtype)
-        metas.append((tuple(shape), dt))
+        like = layout_like[i] if layout_like is not None and i < len(layout_like) else None
+        order = None if like is None else _layout_order(len(shape), like)
+        metas.append((tuple(shape), dt) if order is None else (tuple(shape), dt, order))
     return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas, check)

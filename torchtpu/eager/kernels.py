@@ -114,6 +114,10 @@ def _make(lowering, kind, out_names=(), void=False):
         # would see a different layout
         def kernel(*args, **kwargs):
             return layout(args, kwargs, run(lowering, kind, args, kwargs))
+
+        if lowering.meta.get("eager_layout_like") is not None:
+            # a layout the C++ fast path reproduces (eager/fastpath.py): in front of it too
+            return _fastpath.kernel(skip(kernel), lowering)
     elif void and kind != executor.OUT:
         def kernel(*args, **kwargs):
             if host:

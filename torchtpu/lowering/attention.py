@@ -626,13 +626,23 @@ def sdpa_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dro
                            None, scale, want_bias_grad=False)[:3]
 
 
+def layout_order(ndim, like):
+    """The dimension order ``_like_layout`` gives an ``ndim``-dim result laid out like tensor
+    ``like`` (``t.permute(order).contiguous().permute(inverse)``), or None: it stays contiguous.
+    Read from ``like``'s metadata only, so the C++ fast path keeps it as a constant of an entry
+    (eager/fastpath.py) and restrides a hit's output the same way."""
+    if like is None or like.is_contiguous() or ndim != like.dim():
+        return None
+    return tuple(sorted(range(like.dim()), key=lambda d: (-like.stride(d), d)))
+
+
 def _like_layout(t, like):
     """``t`` (contiguous) with ``like``'s stride order, as PyTorch's kernels allocate
     attention outputs (``alloc_with_matching_layout``) and gradients (``empty_like``)."""
-    if t is None or like is None or like.is_contiguous() or t.dim() != like.dim():
+    order = None if t is None else layout_order(t.dim(), like)
+    if order is None:
         return t
-    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
-    inverse = [order.index(d) for d in range(like.dim())]
+    inverse = [order.index(d) for d in range(len(order))]
     return t.permute(order).contiguous().permute(inverse)
 
 
@@ -644,12 +654,17 @@ def _bwd_layout(args, kwargs, res):
     return tuple(_like_layout(g, a) for g, a in zip(res, args[1:5]))
 
 
-for _op, _fn in ((aten._scaled_dot_product_fused_attention_overrideable.default, _fwd_layout),
-                 (aten._scaled_dot_product_fused_attention_overrideable_backward.default,
-                  _bwd_layout)):
+# registry meta ``eager_layout_like``: result i of an ``eager_layout`` op is ``_like_layout``
+# of positional argument ``like[i]`` (None or past the end: as returned), which the C++ fast
+# path reproduces; an ``eager_layout`` without it always runs in Python
+for _op, _fn, _like in ((aten._scaled_dot_product_fused_attention_overrideable.default,
+                         _fwd_layout, (0,)),
+                        (aten._scaled_dot_product_fused_attention_overrideable_backward.default,
+                         _bwd_layout, (1, 2, 3, 4))):
     from .registry import LOWERINGS as _L
 
     _L[_op].meta["eager_layout"] = _fn
+    _L[_op].meta["eager_layout_like"] = _like
 
 
 # ---------------------------------------------------------------- nn.MultiheadAttention /
