@@ -70,6 +70,23 @@ def test_ragged_paged_attention_blocks_of_both_paths(q_lens, kv_lens):
     np.testing.assert_allclose(out.cpu().double().numpy(), ref, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 40, "soft_cap": 3.0}],
+                         ids=["causal", "window_softcap"])
+def test_decode_tokens_of_mixed_lengths_walk_only_their_own_blocks(kw):
+    """A block of 32 decode tokens of lengths 1..400 (the per-token work list: items of one
+    token straddle several of the loop's steps, the last step is part dead; a short sequence
+    next to a long one), GQA 2:1, against the dense reference."""
+    rng = np.random.default_rng(11)
+    lens = tuple(int(x) for x in rng.integers(1, 400, 32))
+    lens = (1, 400) + lens[2:]
+    case = _case(seed=11, P=900, page=16, Hkv=2, D=8, Hq=4, S=32, pps=25, T=32,
+                 q_lens=(1,) * 32, kv_lens=lens)
+    ref = pa.dense_reference(*case, sm_scale=0.3, **kw)
+    out = torch.tpu.ops.ragged_paged_attention(*_torch(*case, device="tpu"), sm_scale=0.3,
+                                               **kw)
+    np.testing.assert_allclose(out.cpu().double().numpy(), ref, atol=3e-5, rtol=3e-5)
+
+
 def test_ragged_paged_attention_bfloat16():
     case = _case(seed=5)
     q, kv = case[0], case[1]

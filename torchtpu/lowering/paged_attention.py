@@ -59,11 +59,10 @@ def _block_pages(pages_per_seq: int, page_size: int, positions: int = 128) -> in
     return max(1, min(pages_per_seq, -(-positions // page_size)))
 
 
-# KV positions per step of the per-token (decode) loop: each token gathers its own keys, so a
-# block costs tokens x block in memory traffic; a small block keeps the gathered keys and
-# values in cache and wastes less past each sequence's end (XLA:CPU, 32 decode tokens of
+# KV positions per work item of the per-token (decode) path: each token gathers its own pages,
+# so a larger item wastes more past each sequence's end (XLA:CPU, 32 decode tokens of
 # 100..260 positions: 128 -> 32 positions per block took the attention from ~7.9 to ~3.2 ms
-# of CPU time).
+# of CPU time; 16, 32 and 64 cost the same with the work list).
 TOKEN_BLOCK = 32
 
 
@@ -123,8 +122,13 @@ def _run_blocks(body, start_blk, nblk, valid, shape, Hq):
 
 def _per_token_attention(q, kv_pages, rows, pos, valid, sm_scale, sliding_window, soft_cap,
                          bp, nblk_max):
-    """Attention of tokens that may belong to different sequences: each token gathers its own
-    pages (``rows``: its sequence's page list) block by block, online softmax."""
+    """Attention of tokens that may belong to different sequences (a block of decode tokens),
+    each token walking only its own key blocks. The (token, key block) pairs the tokens need
+    form a work list, token-major, taken ``T`` items a step (fixed shapes); an item's pages are
+    gathered whole (contiguous rows of the cache: keys and values together), its partial
+    softmax (max, sum, weighted values) computed, and the partials merged into each token's
+    running state (scatter max / add). So a step's gathers hold the keys the tokens attend to,
+    rounded up to ``bp`` pages per token, not ``T`` x the longest sequence of the block."""
     T, Hq, D = q.shape
     _, page, H2, _ = kv_pages.shape
     Hkv = H2 // 2
@@ -132,27 +136,56 @@ def _per_token_attention(q, kv_pages, rows, pos, valid, sm_scale, sliding_window
     L = bp * page
     prec = _precision(q.dtype)
     qf = q.reshape(T, Hkv, G, D)
-    last = jnp.max(jnp.where(valid, pos, -1))
-    nblk = jnp.clip(last // L + 1, 0, nblk_max)
-    start_blk = jnp.zeros((), jnp.int32)
-    if sliding_window is not None:  # blocks wholly left of every window are skipped
-        first = jnp.min(jnp.where(valid, pos - sliding_window + 1, jnp.iinfo(jnp.int32).max))
-        start_blk = jnp.clip(first // L, 0, nblk)
+    flat = kv_pages.reshape(kv_pages.shape[0], page * H2 * D)  # a page per row
+    last_blk = jnp.where(valid, pos // L, -1)
+    first_blk = jnp.zeros_like(last_blk)
+    if sliding_window is not None:  # blocks wholly left of the token's window are skipped
+        first_blk = jnp.clip((pos - sliding_window + 1) // L, 0, None)
+    nb = jnp.clip(last_blk - first_blk + 1, 0, nblk_max).astype(jnp.int32)
+    ends = jnp.cumsum(nb)
+    starts = ends - nb
+    total = ends[-1]
 
-    heads = 2 * jnp.arange(Hkv, dtype=jnp.int32)
-
-    def body(b, carry):
+    def body(c, carry):
         m, l, acc = carry
-        pidx = lax.dynamic_slice_in_dim(rows, b * bp, bp, axis=1)  # [T, bp]
-        k = _gather_heads(kv_pages, pidx, heads)  # [T, Hkv, L, D]
-        v = _gather_heads(kv_pages, pidx, heads + 1)
-        sc = jnp.einsum("tkgd,tkld->tkgl", qf, k, preferred_element_type=jnp.float32,
+        i = c * T + jnp.arange(T, dtype=jnp.int32)  # this step's items
+        live = i < total
+        tok = jnp.clip(jnp.searchsorted(ends, i, side="right", method="compare_all"),
+                       0, T - 1).astype(jnp.int32)
+        blk = first_blk[tok] + i - starts[tok]
+        pidx = jnp.take_along_axis(rows[tok], blk[:, None] * bp + jnp.arange(bp)[None, :],
+                                   axis=1, mode="clip")  # [T, bp]
+        kv = jnp.take(flat, pidx, axis=0, mode="clip").reshape(T, L, Hkv, 2, D)
+        k, v = kv[..., 0, :], kv[..., 1, :]  # [T, L, Hkv, D]
+        sc = jnp.einsum("ckgd,clkd->ckgl", qf[tok], k, preferred_element_type=jnp.float32,
                         precision=prec) * sm_scale
-        ok = _key_mask(b, L, pos, valid, sliding_window)
-        return _online_step(m, l, acc, sc, ok[:, None, None, :], v, soft_cap, prec,
-                            "tkgl,tkld->tkgd")
+        if soft_cap is not None:
+            sc = soft_cap * jnp.tanh(sc / soft_cap)
+        j = blk[:, None] * L + jnp.arange(L, dtype=jnp.int32)[None, :]
+        ptok = pos[tok][:, None]
+        ok = (j <= ptok) & live[:, None]
+        if sliding_window is not None:
+            ok = ok & (j > ptok - sliding_window)
+        ok = ok[:, None, None, :]
+        sc = jnp.where(ok, sc, _NEG)
+        mi = sc.max(-1)  # [T, Hkv, G]
+        p = jnp.where(ok, jnp.exp(sc - mi[..., None]), 0.0)
+        ai = jnp.einsum("ckgl,clkd->ckgd", p.astype(v.dtype) if v.dtype != jnp.float32 else p,
+                        v, preferred_element_type=jnp.float32, precision=prec)
+        dst = jnp.where(live, tok, T)  # items past the list: dropped
+        m_new = m.at[dst].max(mi, mode="drop")
+        alpha = jnp.exp(m - m_new)
+        beta = jnp.exp(mi - m_new[tok])
+        l = (l * alpha).at[dst].add(p.sum(-1) * beta, mode="drop")
+        acc = (acc * alpha[..., None]).at[dst].add(ai * beta[..., None], mode="drop")
+        return m_new, l, acc
 
-    return _run_blocks(body, start_blk, nblk, valid, (T, Hkv, G, D), Hq)
+    m0 = jnp.full((T, Hkv, G), _NEG, jnp.float32)
+    l0 = jnp.zeros((T, Hkv, G), jnp.float32)
+    a0 = jnp.zeros((T, Hkv, G, D), jnp.float32)
+    _, l, acc = lax.fori_loop(0, (total + T - 1) // T, body, (m0, l0, a0))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.where(valid[:, None, None, None], out, 0.0).reshape(T, Hq, D)
 
 
 def _one_sequence_attention(q, kv_pages, row, pos, valid, sm_scale, sliding_window, soft_cap,
