@@ -143,7 +143,11 @@ def child_offline(path, contender, n_requests, repeats, out_tokens, pool_tokens=
                 decode_compile_graphs=dd("compile_graphs"), graph_runner=m1.get("graph_runner"),
                 # XLA compiles from the start through the warm-up round (0: a warm start)
                 warmup_xla_compiles=sum(v for k, v in c0.items() if k.endswith("xla_compiles")),
-                cpu_fallbacks=delta("cpu_fallbacks"))
+                cpu_fallbacks=delta("cpu_fallbacks"),
+                # start-up warm-up: decode and prefill buckets warmed before the engine was
+                # ready, those deferred to the idle scheduler (torchtpu/sglang/working_set.py)
+                decode_warm_up_s=m1.get("decode_warm_up_s"),
+                prefill_warm_up_s=m1.get("prefill_warm_up_s"), deferred=m1.get("deferred"))
 
 
 def child_server(path, contender, streams, out_tokens):
@@ -219,7 +223,8 @@ def child_server(path, contender, streams, out_tokens):
                                         if n > m0["per_kind_eager_compiles"].get(k, {}).get(op, 0)}
                                     for k, ops in m1["per_kind_eager_compiles"].items()},
                     prefill_programs=len(m1.get("prefill_dynamo") or {}),
-                    prefill_warm_up_s=m1.get("prefill_warm_up_s"))
+                    prefill_warm_up_s=m1.get("prefill_warm_up_s"),
+                    decode_warm_up_s=m1.get("decode_warm_up_s"), deferred=m1.get("deferred"))
     finally:
         os.killpg(srv.pid, signal.SIGTERM)
         try:

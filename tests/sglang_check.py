@@ -76,7 +76,11 @@ def engine(args) -> dict:
         res["worker"] = {k: m1.get(k) for k in ("attention", "kv_pool", "kv_dtype",
                                                 "max_total_num_tokens", "graph_runner",
                                                 "graph_bs", "graph_dynamo", "prefill_dynamo",
-                                                "prefill_warmed")}
+                                                "prefill_warmed", "deferred",
+                                                "decode_warm_up_s", "prefill_warm_up_s")}
+        # XLA compiles of the process so far (0 on a start from a filled compile cache)
+        res["worker"]["xla_compiles"] = sum(v for k, v in m1["counters"].items()
+                                            if k.endswith("xla_compiles"))
         res["worker"]["spmd_programs"] = m1["counters"].get("compile_spmd_programs", 0)
         d0 = m0["per_kind"].get("decode", {})
         res["third_round"] = {

@@ -73,6 +73,9 @@ def plugin() -> None:
     from .prefill import install as install_prefill
 
     install_prefill()  # extend steps through bucketed compiled programs (prefill.py)
+    # buckets the last run did not serve are warmed while the scheduler idles (working_set.py)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", _idle_warm_up,
+                          HookType.AFTER)
     from .input_check import check_prompt_ids
 
     # a prompt token id outside the vocabulary: a 400, not a scheduler crash (input_check.py)
@@ -92,6 +95,16 @@ def plugin() -> None:
                               metrics_file.after_forward, HookType.AFTER)
         HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle",
                               metrics_file.after_idle, HookType.AFTER)
+
+
+def _idle_warm_up(result, scheduler, *args, **kwargs):
+    """After ``Scheduler.on_idle``: one deferred bucket (working_set.py), its counters charged
+    to ``idle_warm_up`` in the metrics file, not to the next step."""
+    from . import metrics_file, working_set
+
+    if working_set.warm_if_idle(scheduler):
+        metrics_file.set_aside("idle_warm_up")
+    return None
 
 
 def _rank_env(*args, **kwargs):

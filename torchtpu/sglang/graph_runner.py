@@ -35,6 +35,7 @@ from sglang.srt.runtime_context import get_exec
 from sglang.srt.utils.common import DynamicGradMode
 
 from .attention import kv_width
+from .working_set import WorkingSet, defer
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,14 @@ class TpuGraphRunner:
         # warmed at the smallest KV width; a wider one compiles when first met
         w0 = kv_width(_Lens(1), self.page_size, self.kv_full)
         self.batches = {(bs, w0): self._batch(bs, w0) for bs in self.capture_bs}
+        self.w0 = w0
+        # the buckets the last run served warm now, the others while the scheduler idles
+        # (working_set.py); without a record (a first start) all of them warm now
+        self.working_set = WorkingSet("decode", model_runner,
+                                      [_key_name(bs, w0) for bs in self.capture_bs])
+        now, later = self.working_set.split()
         t0 = time.perf_counter()
+        self.dynamo = {}
         # in the grad mode SGLang's scheduler runs steps in (no_grad, or inference mode with
         # SGLANG_ENABLE_TORCH_INFERENCE_MODE): Dynamo guards on it
         with DynamicGradMode():
@@ -113,24 +121,44 @@ class TpuGraphRunner:
             # state on their first call (a norm's chosen method, a stage's exit policy behind
             # a locked functools.cached_property), which the compiled trace then only reads
             self._step_eager(self.batches[(self.capture_bs[0], w0)])
-            self.dynamo = {}
-            for bs in reversed(self.capture_bs):
-                before = _dynamo_counts()
-                self._run(self.batches[(bs, w0)])
-                self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
+            warm = [bs for bs in reversed(self.capture_bs) if _key_name(bs, w0) in now]
+            for bs in warm:
+                self._warm(bs)
             # again: a second call of a warmed bucket must neither trace nor compile
             before = _dynamo_counts()
-            for bs in reversed(self.capture_bs):
+            for bs in warm:
                 self._run(self.batches[(bs, w0)])
             self.dynamo["rerun"] = {k: v - before[k] for k, v in _dynamo_counts().items()}
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
+        self.working_set.started()
+        self.deferred = [bs for bs in reversed(self.capture_bs) if _key_name(bs, w0) in later]
+        for bs in self.deferred:
+            defer(f"decode {bs}", lambda bs=bs: self._warm(bs, again=True))
         breaks = {bs: d["graph_breaks"] for bs, d in self.dynamo.items() if d["graph_breaks"]}
         if breaks:
             logger.warning("torchtpu: decode programs with graph breaks (bucket: count) %s; "
                            "TORCH_LOGS=graph_breaks names them", breaks)
-        logger.info("torchtpu: compiled decode buckets %s in %.1f s", self.capture_bs,
-                    self.warm_up_s)
+        logger.info("torchtpu: compiled decode buckets %s in %.1f s (deferred: %s)", warm,
+                    self.warm_up_s, self.deferred)
+
+    def _warm(self, bs: int, again: bool = False) -> None:
+        """Trace bucket ``bs`` (its program compiled, or loaded from the compile cache) and
+        keep Dynamo's counts for it; ``again``: then run it once more (it must trace
+        nothing), the check the start-up warm-up makes for all its buckets at once."""
+        if bs in self.dynamo:  # a step met it first
+            return
+        fb = self.batches[(bs, self.w0)]
+        before = _dynamo_counts()
+        self._run(fb)
+        self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
+        if again:
+            before = _dynamo_counts()
+            self._run(fb)
+            grew = {k: v - before[k] for k, v in _dynamo_counts().items()}
+            rerun = self.dynamo.setdefault("rerun", dict.fromkeys(grew, 0))
+            for k, v in grew.items():
+                rerun[k] = rerun.get(k, 0) + v
 
     def _step_eager(self, fb):
         with forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend),
@@ -188,18 +216,29 @@ class TpuGraphRunner:
         fb = self.batches.get(key)
         if fb is None:
             fb = self.batches[key] = self._batch(*key)
+        first = key[1] == self.w0 and bs not in self.dynamo  # deferred, not warmed yet
+        if key[1] == self.w0:
+            self.working_set.served(_key_name(*key))
         pad = bs - raw
         fb.input_ids = _pad(forward_batch.input_ids, pad, 0)
         fb.req_pool_indices = _pad(forward_batch.req_pool_indices, pad, 0)
         fb.seq_lens = _pad(forward_batch.seq_lens, pad, SEQ_LEN_FILL)
         fb.out_cache_loc = _pad(forward_batch.out_cache_loc, pad, 0)
         fb.positions = _pad(forward_batch.positions, pad, 0)
+        if first:
+            before = _dynamo_counts()
         out = self._run(fb)
+        if first:
+            self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
         if pad == 0:
             return out
         return LogitsProcessorOutput(
             next_token_logits=out.next_token_logits[:raw],
             hidden_states=None if out.hidden_states is None else out.hidden_states[:raw])
+
+
+def _key_name(bs: int, width) -> str:
+    return f"{bs}x{width}"
 
 
 class _Lens:

@@ -47,8 +47,6 @@ def _grow(acc: dict, now: dict, last: dict) -> None:
 
 def after_forward(result, runner, forward_batch, *args, **kwargs):
     """After each model forward: the counters' growth charged to the step's kind, in memory."""
-    from torchtpu.runtime import metrics
-
     now = time.perf_counter()
     mode = forward_batch.forward_mode
     kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else "other"
@@ -57,20 +55,38 @@ def after_forward(result, runner, forward_batch, *args, **kwargs):
     key = kind if prev == kind else f"{prev}->{kind}"
     _state["prev_kind"] = kind
     _intervals[key] = _intervals.get(key, 0) + 1
-    with metrics._lock:
-        counters = dict(metrics.COUNTERS)
-        ops = dict(metrics.PER_OP.get("eager_compiles", {}))
-    acc = _per_kind.setdefault(key, {})
-    _grow(acc, counters, _last)
+    acc = _charge(key)
     if _state["prev_t"] is not None:  # wall time of the interval, in microseconds
         acc["wall_us"] = acc.get("wall_us", 0) + int((now - _state["prev_t"]) * 1e6)
     _state["prev_t"] = now
-    _grow(_per_kind_ops.setdefault(key, {}), ops, _last_ops)
     if getattr(result, "can_run_graph", False):
         _forwards["graph"] = _forwards.get("graph", 0) + 1
     _state["runner"] = runner
     _answer()
     return None
+
+
+def _charge(key: str) -> dict:
+    """The counters' growth since the last charge, added to ``key``'s."""
+    from torchtpu.runtime import metrics
+
+    with metrics._lock:
+        counters = dict(metrics.COUNTERS)
+        ops = dict(metrics.PER_OP.get("eager_compiles", {}))
+    acc = _per_kind.setdefault(key, {})
+    _grow(acc, counters, _last)
+    _grow(_per_kind_ops.setdefault(key, {}), ops, _last_ops)
+    return acc
+
+
+def set_aside(key: str) -> None:
+    """Work between two forwards that is no step's (a bucket warmed while the scheduler
+    idles, working_set.py): its counters charged to ``key``, not to the next forward's."""
+    if not os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
+        return
+    _charge(key)
+    _intervals[key] = _intervals.get(key, 0) + 1
+    _state["prev_t"] = time.perf_counter()
 
 
 def after_idle(result, *args, **kwargs):
@@ -99,6 +115,8 @@ def snapshot() -> dict:
            "per_kind_eager_compiles": _per_kind_ops}
     runner = _state["runner"]
     if runner is not None:
+        from . import working_set
+
         prefill = getattr(runner, "_torchtpu_prefill", None)
         if prefill is not None:
             out["forwards"]["prefill_graph"] = prefill.served
@@ -115,6 +133,10 @@ def snapshot() -> dict:
             "prefill_dynamo": dict(getattr(prefill, "dynamo", None) or {}),
             "prefill_warm_up_s": getattr(prefill, "warm_up_s", None),
             "prefill_warmed": list(getattr(prefill, "warmed", None) or []),
+            "decode_warm_up_s": getattr(graphs, "warm_up_s", None),
+            "deferred": {"decode": list(getattr(graphs, "deferred", None) or []),
+                         "prefill": list(getattr(prefill, "deferred", None) or []),
+                         "pending": working_set.pending(), **working_set._STATS},
             "graph_bs": list(getattr(graphs, "capture_bs", None) or [])})
     return out
 

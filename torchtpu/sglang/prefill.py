@@ -53,6 +53,7 @@ from sglang.srt.utils.common import DynamicGradMode
 
 from .attention import MIN_KV_WIDTH, kv_width
 from .graph_runner import _dynamo_counts, _pad, _raise_recompile_limit, inactive_reason
+from .working_set import WorkingSet, defer
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class TpuPrefillRunner:
         self.warm_up_s = 0.0  # warm_up
         self.warmed: list = []  # names of the buckets warm_up compiled
         self.served = 0  # extend steps run through a bucket's program
+        self.working_set = None  # warm_up's (working_set.py)
+        self.deferred: list = []  # buckets warm_up left to the idle scheduler
         # one Dynamo cache entry per bucket: past the recompile limit the frame would run
         # eagerly for good
         n = (self.max_tokens.bit_length() - MIN_TOKENS.bit_length() + 1) * (
@@ -168,21 +171,39 @@ class TpuPrefillRunner:
             return
         t0 = time.perf_counter()
         keys = self.warm_buckets()
-        ctx = ForwardContext(attn_backend=self.model_runner.attn_backend)
+        # the buckets the last run served warm now, the others while the scheduler idles
+        # (working_set.py); without a record (a first start) all of them warm now
+        self.working_set = WorkingSet("prefill", self.model_runner, [_name(k) for k in keys])
+        now, later = self.working_set.split()
+        self.ctx = ForwardContext(attn_backend=self.model_runner.attn_backend)
         with DynamicGradMode():
             fb = self._batch(*keys[0])
-            with forward_context(ctx, forward_batch=fb):
+            with forward_context(self.ctx, forward_batch=fb):
                 self._step(fb.input_ids, fb.positions, fb)
             for key in keys:
-                fb = self.batches.get(key)
-                if fb is None:
-                    fb = self.batches[key] = self._batch(*key)
-                self._call(fb, key, ctx)
-                self.warmed.append(_name(key))
+                if _name(key) in now:
+                    self._warm(key)
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
+        self.working_set.started()
+        self.deferred = [_name(k) for k in keys if _name(k) in later]
+        for key in keys:
+            if _name(key) in later:
+                defer(f"prefill {_name(key)}", lambda key=key: self._warm(key))
         logger.info("torchtpu: compiled %d prefill buckets (tokens x requests x KV width) "
-                    "in %.1f s", len(keys), self.warm_up_s)
+                    "in %.1f s (deferred: %d)", len(keys) - len(later), self.warm_up_s,
+                    len(later))
+
+    def _warm(self, key) -> None:
+        """Trace (compile, or load from the compile cache) bucket ``key`` with an extend step
+        of padding only, unless a step met it first."""
+        if _name(key) in self.dynamo:
+            return
+        fb = self.batches.get(key)
+        if fb is None:
+            fb = self.batches[key] = self._batch(*key)
+        self._call(fb, key, self.ctx)
+        self.warmed.append(_name(key))
 
     # ---- the program ----
 
@@ -236,6 +257,8 @@ class TpuPrefillRunner:
             attn_backend=self.model_runner.attn_backend)
         out = self._call(fb, key, ctx)
         self.served += 1
+        if self.working_set is not None:
+            self.working_set.served(_name(key))
         if pb == 0:
             return out
         return type(out)(next_token_logits=out.next_token_logits[:b],
