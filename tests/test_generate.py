@@ -360,6 +360,10 @@ def test_stopping_criteria_list_results_equal_cpu():
     lists = [lambda d: [sc.MaxLengthCriteria(3)],
              lambda d: [sc.EosTokenCriteria(torch.tensor([2], device=d))],
              lambda d: [sc.MaxLengthCriteria(8), sc.EosTokenCriteria(torch.tensor([2], device=d))],
+             lambda d: [sc.MaxLengthCriteria(3), sc.EosTokenCriteria(torch.tensor([7], device=d))],
+             lambda d: [sc.EosTokenCriteria(torch.tensor([9], device=d)), sc.MaxLengthCriteria(2)],
+             lambda d: [sc.MaxLengthCriteria(8, 2)],
+             lambda d: [Always(), sc.MaxLengthCriteria(8)],
              lambda d: [Always(), sc.EosTokenCriteria(torch.tensor([2], device=d))],
              lambda d: [sc.EosTokenCriteria(torch.tensor([2], device=d)), Always()]]
     for make in lists:
@@ -377,3 +381,15 @@ def test_stopping_criteria_list_results_equal_cpu():
 
     got = sc.StoppingCriteriaList([Held()])(ids.to(TPU), None)
     assert got is not mine and got.tolist() == [True, False]
+    # generate()'s list: MaxLengthCriteria's full((batch,), done) is a host bool, so the
+    # EosTokenCriteria's fresh result is the list's (no full, no or, no copy)
+    crit = sc.StoppingCriteriaList([sc.MaxLengthCriteria(8),
+                                    sc.EosTokenCriteria(torch.tensor([2], device=TPU))])
+    ids_t = ids.to(TPU)[:, 1:]
+    crit(ids_t, None)
+    torch.tpu.reset_metrics()
+    got = crit(ids_t, None)
+    c = torch.tpu.metrics()["counters"]
+    assert got.tolist() == [True, False]
+    assert c["generate_programs_saved"] == 4  # full(False), full(done), two ors
+    assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 2  # isin, any

@@ -503,3 +503,33 @@ def test_binary_cross_entropy_checks_its_probabilities(which):
 def test_repeat_interleave_negative_repeats_raise():
     with pytest.raises(RuntimeError, match="repeats can not be negative"):
         torch.repeat_interleave(torch.tensor([1, -1], device=DEV))
+
+
+@pytest.mark.parametrize("bad", ["none", "first", "second", "both"])
+def test_compiled_graph_with_several_checks_reads_one_flag_and_names_the_failed_op(bad):
+    """A compiled program's checks join the pending list as one flag (their AND, computed in
+    the program): a sync reads one value; a failure still raises for the first failed check,
+    with that op's own exception type and message, as the flags read one by one did."""
+    from torchtpu.eager import checks
+
+    torch._dynamo.reset()
+    torch.tpu.synchronize()
+    xt = torch.randn(5, 3, device=DEV)
+
+    def f(x, i, j):
+        return torch.index_select(x, 0, i).sum() + F.embedding(j, x).sum()
+
+    cf = torch.compile(f, backend="tpu")
+    i = torch.tensor([1, 7] if bad in ("first", "both") else [1, 4], device=DEV)
+    j = torch.tensor([2, 5] if bad in ("second", "both") else [2, 4], device=DEV)
+    before = torch.tpu.metrics()["counters"].get("device_checks", 0)
+    out = cf(xt, i, j)
+    assert torch.tpu.metrics()["counters"]["device_checks"] - before == 2
+    assert len(checks._pending) == 1
+    if bad == "none":
+        torch.testing.assert_close(out.cpu(), f(xt.cpu(), i.cpu(), j.cpu()))
+        return
+    name = "index_select" if bad in ("first", "both") else "embedding"
+    with pytest.raises(IndexError, match=f"index out of range in self \\(in aten::{name}"):
+        out.item()
+    assert not checks._pending

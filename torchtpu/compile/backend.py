@@ -178,8 +178,8 @@ class CompiledGraph:
                                                       key[0])
             outs, news, flags = entry.compiled(*flat)
         del flat
-        for ok, info in zip(flags, entry.checks):
-            _checks.add(ok, *info)
+        if flags:
+            _checks.add_program_flags(flags, entry.checks)
         # write back mutated inputs; CPU-side values are recomputed on the host when the graph
         # allows it (no sync), else they come back in one transfer
         host_writes = []
@@ -413,7 +413,7 @@ class CompiledGraph:
             if hit is not None:
                 count("compile_ms", int((time.perf_counter() - t0) * 1000))
                 return _Entry(hit[0], hit[1]["consts"], donate, hit[1].get("checks", ()))
-        fn = self._run.trace_fn(slots, statics, self.out_devices)
+        fn = self._run.trace_fn(slots, statics, self.out_devices, all_flag=True)
         # the XLA module's name, for profiles (the kind only: the disk cache keys the HLO text)
         fn.__name__ = "compiled." + self.name.rstrip("0123456789")
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -461,7 +461,7 @@ class CompiledGraph:
         """A graph with collectives: one SPMD program over their mesh (spmd.py). Not in the
         persistent caches (an executable for several processes' devices)."""
         spmd = _spmd.SPMD(*self._run.mesh)
-        fn = self._run.trace_fn(slots, statics, self.out_devices)
+        fn = self._run.trace_fn(slots, statics, self.out_devices, all_flag=True)
         local = [(a.shape, a.dtype) for a in arrays]
         if self.n_random:
             local.append(((self.n_random, 4), np.uint32))

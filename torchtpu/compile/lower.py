@@ -280,10 +280,11 @@ class GraphLowering:
 
     # ---- tracing ----
 
-    def trace_fn(self, tensor_slots, statics, out_devices):
+    def trace_fn(self, tensor_slots, statics, out_devices, all_flag=False):
         """A function ``f(*arrays[, rng_words]) -> (outputs, new_values_of_mutated_inputs,
         input-check flags)`` (the flags of ops with a registry ``check``, described by
-        ``self.check_info`` after the trace).
+        ``self.check_info`` after the trace). ``all_flag``: with two or more flags, their AND
+        leads them (one flag for a sync to read, ``eager/checks.add_program_flags``).
 
         ``tensor_slots``: placeholder indices fed by arrays, in order; ``statics``: placeholder
         index -> concrete non-tensor value. The outputs that are not arrays (ints, None) are
@@ -351,7 +352,10 @@ class GraphLowering:
             lowering.const_outputs = (const_outs, isinstance(outs, (list, tuple)))
             lowering.check_info = tuple(info for _, info in checks)
             lowering._checks_acc = None
-            return tuple(flat_outs), tuple(new_vals), tuple(ok for ok, _ in checks)
+            flags = tuple(ok for ok, _ in checks)
+            if all_flag and len(flags) >= 2:
+                flags = (jnp.all(jnp.stack(flags)),) + flags
+            return tuple(flat_outs), tuple(new_vals), flags
 
         return f
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..runtime import memory as _memory
 from ..runtime import sync as _sync
@@ -39,6 +40,43 @@ _NAMES = "one of "
 _KINDS = "one of these input checks failed: "
 
 
+class _Group:
+    """The flags of one compiled program's checks with the program's own AND of them
+    (``compile/lower.py``, ``trace_fn(all_flag=True)``): a sync reads the one combined flag;
+    only when it failed are the program's flags read, to raise for the first failed check as
+    the flags one by one would. Looks like a computed Fused buffer to the pending list."""
+
+    __slots__ = ("array", "flags", "infos")
+    pending = False
+
+    def __init__(self, ok, flags, infos):
+        self.array = ok
+        self.flags = flags
+        self.infos = infos
+
+    def first_failed(self):
+        """(op name, exception type, message) of the first failed flag, read in one transfer."""
+        for v, info in zip(jax.device_get(list(self.flags)), self.infos):
+            if not bool(v):
+                return info
+        return None
+
+
+def add_program_flags(flags, infos) -> None:
+    """Add the input-check flags of one compiled program, described by ``infos`` ((op name,
+    exception type, message) each). ``flags`` may lead with the program's AND of the others
+    (one more flag than ``infos``): then they join the list as one entry, read in one transfer."""
+    if len(infos) >= 2 and len(flags) == len(infos) + 1:
+        name, exc, msg = _describe(infos)
+        _pending.append((_Group(flags[0], tuple(flags[1:]), tuple(infos)), name, exc, msg))
+        count("device_checks", len(infos))
+        if len(_pending) >= _FOLD_AT and len(_pending) % _FOLD_AT == 0:
+            _fold()
+        return
+    for ok, info in zip(flags, infos):
+        add(ok, *info)
+
+
 def _parts(text: str, prefix: str, sep: str) -> list:
     return text[len(prefix):].split(sep) if text.startswith(prefix) else [text]
 
@@ -58,16 +96,23 @@ def _fold() -> None:
             rest.append(it)
     if len(ready) < _FOLD_AT:
         return
+    name, exc, msg = _describe([it[1:] for it in ready])
+    _pending[:] = [(_all([it[0] for it in ready]), name, exc, msg)] + rest
+
+
+def _describe(infos):
+    """(name, exception type, message) of one flag standing for checks ``infos`` ((name,
+    exception type, message) each): "one of" the names, and the kinds' messages."""
     # an entry folded before is split into its parts again, so folding the fold (a long run)
     # names each op and message once instead of nesting them without bound
-    names = sorted({n for it in ready for n in _parts(it[1], _NAMES, ", ")})
-    excs = {it[2] for it in ready}
-    msgs = sorted({m for it in ready for m in _parts(it[3], _KINDS, "; ")})
+    names = sorted({n for it in infos for n in _parts(it[0], _NAMES, ", ")})
+    excs = {it[1] for it in infos}
+    msgs = sorted({m for it in infos for m in _parts(it[2], _KINDS, "; ")})
     exc = excs.pop() if len(excs) == 1 else RuntimeError
     # folded checks of different kinds: one of them failed
     msg = msgs[0] if len(msgs) == 1 else _KINDS + "; ".join(msgs)
     name = names[0] if len(names) == 1 else _NAMES + ", ".join(names)
-    _pending[:] = [(_all([it[0] for it in ready]), name, exc, msg)] + rest
+    return name, exc, msg
 
 
 def _computed(ok):
@@ -94,15 +139,18 @@ def raise_pending() -> None:
     if not items:
         return
     try:
-        values = jax.device_get([ok if isinstance(ok, jax.Array) else ok.array
-                                 for ok, *_ in items])
+        arrays = [ok if isinstance(ok, jax.Array) else ok.array for ok, *_ in items]
+        # one flag (a compiled program's group, most often): no tree walk
+        values = [np.asarray(arrays[0])] if len(arrays) == 1 else jax.device_get(arrays)
     except (RuntimeError, ValueError) as e:  # an op whose program failed: its flag too
         oom = _memory.oom_error(e)
         if oom is not None:
             raise oom from e
         raise
-    for v, (_, name, exc, msg) in zip(values, items):
+    for v, (ok, name, exc, msg) in zip(values, items):
         if not bool(v):
+            if isinstance(ok, _Group):  # the program's first failed check, by its own name
+                name, exc, msg = ok.first_failed() or (name, exc, msg)
             raise exc(f"{msg} (in {name} on device tpu; tpu ops run asynchronously, so this is "
                       f"reported at a later call: run with TORCH_TPU_LAUNCH_BLOCKING=1 to stop "
                       f"at the op)")

@@ -15,7 +15,9 @@ them are left out here, with the same results bit for bit:
 - ``StoppingCriteriaList`` starts from ``torch.full((batch,), False)`` and ORs each criterion
   into it; ``False | r`` is ``r`` for a criterion's ``(batch,)`` bool tensor, so the first such
   result starts the OR (copied when it is the only one, so the list still returns a tensor of
-  its own).
+  its own, unless it is an ``EosTokenCriteria``'s, made for the call). ``MaxLengthCriteria``
+  answers ``full((batch,), done)`` with ``done`` a host bool: it is not called; ``False`` leaves
+  the OR as it is, ``True`` makes it ``full((batch,), True)`` (the other criteria still run).
 
 Counted: ``generate_programs_saved`` (per patch, in ``per_op``). Applied when the tensors are on
 "tpu" only; ``TORCHTPU_GENERATE_STEPS=0`` turns it off.
@@ -77,6 +79,23 @@ def _min_length(orig, new_tokens: bool):
     return __call__
 
 
+_KNOWN: dict = {}  # transformers' criteria classes whose results are known without a program
+
+
+def _max_length_done(crit, input_ids) -> bool:
+    """``MaxLengthCriteria``'s answer, a host bool it would broadcast with ``full`` (and its
+    warning past the model's maximum length, as it gives it)."""
+    cur_len = input_ids.shape[1]
+    done = cur_len >= crit.max_length
+    if crit.max_position_embeddings is not None and not done \
+            and cur_len > crit.max_position_embeddings:
+        _KNOWN["logger"].warning_once(
+            "This is a friendly reminder - the current text generation call has exceeded the "
+            f"model's predefined maximum length ({crit.max_position_embeddings}). Depending on "
+            "the model, you may observe exceptions, performance degradation, or nothing at all.")
+    return done
+
+
 def _criteria(orig):
     @functools.wraps(orig)
     def __call__(self, input_ids, scores, **kwargs):
@@ -87,20 +106,35 @@ def _criteria(orig):
         n = input_ids.shape[0]
         is_done = None
         alone = False  # is_done is a criterion's own result (not yet a tensor of ours)
-        saved = 0
+        fresh = False  # ... and one the criterion made for this call (holds no reference to it)
+        all_done = False  # a MaxLengthCriteria said True: the OR is all True
+        ran = 0  # full / or / clone programs run here (transformers: a full, an or each)
+        maxlen, eos = _KNOWN.get("max_length"), _KNOWN.get("eos")
         for criteria in self:
+            if maxlen is not None and type(criteria) is maxlen:
+                # its result is full((n,), done): False | r is r, True | r is True
+                all_done |= _max_length_done(criteria, input_ids)
+                continue
             r = criteria(input_ids, scores, **kwargs)
             if (is_done is None and isinstance(r, torch.Tensor) and r.dtype == torch.bool
                     and r.shape == (n,) and r.device == input_ids.device):
-                is_done, alone, saved = r, True, 2  # False | r is r: no full, no or
+                is_done, alone = r, True  # False | r is r: no full, no or
+                fresh = eos is not None and type(criteria) is eos  # isin(...).any(-1): new
                 continue
             if is_done is None:
                 is_done = torch.full((n,), False, device=input_ids.device, dtype=torch.bool)
+                ran += 1
             is_done, alone = is_done | r, False
-        if alone:
-            is_done, saved = is_done.clone(), 1
-        if saved:
-            _saved("StoppingCriteriaList", saved)
+            ran += 1
+        if all_done or is_done is None:
+            is_done = torch.full((n,), all_done, device=input_ids.device, dtype=torch.bool)
+            ran += 1
+        elif alone and not fresh:
+            is_done = is_done.clone()
+            ran += 1
+        saved = 1 + len(self) + sum(1 for c in self if maxlen is not None and type(c) is maxlen)
+        if saved > ran:
+            _saved("StoppingCriteriaList", saved - ran)
         return is_done
 
     return __call__
@@ -114,6 +148,10 @@ def _patch_logits(mod) -> None:
 
 
 def _patch_stopping(mod) -> None:
+    for key, name in (("max_length", "MaxLengthCriteria"), ("eos", "EosTokenCriteria"),
+                      ("logger", "logger")):
+        if getattr(mod, name, None) is not None:
+            _KNOWN[key] = getattr(mod, name)
     patch(mod, "StoppingCriteriaList.__call__", _criteria, params=("input_ids", "scores"))
 
 
