@@ -2,7 +2,8 @@
 asynchronous dispatch (the default: programs handed to XLA's worker pool) and synchronous
 dispatch (``TORCHTPU_CPU_SYNC_DISPATCH=1``: programs run inline on the calling thread).
 
-    python benchmarks/cpu_dispatch.py [--rounds 2] [--repeats 5] [--tokens 32] [--only train|generate]
+    python benchmarks/cpu_dispatch.py [--rounds 2] [--repeats 5] [--tokens 32]
+                                      [--only train|generate]
 
 The option is read once, when JAX's CPU client is made, so each mode runs in its own child
 process; the rounds alternate the two modes (and which goes first) so that a changing host load
@@ -56,6 +57,14 @@ def _run(cmd, sync):
     return out
 
 
+def _brief(kind, out) -> str:
+    """One child's numbers, printed as they come (wall / process CPU ms)."""
+    if kind == "train":
+        return ", ".join(f"{n} {out[n]['ms']:.0f}/{out[n]['cpu_ms']:.0f} ms" for n in TRAIN)
+    return (f"Strict {out['wall']:.2f}/{out['proc_cpu']:.2f} ms/token, "
+            f"CPU 1t {out['cpu_1thread']:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -83,10 +92,11 @@ def main():
             for sync in order:
                 out = _run(cmds[kind], sync)
                 runs[(kind, out["dispatch"])].append(out)
-                print(f"  round {i + 1} {kind} {out['dispatch']}: load {out['load']:.1f}",
-                      flush=True)
+                print(f"  round {i + 1} {kind} {out['dispatch']}: {_brief(kind, out)}, "
+                      f"load {out['load']:.1f}", flush=True)
     med = lambda kind, mode, f: statistics.median(f(r) for r in runs[(kind, mode)])  # noqa: E731
-    head = f"{'median of ' + str(args.rounds) + ' rounds':<40}{'async':>10}{'sync':>10}{'sync/async':>12}"
+    head = (f"{'median of ' + str(args.rounds) + ' rounds':<40}{'async':>10}{'sync':>10}"
+            f"{'sync/async':>12}")
     print()
     print(head)
     print("-" * len(head))

@@ -570,21 +570,10 @@ def test_trainer_donates_parameters_and_state():
     assert torch.tpu.memory_allocated() == allocated
 
 
-def test_trainer_program_updates_weights_without_copying_them():
-    """The backward reads each weight (``dx = dy @ W``) in ops that the weight's update does
-    not depend on; the program still writes every donated weight in place, with no copy of it
-    (XLA's copy insertion copied such parameters when nothing ordered those reads first)."""
-    import re
-
+def _optimized_program(trainer, batch):
+    """(the trainer's one Program, its optimized HLO text) for one more ``step(*batch)``."""
     import jax
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 64)).to(TPU)
-    opt = opts.AdamW(model.parameters(), lr=1e-3)
-    trainer = opts.SingleTraceTrainer(model, lambda m, x: m(x).pow(2).mean(), opt)
-    x = torch.randn(8, 64, device=TPU)
-    trainer.step(x)
     (key, prog), = trainer._programs.items()
     calls = []
     orig = prog.__call__
@@ -595,9 +584,28 @@ def test_trainer_program_updates_weights_without_copying_them():
             return orig(*flat)
 
     trainer._programs[key] = Spy()
+    try:
+        trainer.step(*batch)
+    finally:
+        trainer._programs[key] = prog
+    return prog, jax.jit(prog.fn, **prog.jit_kwargs).lower(*calls[0]).compile().as_text()
+
+
+def test_trainer_program_updates_weights_without_copying_them():
+    """The backward reads each weight (``dx = dy @ W``) in ops that the weight's update does
+    not depend on; the program still writes every donated weight in place, with no copy of it
+    (XLA's copy insertion copied such parameters when nothing ordered those reads first)."""
+    import re
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 64)).to(TPU)
+    opt = opts.AdamW(model.parameters(), lr=1e-3)
+    trainer = opts.SingleTraceTrainer(model, lambda m, x: m(x).pow(2).mean(), opt)
+    x = torch.randn(8, 64, device=TPU)
     trainer.step(x)
+    prog, text = _optimized_program(trainer, (x,))
     assert prog.jit_kwargs["donate_argnums"], "nothing donated"
-    text = jax.jit(prog.fn, **prog.jit_kwargs).lower(*calls[0]).compile().as_text()
     weights = {f"f32[{','.join(map(str, p.shape))}]" for p in model.parameters() if p.dim()}
     copied = re.findall(r"= (f32\[[0-9,]*\])\{[0-9,]*\} copy\(", text)
     assert not [c for c in copied if c in weights], copied
@@ -856,21 +864,7 @@ def _transposed_lhs_batch_dots(trainer, batch) -> int:
     transposed (contracted over a dimension that is not its last)."""
     import re
 
-    import jax
-
-    (key, prog), = trainer._programs.items()
-    calls = []
-    orig = prog.__call__
-
-    class Spy:
-        def __call__(self, *flat):
-            calls.append([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat])
-            return orig(*flat)
-
-    trainer._programs[key] = Spy()
-    trainer.step(*batch)
-    trainer._programs[key] = prog
-    text = jax.jit(prog.fn, **prog.jit_kwargs).lower(*calls[0]).compile().as_text()
+    _prog, text = _optimized_program(trainer, batch)
     entry = text[text.index("\nENTRY"):]
     return len(re.findall(r"= f32\[\d+,\d+,\d+\]\{[0-9,]*\} dot\([^)]*\), lhs_batch_dims=\{0\}, "
                           r"lhs_contracting_dims=\{1\}", entry))
