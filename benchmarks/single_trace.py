@@ -11,6 +11,10 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
 - ``trainer+joint``: the same, its forward/backward lowered as ``aot_export_module`` gives the
   joint graph rather than partitioned as AOTAutograd's min-cut partitioner does (the A/B of
   optimizers/partition.py);
+- ``trainer+rowmajor``: the same, with the saved transposed activations written out in their
+  own shape (trainer.py's ``_materialized``, off by default: the backward's batched matmuls then
+  read them row-major, on YNNPACK, as in the compiled step, where XLA otherwise folds the
+  transposes into Eigen dots);
 - ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
   ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
 - ``trainer+clip`` / ``compiled+clip``: the same with gradient clipping
@@ -48,8 +52,8 @@ import compile_step as cs  # noqa: E402  (the shared benchmark models)
 from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
-CONTENDERS = ("trainer", "trainer+joint", "compiled", "trainer+clip", "compiled+clip", "fused", "fused+opt",
-              "strict", "strict+opt")
+CONTENDERS = ("trainer", "trainer+joint", "trainer+rowmajor", "compiled", "trainer+clip",
+              "compiled+clip", "fused", "fused+opt", "strict", "strict+opt")
 MAX_NORM = 1.0
 
 
@@ -74,6 +78,7 @@ def build(name):
         kw = dict(max_grad_norm=MAX_NORM, write_grads=True) if name.endswith("+clip") else {}
         trainer = torch.tpu.optimizers.SingleTraceTrainer(model, cs.gpt_loss, opt, **kw)
         trainer._partition = name != "trainer+joint"  # the A/B of the min-cut partition
+        trainer._materialize = name == "trainer+rowmajor"  # the A/B of the saved transposes
         return lambda: trainer.step(idx, tgt)
     step = cs.make_step(cs.gpt_loss)
     if name.endswith("+clip"):
@@ -182,6 +187,7 @@ def main(argv=None):
                           if worst > 0.3 else ""))
     table.notes.append(environment())
     table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer", "trainer+joint"),
+                                     ("trainer+rowmajor", "trainer"),
                                      ("trainer+joint", "compiled"), ("trainer+clip", "compiled+clip"),
                                      ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]

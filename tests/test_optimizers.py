@@ -36,6 +36,8 @@ sys.path.insert(0, HERE)
 import train_gpt  # noqa: E402
 from helpers import classification_batches, token_batches  # noqa: E402
 
+from torchtpu.runtime import devices  # noqa: E402
+
 TPU = "tpu"
 opts = torch.tpu.optimizers
 
@@ -568,21 +570,10 @@ def test_trainer_donates_parameters_and_state():
     assert torch.tpu.memory_allocated() == allocated
 
 
-def test_trainer_program_updates_weights_without_copying_them():
-    """The backward reads each weight (``dx = dy @ W``) in ops that the weight's update does
-    not depend on; the program still writes every donated weight in place, with no copy of it
-    (XLA's copy insertion copied such parameters when nothing ordered those reads first)."""
-    import re
-
+def _optimized_program(trainer, batch):
+    """(the trainer's one Program, its optimized HLO text) for one more ``step(*batch)``."""
     import jax
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 64)).to(TPU)
-    opt = opts.AdamW(model.parameters(), lr=1e-3)
-    trainer = opts.SingleTraceTrainer(model, lambda m, x: m(x).pow(2).mean(), opt)
-    x = torch.randn(8, 64, device=TPU)
-    trainer.step(x)
     (key, prog), = trainer._programs.items()
     calls = []
     orig = prog.__call__
@@ -593,9 +584,28 @@ def test_trainer_program_updates_weights_without_copying_them():
             return orig(*flat)
 
     trainer._programs[key] = Spy()
+    try:
+        trainer.step(*batch)
+    finally:
+        trainer._programs[key] = prog
+    return prog, jax.jit(prog.fn, **prog.jit_kwargs).lower(*calls[0]).compile().as_text()
+
+
+def test_trainer_program_updates_weights_without_copying_them():
+    """The backward reads each weight (``dx = dy @ W``) in ops that the weight's update does
+    not depend on; the program still writes every donated weight in place, with no copy of it
+    (XLA's copy insertion copied such parameters when nothing ordered those reads first)."""
+    import re
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 64)).to(TPU)
+    opt = opts.AdamW(model.parameters(), lr=1e-3)
+    trainer = opts.SingleTraceTrainer(model, lambda m, x: m(x).pow(2).mean(), opt)
+    x = torch.randn(8, 64, device=TPU)
     trainer.step(x)
+    prog, text = _optimized_program(trainer, (x,))
     assert prog.jit_kwargs["donate_argnums"], "nothing donated"
-    text = jax.jit(prog.fn, **prog.jit_kwargs).lower(*calls[0]).compile().as_text()
     weights = {f"f32[{','.join(map(str, p.shape))}]" for p in model.parameters() if p.dim()}
     copied = re.findall(r"= (f32\[[0-9,]*\])\{[0-9,]*\} copy\(", text)
     assert not [c for c in copied if c in weights], copied
@@ -847,3 +857,46 @@ def test_trainer_partitioned_joint_graph_is_bit_equal_to_the_joint_graph(monkeyp
     for a, b in zip(parted[1] + parted[2], joint[1] + joint[2]):
         assert torch.equal(a, b)
     assert (parted[3], parted[4]) == (1, 1) and (joint[3], joint[4]) == (0, 2)
+
+
+def _transposed_lhs_batch_dots(trainer, batch) -> int:
+    """Top-level batched dots of the trainer's optimized program whose left operand is read
+    transposed (contracted over a dimension that is not its last)."""
+    import re
+
+    _prog, text = _optimized_program(trainer, batch)
+    entry = text[text.index("\nENTRY"):]
+    return len(re.findall(r"= f32\[\d+,\d+,\d+\]\{[0-9,]*\} dot\([^)]*\), lhs_batch_dims=\{0\}, "
+                          r"lhs_contracting_dims=\{1\}", entry))
+
+
+@pytest.mark.skipif(devices.platform() != "cpu", reason="XLA:CPU's dot emitters")
+def test_trainer_backward_reads_saved_transposes_row_major():
+    """A transposed activation the backward reads (attention's ``q`` in ``dk^T = q^T @ ds``) is
+    computed in its own shape, as torch.compile's forward program returns it, so the backward's
+    batched matmul reads it row-major rather than with the transpose folded into the dot; same
+    losses and weights as with the transpose folded (within float32 rounding: another dot
+    kernel)."""
+    def run(materialize):
+        torch.manual_seed(0)
+        model = nn.Linear(32, 96).to(TPU)
+
+        def loss_fn(m, x):
+            q, k, v = m(x).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
+            a = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+            return a.pow(2).mean()
+
+        # SGD: the key bias's gradient is 0 up to rounding (softmax ignores a shift shared by
+        # all keys), which Adam's normalisation would blow up to a full step of either sign
+        trainer = opts.SingleTraceTrainer(model, loss_fn, opts.SGD(model.parameters(), lr=0.1))
+        trainer._materialize = materialize
+        x = torch.randn(2, 16, 32, device=TPU)
+        losses = [trainer.step(x).item() for _ in range(2)]
+        return losses, [p.detach().cpu() for p in model.parameters()], \
+            _transposed_lhs_batch_dots(trainer, (x,))
+
+    folded, ours = run(False), run(True)
+    assert ours[2] < folded[2], (ours[2], folded[2])
+    assert ours[0] == pytest.approx(folded[0], rel=1e-5)
+    for a, b in zip(ours[1], folded[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -155,6 +155,9 @@ class GraphLowering:
         self._effect_outs: list = []  # while tracing: effectful ops' results (kept)
         self.check_info = ()
         self.fallback_ops = set()
+        # node -> a JAX function applied to that node's value as it is traced (set by a caller
+        # that builds on the lowering, e.g. the single-trace trainer; empty: none)
+        self.node_hooks: dict = {}
         for n in gm.graph.nodes:
             if n.op != "call_function" or not isinstance(n.target, OpOverload):
                 continue
@@ -320,6 +323,9 @@ class GraphLowering:
                 args = _plain(torch.fx.node.map_arg(n.args, env.__getitem__))
                 kwargs = _plain(torch.fx.node.map_arg(n.kwargs, env.__getitem__))
                 env[n] = lowering._eval(n, args, kwargs, rng, mutated_vals)
+                hook = lowering.node_hooks.get(n)
+                if hook is not None:
+                    env[n] = hook(env[n])
             flat_outs = []
             const_outs = []
             new_vals = [mutated_vals[i] for i in lowering.mutated]

@@ -82,6 +82,7 @@ def _stitch(gm, fw, bw, orig_names, n_fwd, loss_pos, seed_meta):
         env[n] = out.node_copy(n, lambda a: env[a])
     fwd_vals = [env[a] if isinstance(a, fx.Node) else a for a in fw_out[:n_fwd]]
     saved = {a.name: env[a] for a in fw_out[n_fwd:]}
+    transposed = [env[a] for a in fw_out[n_fwd:] if _transposed_activation(a)]
     loss = fwd_vals[loss_pos]
     benv = {}
     for n in bw.graph.nodes:
@@ -101,5 +102,22 @@ def _stitch(gm, fw, bw, orig_names, n_fwd, loss_pos, seed_meta):
         benv[n] = out.node_copy(n, lambda a: benv[a])
     grads = [benv[a] if isinstance(a, fx.Node) else a for a in bw_out]
     out.output(tuple(fwd_vals + grads))
-    return fx.GraphModule(gm, out)
+    res = fx.GraphModule(gm, out)
+    res.meta[SAVED_TRANSPOSES] = transposed
+    return res
+
+
+# ``GraphModule.meta`` key: the saved values (forward results the backward reads) that are
+# transposes of activations (see _transposed_activation)
+SAVED_TRANSPOSES = "torchtpu_saved_transposes"
+_TRANSPOSES = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+
+
+def _transposed_activation(n) -> bool:
+    """A saved value that is a transpose of a computed value (not of an input). torch.compile's
+    forward program returns it materialized in its own (transposed) shape, so the backward's
+    batched matmuls read it row-major (XLA:CPU gives such dots to YNNPACK); in one program XLA
+    folds the transpose into the dot instead (a transposed-operand Eigen dot, slower)."""
+    return (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _TRANSPOSES
+            and isinstance(n.args[0], fx.Node) and n.args[0].op != "placeholder")
 

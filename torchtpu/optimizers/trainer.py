@@ -44,6 +44,10 @@ from .optimizer import _OneProgramStep
 # the joint graph partitioned as torch.compile's AOTAutograd does (partition.py); False: as
 # aot_export_module gives it (for A/B measurements; read when a trainer is made)
 PARTITION = True
+# the saved transposed activations written out in their own shape, as torch.compile's forward
+# program returns them (``_materialized``). Off: measured no faster on the GPT step (see
+# docs/ARCHITECTURE.md, Optimizers); benchmarks/single_trace.py's trainer+rowmajor turns it on
+MATERIALIZE_SAVED_TRANSPOSES = False
 
 
 class _Loss(nn.Module):
@@ -59,7 +63,7 @@ class _Loss(nn.Module):
 class _Traced:
     """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
 
-    def __init__(self, module, batch, partition=True):
+    def __init__(self, module, batch, partition=True, materialize=False):
         # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
         from torch._functorch.aot_autograd import aot_export_module
 
@@ -76,6 +80,9 @@ class _Traced:
             n_fwd = len(sig.buffers_to_mutate) + len(sig.user_outputs)
             gm = _partition.joint_partitioned(gm, n_fwd, sig.user_outputs[0])
         self.low = _lower.GraphLowering(gm, "trainer")
+        if partition and materialize:
+            for n in gm.meta.get(_partition.SAVED_TRANSPOSES, ()):
+                self.low.node_hooks[n] = _materialized
         if self.low.mutated:
             raise RuntimeError("SingleTraceTrainer: the exported training graph writes its "
                                "inputs in place, which a functional graph should not")
@@ -151,6 +158,7 @@ class SingleTraceTrainer:
         self._traced: dict = {}
         self._programs: dict = {}
         self._partition = PARTITION  # benchmarks/single_trace.py's trainer+joint sets False
+        self._materialize = MATERIALIZE_SAVED_TRANSPOSES  # trainer+rowmajor sets True
 
     # ---- one step ----
 
@@ -182,7 +190,8 @@ class SingleTraceTrainer:
         key = (tuple((tuple(t.shape), t.dtype) for t in batch), self.model.training)
         traced = self._traced.get(key)
         if traced is None:
-            traced = self._traced[key] = _Traced(self._module, batch, self._partition)
+            traced = self._traced[key] = _Traced(self._module, batch, self._partition,
+                                                       self._materialize)
         plan = self._plan(traced)
         for t in [*traced.inputs, *(v for e in plan.entries for v in e.state.values())]:
             why = _program.fallback_reason(t)
@@ -352,6 +361,18 @@ def _after_all(arrays):
     firsts = jnp.stack(firsts)
     bits = lax.bitcast_convert_type(jnp.sum(firsts), jnp.int32)
     return jnp.minimum(jnp.maximum(bits, 0), 0)
+
+
+def _materialized(x):
+    """``x`` (a transposed activation the backward reads) computed into an array of its own
+    shape: ``x - 0`` with an opaque 0 (``_after_all``; exact for every value), which XLA cannot
+    fold into the reading dot as it folds a bare transpose. The backward's batched matmuls then
+    read a row-major operand, as in torch.compile's backward program (XLA:CPU runs those on
+    YNNPACK; folded, with a transposed operand, on Eigen). Off by default: the GPT step was
+    no faster with it (MATERIALIZE_SAVED_TRANSPOSES)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return x
+    return x - _after_all([x]).astype(x.dtype)
 
 
 def _clip_grads(grads, max_norm: float, norm_type: float):
