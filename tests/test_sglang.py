@@ -130,12 +130,13 @@ def test_engine_bfloat16_pool_stored_float32(tmp_path):
 @pytest.mark.slow
 @needs_sglang
 def test_engine_overlap_schedule_copies_results_on_a_thread(tmp_path):
-    """SGLang's overlap scheduler (its default): a step's sampled ids are read back on
-    torchtpu.sglang.overlap's copy thread (SGLang's async device-to-host path), not on the
+    """SGLang's overlap scheduler (its default) with TORCHTPU_SGLANG_ASYNC_D2H=1: a step's
+    sampled ids are read back on torchtpu.sglang.overlap's copy thread (SGLang's async device-to-host path), not on the
     scheduler's thread right after the launch; tokens equal HF in every round, every decode
     forward is a bucket's program, at most one host sync per decode step."""
     r = sglang_check("engine", "--arch", "llama", "--out", str(tmp_path), "--engine-args",
-                     json.dumps({"cuda_graph_max_bs_decode": 4}))
+                     json.dumps({"cuda_graph_max_bs_decode": 4}),
+                     env={"TORCHTPU_SGLANG_ASYNC_D2H": "1"})
     assert r["greedy"] == r["hf"] and r["greedy_again"] == r["hf"], r
     assert r["greedy_third"] == r["hf"], r
     third = r["third_round"]
