@@ -20,8 +20,7 @@ tensor on the host already waits for exactly the program that computes it.
 
 Opt-in (``TORCHTPU_SGLANG_ASYNC_D2H=1``): on the 2-core development host, loaded, a decode
 step took longer with it (94 vs 72 ms, 16 requests; the program and the host work compete for
-the same cores, so there is nothing to overlap); to be measured on a quiet host with cores to
-spare before it becomes the default.
+the same cores, so there is nothing to overlap), and as long at load 3-5 (23.0 vs 23.1 ms).
 """
 from __future__ import annotations
 
