@@ -133,6 +133,26 @@ def test_engine_bfloat16_pool_stored_float32(tmp_path):
 
 @pytest.mark.slow
 @needs_sglang
+def test_engine_overlap_schedule_copies_results_on_a_thread(tmp_path):
+    """SGLang's overlap scheduler (its default) with TORCHTPU_SGLANG_ASYNC_D2H=1: a step's
+    sampled ids are read back on torchtpu.sglang.overlap's copy thread (SGLang's async device-to-host path), not on the
+    scheduler's thread right after the launch; tokens equal HF in every round, every decode
+    forward is a bucket's program, at most one host sync per decode step."""
+    r = sglang_check("engine", "--arch", "llama", "--out", str(tmp_path), "--engine-args",
+                     json.dumps({"cuda_graph_max_bs_decode": 4}),
+                     env={"TORCHTPU_SGLANG_ASYNC_D2H": "1"})
+    assert r["greedy"] == r["hf"] and r["greedy_again"] == r["hf"], r
+    assert r["greedy_third"] == r["hf"], r
+    third = r["third_round"]
+    assert third["forwards"]["decode"] > 0
+    assert third["forwards"].get("graph", 0) == third["forwards"]["decode"], third
+    d = third["decode"]
+    assert d.get("sglang_thread_result_copies", 0) > 0, third
+    assert d.get("host_syncs", 0) <= third["intervals"]["decode"], third
+
+
+@pytest.mark.slow
+@needs_sglang
 def test_engine_eager_paged_attention(tmp_path):
     """``--disable-cuda-graph``: decode runs eagerly, through the same paged attention."""
     _check_engine(sglang_check("engine", "--arch", "llama", "--out", str(tmp_path),
@@ -361,3 +381,23 @@ def test_sdpa_without_keys_matches_cpu(causal):
     out = F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), k.to("tpu"),
                                          is_causal=causal, enable_gqa=True)
     assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("prefix,lens", [([0], [5]), ([0, 3, 7], [4, 1, 2]), ([2, 0], [0, 3]),
+                                         ([], [])])
+def test_extend_positions_from_the_host_match_sglangs(prefix, lens):
+    """torchtpu.sglang.positions builds an extend step's positions and start rows with numpy:
+    equal to SGLang's compute_position_torch (an arange per request, concatenated, and the
+    cumulative lengths), computed here with torch on CPU."""
+    import torch
+
+    from torchtpu.sglang.positions import host_positions
+
+    positions, starts = host_positions(prefix, lens)
+    want = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)]
+                     + [torch.zeros(0, dtype=torch.int64)])
+    want_starts = torch.zeros(len(lens), dtype=torch.int64)
+    if lens:
+        want_starts[1:] = torch.cumsum(torch.tensor(lens[:-1], dtype=torch.int64), 0)
+    assert torch.equal(torch.from_numpy(positions), want)
+    assert torch.equal(torch.from_numpy(starts), want_starts)

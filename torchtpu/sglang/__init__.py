@@ -87,6 +87,18 @@ def plugin() -> None:
     # for it (kv_pool.py)
     HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
                           "_profile_available_bytes", budget_bytes, HookType.AFTER)
+    from .positions import compute_position
+
+    # an extend step's positions from the host's arithmetic, not eager ops per request
+    # (positions.py)
+    HookRegistry.register("sglang.srt.model_executor.forward_batch_info.compute_position",
+                          compute_position, HookType.AROUND)
+    from .overlap import enable as enable_async_copy
+
+    # overlap scheduling: the step's result read back on SGLang's copy thread, not the
+    # scheduler's (overlap.py)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.init_overlap",
+                          enable_async_copy, HookType.AFTER)
     if os.environ.get("TORCHTPU_SGLANG_METRICS_FILE"):
         # counters per forward in memory, written when a reader asks (metrics_file.py)
         from . import metrics_file
