@@ -54,6 +54,7 @@ from jax.core import ShapedArray
 from . import custom_calls as _custom_calls
 from . import devices as _devices
 from . import disk_cache as _disk
+from . import first_run as _first_run
 from .inflight import note as _inflight_note
 from . import prefetch as _prefetch
 from . import working_set as _working_set
@@ -772,6 +773,8 @@ def _load_now(kind: str, key: str, device_id: int, ahead: bool = False):
         return None
     if not ahead:
         count(f"{kind}_disk_cache_hits")
+    else:  # its costly first run on this thread too, off the call that needs it
+        _first_run.run_ahead(compiled, device, targets)
     return compiled
 
 
