@@ -10,7 +10,9 @@ this off). The next process with the same name starts, at the end of ``import to
 background thread that loads those executables in that order (at most half of
 ``program_cache.MAX_LIVE``) while the process imports the rest of its code and builds its model;
 a program's first call then takes the loaded executable (``<kind>_working_set_hits``) instead of
-reading it (or waits for the thread when it is loading that very one). Only entries still in
+reading it (or waits for the thread when it is loading that very one). The thread also runs
+each plain executable it loaded once on zeros and sets its C++ call (``first_run.py``): a
+deserialized program's first run is its costly one. Only entries still in
 the cache folder are loaded; what the process did not use this time is not recorded again, so
 the set follows the workload. The thread stops at interpreter exit (before JAX's teardown) and
 is not inherited by a forked child.
