@@ -15,7 +15,8 @@ C++ call. Results cannot change: the run's outputs are dropped, its inputs are i
 ones included), and an executable's later runs do not depend on its earlier ones. Only plain
 programs are run ahead: no effects, host callbacks or mutable state (``create_cpp_call`` would
 refuse them too), no custom calls at all (a kernel reading an index table or a LAPACK routine
-on zeros is not worth the risk), no extended dtypes, and at most ``MAX_BYTES`` of inputs and
+on zeros is not worth the risk), no loops (a ``while`` whose trip count depends on the inputs
+may never end on zeros), no extended dtypes, and at most ``MAX_BYTES`` of inputs and
 outputs (``TORCHTPU_FIRST_RUN_MAX_BYTES``, default 32 MiB: a big graph's run costs compute and
 memory; 0 turns this off). Any failure leaves the program as it was (its first call runs it).
 Counted: ``working_set_first_runs``, ``working_set_first_run_ms``.
@@ -40,6 +41,14 @@ def _plain(executable) -> bool:
             and not getattr(call, "has_host_callbacks", True)
             and getattr(call, "mut", None) is None
             and getattr(executable, "_mut", None) is None)
+
+
+def _loops(executable) -> bool:
+    """Whether the optimized program holds a ``while`` (or cannot be read)."""
+    try:
+        return any(" while(" in m.to_string() for m in executable.xla_executable.hlo_modules())
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def _nbytes(avals) -> int | None:
@@ -67,7 +76,7 @@ def run_ahead(compiled, device, targets) -> bool:
     if in_avals is None or out_avals is None:
         return False
     n_in, n_out = _nbytes(in_avals), _nbytes(out_avals)
-    if n_in is None or n_out is None or n_in + n_out > MAX_BYTES:
+    if n_in is None or n_out is None or n_in + n_out > MAX_BYTES or _loops(ex):
         return False
     t0 = time.perf_counter()
     try:
