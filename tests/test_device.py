@@ -582,3 +582,40 @@ def test_tensor_from_numpy_is_one_transfer_of_a_private_copy():
     assert t.device.type == "tpu" and t.dtype == torch.int32 and t.shape == (37,)
     assert torch.equal(t.cpu(), torch.arange(37, dtype=torch.int32) * 3 - 5)
     assert torch.equal((t[5:9] + 1).cpu(), torch.tensor([11, 14, 17, 20], dtype=torch.int32))
+
+
+_UNPACK_RAISES = r'''
+import json
+import torch
+import torchtpu  # noqa: F401
+x = torch.randn(4, 4, device="tpu", requires_grad=True)
+
+
+def unpack(t):
+    raise RuntimeError("unpack hook failed")
+
+
+caught = None
+try:
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        y = (x * x).sum()
+    y.backward()
+except RuntimeError as e:
+    caught = str(e)
+z = (x * 3).sum()
+z.backward()  # autograd still works after the error
+print(json.dumps({"caught": caught, "grad": x.grad.cpu().tolist(), "x": x.detach().cpu().tolist()}))
+'''
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"])
+def test_an_error_in_a_saved_tensor_hook_raises_in_backward(fastpath):
+    """PyTorch throws a saved-tensor unpack hook's error with the Python error still set; the
+    device guard's stream exchange in the unwinding destructors must not turn it into
+    std::terminate (it aborted the process on "tpu"; CPU raises)."""
+    from helpers import run_json
+
+    env = dict(os.environ, TORCHTPU_FASTPATH=fastpath)
+    out = run_json(_UNPACK_RAISES, env, timeout=300)
+    assert out["caught"] is not None and "unpack hook failed" in out["caught"]
+    assert out["grad"] == [[3.0] * 4] * 4

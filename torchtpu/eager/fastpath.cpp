@@ -953,15 +953,50 @@ PyObject* m_cpu_redispatch(PyObject*, PyObject* args) {
 // device guard entered Python once (17 times per token of HF generate). This guard answers
 // those three in C++ with the same values and hands every other call to the guard it
 // replaces, which stays registered behind it (never freed: the registry does not own it).
+// A guard's destructor (InlineStreamGuard, DeviceGuard, Event) calls exchangeStream /
+// uncheckedSetDevice / destroyEvent while an exception unwinds. PyTorch throws some Python
+// errors (a saved-tensor unpack hook's, in backward) with the error still set on the thread;
+// the Python guard behind this one then fails its own call into Python and throws from the
+// destructor: std::terminate. These calls set the pending error aside while the guard behind
+// runs and put it back after, so the first error propagates as PyTorch raises it.
+template <class F>
+static auto keep_python_error(F&& f) -> decltype(f()) {
+  if (!Py_IsInitialized()) return f();
+  PyGILState_STATE st = PyGILState_Ensure();
+  PyObject *t = nullptr, *v = nullptr, *tb = nullptr;
+  PyErr_Fetch(&t, &v, &tb);
+  if (t == nullptr) {
+    PyGILState_Release(st);
+    return f();
+  }
+  struct Restore {
+    PyObject *t, *v, *tb;
+    PyGILState_STATE st;
+    ~Restore() {
+      PyErr_Restore(t, v, tb);
+      PyGILState_Release(st);
+    }
+  } restore{t, v, tb, st};
+  return f();
+}
+
+// `answer` false (TORCHTPU_FASTPATH=0, the reference): every call goes to the guard behind,
+// only with the pending-error protection above.
 struct NativeGuard final : public c10::impl::DeviceGuardImplInterface {
   const c10::impl::DeviceGuardImplInterface* prev;
-  explicit NativeGuard(const c10::impl::DeviceGuardImplInterface* p) : prev(p) {}
+  bool answer;
+  NativeGuard(const c10::impl::DeviceGuardImplInterface* p, bool a) : prev(p), answer(a) {}
   static c10::Device dev() { return c10::Device(c10::DeviceType::PrivateUse1, 0); }
   c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
-  c10::Device exchangeDevice(c10::Device) const override { return dev(); }
-  c10::Device getDevice() const override { return dev(); }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    if (answer) return dev();
+    return keep_python_error([&] { return prev->exchangeDevice(d); });
+  }
+  c10::Device getDevice() const override { return answer ? dev() : prev->getDevice(); }
   void setDevice(c10::Device d) const override { prev->setDevice(d); }
-  void uncheckedSetDevice(c10::Device d) const noexcept override { prev->uncheckedSetDevice(d); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    keep_python_error([&] { prev->uncheckedSetDevice(d); });
+  }
   c10::Stream getStream(c10::Device d) const override { return prev->getStream(d); }
   c10::Stream getDefaultStream(c10::Device d) const override { return prev->getDefaultStream(d); }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool hi) const override {
@@ -970,12 +1005,14 @@ struct NativeGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device d, int priority) const override {
     return prev->getNewStream(d, priority);
   }
-  c10::Stream exchangeStream(c10::Stream s) const override { return prev->exchangeStream(s); }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    return keep_python_error([&] { return prev->exchangeStream(s); });
+  }
   void* getStreamNativeHandle(const c10::Stream s) const override {
     return prev->getStreamNativeHandle(s);
   }
   void destroyEvent(void* e, const c10::DeviceIndex i) const noexcept override {
-    prev->destroyEvent(e, i);
+    keep_python_error([&] { prev->destroyEvent(e, i); });
   }
   void record(void** e, const c10::Stream& s, const c10::DeviceIndex i,
               const c10::EventFlag f) const override {
@@ -1005,12 +1042,17 @@ struct NativeGuard final : public c10::impl::DeviceGuardImplInterface {
 // native_guard(): put NativeGuard in front of the registered PrivateUse1 guard, once. True if
 // it is (now or already) in front; False where the registered guard does not answer what
 // NativeGuard answers (its type, device and exchanged device: then it stays as it is).
-PyObject* m_native_guard(PyObject*, PyObject*) {
+PyObject* m_native_guard(PyObject*, PyObject* arg) {
   static NativeGuard* installed = nullptr;
+  const int answer = PyObject_IsTrue(arg);
+  if (answer < 0) return nullptr;
   auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(
       c10::DeviceType::PrivateUse1)];
   const auto* cur = slot.load();
-  if (installed != nullptr && cur == installed) Py_RETURN_TRUE;
+  if (installed != nullptr && cur == installed) {
+    installed->answer = answer != 0;
+    Py_RETURN_TRUE;
+  }
   if (cur == nullptr) Py_RETURN_FALSE;
   try {
     if (cur->type() != c10::DeviceType::PrivateUse1 || cur->getDevice() != NativeGuard::dev() ||
@@ -1020,7 +1062,7 @@ PyObject* m_native_guard(PyObject*, PyObject*) {
     PyErr_Clear();
     Py_RETURN_FALSE;
   }
-  installed = new NativeGuard(cur);
+  installed = new NativeGuard(cur, answer != 0);
   slot.store(installed);
   Py_RETURN_TRUE;
 }
@@ -1043,8 +1085,8 @@ PyMethodDef module_methods[] = {
     {"cpu_redispatch", m_cpu_redispatch, METH_VARARGS,
      "bind an op's PrivateUse1 kernel to its CPU kernel (metadata-only ops)"},
     {"entries", m_entries, METH_NOARGS, "entries in every table"},
-    {"native_guard", m_native_guard, METH_NOARGS,
-     "answer the PrivateUse1 device guard's type and device in C++"},
+    {"native_guard", m_native_guard, METH_O,
+     "put a C++ guard in front of the PrivateUse1 device guard (True: it answers type and device)"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
     {"set_precision_state", m_set_precision_state, METH_O,

@@ -152,15 +152,19 @@ def cpu_redispatch(op) -> bool:
 def native_guard() -> bool:
     """Answer the PrivateUse1 device guard's type and device in C++ (the guard PyTorch's Python
     backend registration makes calls the Python ``type_`` for each, once per guarded op); the
-    registered guard still answers everything else. False where the fast path is not bound
-    (TORCHTPU_FASTPATH=0: the Python guard, the reference) or that guard answers otherwise."""
-    if not wanted():
-        return False
+    registered guard still answers everything else. With TORCHTPU_FASTPATH=0 (the reference)
+    the Python guard answers everything, through the same C++ guard in front: in both, a guard
+    destructor running while a Python error unwinds (PyTorch raises a saved-tensor unpack hook's
+    error with it still set) sets that error aside around its call into the Python guard,
+    which would otherwise fail and abort the process from the destructor. False where the
+    extension cannot be built or the registered guard answers otherwise."""
     ext = _load()
     if ext is None:
         return False
-    ok = bool(ext.native_guard())
-    _metrics.count("device_guard_native" if ok else "device_guard_python")
+    answer = wanted()
+    ok = bool(ext.native_guard(answer))
+    _metrics.count(("device_guard_native" if answer else "device_guard_python_behind_native")
+                   if ok else "device_guard_python")
     return ok
 
 
