@@ -55,12 +55,26 @@ _SOURCE = os.path.join(_HERE, "fastpath.cpp")
 _WHAT = "its C++ eager fast path"
 _AVOID = "or set TORCHTPU_FASTPATH=0 (the Python path; same results, slower per op)"
 _lock = threading.Lock()
-_state: dict = {"ext": None, "tried": False, "error": None}
+_state: dict = {"ext": None, "tried": False, "error": None, "module": None}
 _kernels: list = []  # every Kernel made (they live as long as the op bindings)
 
 
 def wanted() -> bool:
     return os.environ.get("TORCHTPU_FASTPATH", "1") not in ("0", "")
+
+
+def _module():
+    """The built extension module, set up for nothing yet (the device guard alone needs no
+    more); raises where it cannot be built."""
+    if _state.get("module") is None:
+        path = _nb.library_path(_SOURCE, python=True, shared=True)
+        _nb.build_locked(path, _SOURCE, _WHAT, _AVOID, python=True)
+        loader = importlib.machinery.ExtensionFileLoader("torchtpu_fastpath", path)
+        spec = importlib.util.spec_from_file_location("torchtpu_fastpath", path, loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        _state["module"] = mod
+    return _state["module"]
 
 
 def _load():
@@ -72,13 +86,7 @@ def _load():
         if _state["tried"]:
             return _state["ext"]
         try:
-            path = _nb.library_path(_SOURCE, python=True, shared=True)
-            _nb.build_locked(path, _SOURCE, _WHAT, _AVOID, python=True)
-            loader = importlib.machinery.ExtensionFileLoader("torchtpu_fastpath", path)
-            spec = importlib.util.spec_from_file_location("torchtpu_fastpath", path,
-                                                          loader=loader)
-            ext = importlib.util.module_from_spec(spec)
-            loader.exec_module(ext)
+            ext = _module()
             from jax._src.array import ArrayImpl
 
             ext.setup(modes._state, modes.EagerMode.DEFER_NEVER, _buffer.Buffer,
@@ -158,10 +166,18 @@ def native_guard() -> bool:
     error with it still set) sets that error aside around its call into the Python guard,
     which would otherwise fail and abort the process from the destructor. False where the
     extension cannot be built or the registered guard answers otherwise."""
-    ext = _load()
+    answer = wanted()
+    if answer:
+        ext = _load()
+    else:  # the module only: the fast path itself stays unbound
+        try:
+            with _lock:
+                ext = _module()
+        except Exception as e:  # noqa: BLE001 - no compiler: the Python guard alone
+            _log.debug("torchtpu: no C++ guard in front of the device guard: %s", e)
+            ext = None
     if ext is None:
         return False
-    answer = wanted()
     ok = bool(ext.native_guard(answer))
     _metrics.count(("device_guard_native" if answer else "device_guard_python_behind_native")
                    if ok else "device_guard_python")
