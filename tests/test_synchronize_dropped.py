@@ -22,8 +22,9 @@ import torch
 
 from torchtpu.runtime import buffer
 
-def _gated(n: int):
-    """(a tpu tensor of n float32 ones whose program blocks until the gate is set, gate)."""
+def _gated(n: int, raw: bool = False):
+    """(a tpu tensor of n float32 ones whose program blocks until the gate is set, gate);
+    ``raw``: the jax array itself, which no tensor holds (only ``jax.live_arrays()`` lists it)."""
     gate = threading.Event()
 
     def host(x):
@@ -39,7 +40,7 @@ def _gated(n: int):
     gate.clear()
     out = f(mm(a))
     assert not out.is_ready()
-    return buffer.wrap(out), gate
+    return (out if raw else buffer.wrap(out)), gate
 
 
 def _returns_before_release(fn) -> bool:
@@ -117,3 +118,30 @@ def test_a_freed_result_is_not_counted_as_allocated_while_it_is_computed():
     assert torch.tpu.memory_allocated() - base < 2048 * 2048 * 4  # freed, as on CUDA
     torch.tpu.synchronize()
     assert h.is_ready() and not inflight._held  # let go of once done
+
+
+def test_event_and_stream_see_live_work_past_arrays_found_computed():
+    """``Event.record``/``Stream.query`` skip live arrays an earlier scan found computed
+    (runtime/sync.py ``_computed``, no ``is_ready`` call each): an array still being computed
+    is never skipped, and the record of computed arrays goes with them."""
+    from torchtpu.runtime import sync
+
+    done = [torch.randn(64, device="tpu") for _ in range(50)]
+    torch.tpu.synchronize()
+    ev = torch.tpu.Event()
+    ev.record()
+    assert ev.query() and torch.tpu.current_stream().query()
+    ids = {id(buffer.buffer_of(t).array) for t in done}
+    assert ids <= set(sync._computed)
+    arr, gate = _gated(1 << 10, raw=True)  # live, pending, not held by runtime/inflight.py
+    try:
+        ev.record()
+        assert not ev.query() and not torch.tpu.current_stream().query()
+    finally:
+        gate.set()
+    ev.synchronize()
+    assert arr.is_ready() and ev.query()
+    ev.record()
+    assert id(arr) in sync._computed
+    del done, arr
+    assert not ids & set(sync._computed)  # let go of with the arrays (no stale id)
