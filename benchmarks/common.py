@@ -24,6 +24,19 @@ from typing import Callable
 
 # ---- process memory (Linux /proc): what the memory columns of the benchmarks read ----
 
+def stop_session(proc, timeout: float = 30.0) -> None:
+    """End ``proc`` (started with ``start_new_session=True``) and everything in its session:
+    SIGTERM, then SIGKILL after ``timeout`` seconds."""
+    import signal
+    import subprocess
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def proc_status(key: str) -> int:
     """A ``/proc/self/status`` size field (``VmRSS``, ``VmHWM``...) in bytes."""
     with open("/proc/self/status") as f:

@@ -27,6 +27,7 @@ the load is printed with the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from common import stop_session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -150,11 +153,11 @@ def child_offline(path, contender, n_requests, repeats, out_tokens, pool_tokens=
                 prefill_warm_up_s=m1.get("prefill_warm_up_s"), deferred=m1.get("deferred"))
 
 
-def child_server(path, contender, streams, out_tokens):
-    import concurrent.futures as cf
+@contextlib.contextmanager
+def serve(path, contender, streams, extra_args=(), ready_timeout=900):
+    """``launch_server --device tpu`` for ``contender`` until ready: yields (port, base of its
+    metrics file); stopped on exit."""
     import urllib.request
-
-    import openai
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,7 +165,7 @@ def child_server(path, contender, streams, out_tokens):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--device",
            "tpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-total-tokens", "32768", "--disable-radix-cache", "--served-model-name", "m",
-           "--log-level", "error"]
+           "--log-level", "error", *extra_args]
     for k, v in _engine_args(contender, streams).items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     log = tempfile.TemporaryFile("w+")
@@ -180,8 +183,20 @@ def child_server(path, contender, streams, out_tokens):
                     break
             except OSError:
                 time.sleep(1)
-            if time.perf_counter() - t0 > 900:
-                raise RuntimeError("server not ready in 900 s")
+            if time.perf_counter() - t0 > ready_timeout:
+                raise RuntimeError(f"server not ready in {ready_timeout} s")
+        yield port, metrics
+    finally:
+        stop_session(srv)
+
+
+def child_server(path, contender, streams, out_tokens):
+    import concurrent.futures as cf
+
+    import openai
+
+    t0 = time.perf_counter()
+    with serve(path, contender, streams) as (port, metrics):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                timeout=900)
         prompts = [" ".join(["the cat sat on the mat"] * k) for k in range(4, 4 + streams)]
@@ -225,12 +240,6 @@ def child_server(path, contender, streams, out_tokens):
                     prefill_programs=len(m1.get("prefill_dynamo") or {}),
                     prefill_warm_up_s=m1.get("prefill_warm_up_s"),
                     decode_warm_up_s=m1.get("decode_warm_up_s"), deferred=m1.get("deferred"))
-    finally:
-        os.killpg(srv.pid, signal.SIGTERM)
-        try:
-            srv.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(srv.pid, signal.SIGKILL)
 
 
 def _run(cmd, env_extra, timeout=3600):

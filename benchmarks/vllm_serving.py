@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from common import stop_session
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
 
@@ -220,11 +222,7 @@ def child_server(path, contender, streams, out_tokens):
                     start_s=ready_s, chunks=[len(m) for m in res],
                     load=os.getloadavg()[0])
     finally:
-        os.killpg(srv.pid, signal.SIGTERM)
-        try:
-            srv.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(srv.pid, signal.SIGKILL)
+        stop_session(srv)
 
 
 def _run_child(args, env_extra, timeout=1800):

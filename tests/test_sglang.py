@@ -401,3 +401,39 @@ def test_extend_positions_from_the_host_match_sglangs(prefix, lens):
         want_starts[1:] = torch.cumsum(torch.tensor(lens[:-1], dtype=torch.int64), 0)
     assert torch.equal(torch.from_numpy(positions), want)
     assert torch.equal(torch.from_numpy(starts), want_starts)
+
+
+def test_extend_padding_on_the_host_compiles_nothing_per_length():
+    """torchtpu.sglang.positions.pad_on_host (the compiled prefill's token and request
+    padding): equal to a ``cat`` with the fill on CPU, built from the host copy noted on the
+    device tensor (``remember_host``: no host read) or given, read back once a tensor was
+    written in place; after the first call for a bucket's length, no other length compiles a
+    program."""
+    import numpy as np
+    import torch
+
+    from torchtpu.sglang.positions import pad_on_host, remember_host
+
+    def grew(before):
+        now = torch.tpu.metrics()["counters"]
+        return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+    pad_on_host(torch.zeros(2, dtype=torch.int64, device="tpu"), 16, 0, [0, 0])  # warm
+    for n, fill in ((3, 0), (5, 1), (11, 0), (16, 7)):
+        host = np.arange(10, 10 + n, dtype=np.int64)
+        dev = torch.from_numpy(host).to("tpu")
+        remember_host(dev, host)
+        before = dict(torch.tpu.metrics()["counters"])
+        out = pad_on_host(dev, 16, fill)
+        g = grew(before)
+        assert not any(k.endswith("compiles") for k in g) and "host_syncs" not in g, g
+        want = torch.cat([torch.from_numpy(host), torch.full((16 - n,), fill)])
+        assert out.dtype == torch.int64 and torch.equal(out.cpu(), want)
+        # a host list given (SGLang's *_cpu copies), as int32 on the device
+        out = pad_on_host(dev.to(torch.int32), 16, fill, host.tolist())
+        assert torch.equal(out.cpu(), want)
+    dev.add_(1)  # written in place: the noted copy is stale, the values are read back
+    before = dict(torch.tpu.metrics()["counters"])
+    out = pad_on_host(dev, 16, 0)
+    assert grew(before).get("host_syncs") == 1
+    assert torch.equal(out.cpu(), torch.from_numpy(host) + 1)

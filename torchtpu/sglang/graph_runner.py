@@ -124,6 +124,10 @@ class TpuGraphRunner:
             warm = [bs for bs in reversed(self.capture_bs) if _key_name(bs, w0) in now]
             for bs in warm:
                 self._warm(bs)
+            # and the last run's buckets at wider KV widths (working_set.py: ``extra``)
+            for key in filter(None, map(_parse_key, self.working_set.extra())):
+                if key[0] in self.capture_bs:
+                    self._run(self.batches.setdefault(key, self._batch(*key)))
             # again: a second call of a warmed bucket must neither trace nor compile
             before = _dynamo_counts()
             for bs in warm:
@@ -217,8 +221,7 @@ class TpuGraphRunner:
         if fb is None:
             fb = self.batches[key] = self._batch(*key)
         first = key[1] == self.w0 and bs not in self.dynamo  # deferred, not warmed yet
-        if key[1] == self.w0:
-            self.working_set.served(_key_name(*key))
+        self.working_set.served(_key_name(*key))  # every KV width: warmed at the next start
         pad = bs - raw
         fb.input_ids = _pad(forward_batch.input_ids, pad, 0)
         fb.req_pool_indices = _pad(forward_batch.req_pool_indices, pad, 0)
@@ -239,6 +242,15 @@ class TpuGraphRunner:
 
 def _key_name(bs: int, width) -> str:
     return f"{bs}x{width}"
+
+
+def _parse_key(name: str):
+    """``_key_name``'s (bucket, KV width), or None for a name it did not write."""
+    try:
+        bs, width = name.split("x")
+        return int(bs), None if width == "None" else int(width)
+    except ValueError:
+        return None
 
 
 class _Lens:

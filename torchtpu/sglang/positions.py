@@ -9,6 +9,8 @@ request that meets it. ``compute_position`` (around SGLang's, installed by the p
 the two length vectors back once each (they were just copied from SGLang's host lists), builds
 the positions and start offsets with numpy and copies them to the device: two host reads and
 two transfers per extend step, no eager program. Tensors on another device go to SGLang's.
+The host arrays stay noted on the device tensors (``remember_host``): the compiled prefill
+pads them to its bucket on the host (prefill.py) without reading them back.
 """
 from __future__ import annotations
 
@@ -38,7 +40,45 @@ def compute_position(original, attn_backend, extend_prefix_lens, extend_seq_lens
         return original(attn_backend, extend_prefix_lens, extend_seq_lens, extend_seq_lens_sum,
                         *args, **kwargs)
     dev = extend_seq_lens.device
-    positions, starts = host_positions(extend_prefix_lens.cpu().numpy(),
-                                       extend_seq_lens.cpu().numpy())
-    return (torch.from_numpy(positions).to(dev),
-            torch.from_numpy(starts).to(extend_seq_lens.dtype).to(dev))
+    positions, starts = host_positions(host_values(extend_prefix_lens),
+                                       host_values(extend_seq_lens))
+    pos = torch.from_numpy(positions).to(dev)
+    remember_host(pos, positions)
+    start = torch.from_numpy(starts).to(extend_seq_lens.dtype).to(dev)
+    remember_host(start, starts)
+    return pos, start
+
+
+_HOST = "_torchtpu_host"
+
+
+def remember_host(dev: torch.Tensor, host) -> None:
+    """Note on device tensor ``dev`` the host values it was copied from (a numpy array or CPU
+    tensor), so that padding it reads no device value; void once ``dev`` is written in place
+    (its version counter moves)."""
+    try:
+        setattr(dev, _HOST, (dev._version, host))
+    except (AttributeError, RuntimeError):
+        pass
+
+
+def host_values(dev: torch.Tensor, host=None) -> np.ndarray:
+    """``dev``'s values on the host: ``host`` (a list, array or CPU tensor of the same values)
+    or the copy ``remember_host`` noted, else read back (one transfer, no eager program)."""
+    if host is None or len(host) != dev.shape[0]:
+        noted = getattr(dev, _HOST, None)
+        host = None
+        if noted is not None and noted[0] == dev._version and len(noted[1]) == dev.shape[0]:
+            host = noted[1]
+    if host is None:
+        return dev.cpu().numpy()
+    return host.numpy() if isinstance(host, torch.Tensor) else np.asarray(host)
+
+
+def pad_on_host(dev: torch.Tensor, total: int, fill: int = 0, host=None) -> torch.Tensor:
+    """``dev`` (1-D, integers) padded with ``fill`` to ``total`` rows as int64, built on the
+    host (from ``host_values(dev, host)``) and copied once: no eager program, whatever the
+    length (a ``cat`` on the device compiles one for every new length)."""
+    arr = np.full((total,), fill, dtype=np.int64)
+    arr[:dev.shape[0]] = host_values(dev, host)
+    return torch.from_numpy(arr).to(dev.device)

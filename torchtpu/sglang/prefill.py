@@ -36,6 +36,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -52,7 +53,8 @@ from sglang.srt.model_executor.forward_context import (
 from sglang.srt.utils.common import DynamicGradMode
 
 from .attention import MIN_KV_WIDTH, kv_width
-from .graph_runner import _dynamo_counts, _pad, _raise_recompile_limit, inactive_reason
+from .positions import pad_on_host, remember_host
+from .graph_runner import _dynamo_counts, _raise_recompile_limit, inactive_reason
 from .working_set import WorkingSet, defer
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,10 @@ class TpuPrefillRunner:
             for key in keys:
                 if _name(key) in now:
                     self._warm(key)
+            # the last run's buckets outside the plan (more requests, a longer prefix)
+            for key in filter(None, map(_parse_name, self.working_set.extra())):
+                if key[0] <= self.max_tokens and key[1] <= self.max_reqs:
+                    self._warm(key)
         torch.tpu.synchronize()
         self.warm_up_s = time.perf_counter() - t0
         self.working_set.started()
@@ -215,13 +221,13 @@ class TpuPrefillRunner:
         """The bucket's forward batch (its tensors are replaced each step)."""
         dev, mr = self.device, self.model_runner
 
-        def z(n):
-            return torch.zeros((n,), dtype=torch.int64, device=dev)
+        def z(n, fill=0):
+            # as a step's tensors are made (pad_on_host): the same host-to-device programs
+            return torch.from_numpy(np.full((n,), fill, dtype=np.int64)).to(dev)
 
         fb = ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=reqs, input_ids=z(tokens),
-            req_pool_indices=z(reqs), seq_lens=torch.ones((reqs,), dtype=torch.int64,
-                                                          device=dev),
+            req_pool_indices=z(reqs), seq_lens=z(reqs, 1),
             out_cache_loc=z(tokens), seq_lens_sum=reqs, return_logprob=False,
             positions=z(tokens), spec_algorithm=mr.spec_algorithm,
             capture_hidden_mode=CaptureHiddenMode.NULL, global_forward_mode=ForwardMode.EXTEND)
@@ -240,19 +246,23 @@ class TpuPrefillRunner:
         fb = self.batches.get(key)
         if fb is None:
             fb = self.batches[key] = self._batch(tokens, reqs, width)
-        n, b = int(forward_batch.input_ids.shape[0]), int(forward_batch.batch_size)
-        pt, pb = tokens - n, reqs - b
-        fb.input_ids = _pad(forward_batch.input_ids, pt, 0)
-        fb.positions = _pad(forward_batch.positions, pt, 0)
-        fb.out_cache_loc = _pad(forward_batch.out_cache_loc, pt, 0)
+        b = int(forward_batch.batch_size)
+        pb = reqs - b
+        # per token: built on the host to the bucket's length (a ``cat`` on the device would
+        # be an eager program compiled for every new token count, inside a request's TTFT)
+        # from the host copy SGLang's tensor was made from (``remember_host``), else read back
+        fb.input_ids = pad_on_host(forward_batch.input_ids, tokens)
+        fb.positions = pad_on_host(forward_batch.positions, tokens)
+        fb.out_cache_loc = pad_on_host(forward_batch.out_cache_loc, tokens)
         # per request: from SGLang's host copies where it keeps them (a transfer; an eager op
         # over a device tensor of ``b`` rows compiles a program for every new ``b``)
         f = forward_batch
-        fb.req_pool_indices = _pad_host(getattr(f, "req_pool_indices_cpu", None),
-                                        f.req_pool_indices, pb, 0)
-        fb.seq_lens = _pad_host(getattr(f, "seq_lens_cpu", None), f.seq_lens, pb, 1)
-        fb.extend_seq_lens = _pad_host(f.extend_seq_lens_cpu, f.extend_seq_lens, pb, 0)
-        fb.extend_prefix_lens = _pad_host(f.extend_prefix_lens_cpu, f.extend_prefix_lens, pb, 1)
+        fb.req_pool_indices = pad_on_host(f.req_pool_indices, reqs, 0,
+                                          getattr(f, "req_pool_indices_cpu", None))
+        fb.seq_lens = pad_on_host(f.seq_lens, reqs, 1, getattr(f, "seq_lens_cpu", None))
+        fb.extend_seq_lens = pad_on_host(f.extend_seq_lens, reqs, 0, f.extend_seq_lens_cpu)
+        fb.extend_prefix_lens = pad_on_host(f.extend_prefix_lens, reqs, 1,
+                                            f.extend_prefix_lens_cpu)
         ctx = get_forward_context() if has_forward_context() else ForwardContext(
             attn_backend=self.model_runner.attn_backend)
         out = self._call(fb, key, ctx)
@@ -279,18 +289,35 @@ class TpuPrefillRunner:
         return out
 
 
-def _pad_host(host, dev: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
-    """``dev`` padded with ``pad`` values ``fill``, built from its host copy ``host`` (a list or
-    CPU tensor of the same values) when there is one, else on the device."""
-    if host is None or len(host) != dev.shape[0]:
-        return _pad(dev, pad, fill)
-    vals = host.tolist() if isinstance(host, torch.Tensor) else list(host)
-    return torch.tensor(vals + [fill] * pad, dtype=torch.int64).to(dev.device)
+def resolve_forward_inputs(original, batch, *args, **kwargs):
+    """Around SGLang's ``overlap_utils.resolve_forward_inputs`` (an extend's token ids copied
+    from their pinned host staging): note the host copy on the device tensor."""
+    host = getattr(batch, "prefill_input_ids_cpu", None)
+    if getattr(batch, "mix_running_indices", None) is not None:
+        host = None  # decode rows are gathered on the device after the prompt's
+    out = original(batch, *args, **kwargs)
+    ids = getattr(batch, "input_ids", None)
+    if host is not None and isinstance(ids, torch.Tensor) and ids.device.type == "tpu":
+        # a copy: SGLang may reuse its pinned staging for the next batch
+        remember_host(ids, host.numpy().copy() if isinstance(host, torch.Tensor)
+                      else np.array(host, dtype=np.int64))
+    return out
 
 
 def _name(key) -> str:
     tokens, reqs, width = key
     return f"{tokens}x{reqs}" + (f"x{width}" if width else "")
+
+
+def _parse_name(name: str):
+    """``_name``'s (tokens, requests, KV width), or None for a name it did not write."""
+    try:
+        parts = [int(p) for p in name.split("x")]
+    except ValueError:
+        return None
+    if len(parts) == 2:
+        return parts[0], parts[1], None
+    return tuple(parts) if len(parts) == 3 else None
 
 
 def _runner(model_runner) -> TpuPrefillRunner:
@@ -331,3 +358,5 @@ def install() -> None:
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs", warm_up,
         HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.overlap_utils.resolve_forward_inputs",
+                          resolve_forward_inputs, HookType.AROUND)

@@ -20,7 +20,9 @@ So the start-up warms only what it must:
   compile). ``TORCHTPU_SGLANG_WARM_ALL=1`` warms every bucket at start-up as before.
 
 A process records each bucket it serves (the file is rewritten when a bucket is served for
-the first time in the process, so ``used`` is the last run's working set).
+the first time in the process, so ``used`` is the last run's working set), the planned ones and
+those outside the plan that steps met (decode buckets at a wider KV width, extend steps with
+more requests or a longer cached prefix): a start with a record warms those too (``extra``).
 """
 from __future__ import annotations
 
@@ -79,6 +81,14 @@ class WorkingSet:
             return list(self.plan), []
         now = [k for k in self.plan if k in self.recorded]
         return now, [k for k in self.plan if k not in self.recorded]
+
+    def extra(self) -> list[str]:
+        """The last run's buckets outside the plan (a decode bucket at a wider KV width, an
+        extend step with more requests or a longer prefix): warmed at start-up too, so the
+        first requests after a warm start trace nothing the last run met."""
+        if self.recorded is None:
+            return []
+        return sorted(k for k in self.recorded if k not in self.plan)
 
     def started(self) -> None:
         """After the start-up warm-up: every planned program is in the compile cache now
