@@ -616,6 +616,39 @@ def test_stale_array_shape_or_dtype_falls_back():
     assert torch.equal(_bytes(y), _bytes(x2 + 1.0))
 
 
+def test_entries_match_by_aval_and_its_fields():
+    """An entry remembers the aval objects it matched (a few per input) and compares the
+    dtype, shape and weak type of any other: arrays on equal avals made apart are served; a
+    weakly typed array of the same shape and dtype is not (the Python path runs, and gives
+    what it gives with the fast path off)."""
+    import jax
+
+    xs = [_rand(4, 4, seed=i) for i in range(7)]
+    for x in xs:  # each on an aval made apart (jax may hand back one object for equal ones)
+        buf = x.untyped_storage()._tpu_buffer
+        a = buf.array
+        buf.array = a._rewrap_with_aval_and_sharding(
+            jax.core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type), a.sharding)
+    xs[0] * 2.0
+    h0 = _c("eager_fastpath_hits")
+    got = [x * 2.0 for _ in range(2) for x in xs]
+    assert _c("eager_fastpath_hits") == h0 + 2 * len(xs)
+    for y, x in zip(got, xs + xs):
+        assert torch.equal(y.cpu(), x.cpu() * 2.0)
+    w = _rand(4, 4, seed=9)
+    import numpy as np
+    from jax._src.lax.lax import _convert_element_type
+
+    weak = _convert_element_type(jax.numpy.full((4, 4), 3.0), np.dtype("float32"), weak_type=True)
+    assert weak.weak_type and weak.dtype == w.untyped_storage()._tpu_buffer.array.dtype
+    w.untyped_storage()._tpu_buffer.array = weak
+    h0, f0 = _c("eager_fastpath_hits"), _c("eager_fastpath_fallbacks")
+    got = w * 2.0
+    assert _c("eager_fastpath_hits") == h0 and _c("eager_fastpath_fallbacks") == f0 + 1
+    fastpath.set_enabled(False)
+    _same(w * 2.0, got)
+
+
 def test_outputs_are_noted_in_flight_and_synchronize_waits():
     a, b = _rand(384, 384), _rand(384, 384, seed=1)
     (a @ b)

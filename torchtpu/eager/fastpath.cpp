@@ -14,6 +14,7 @@
 // it); tables hold entries by shared_ptr, since an executable call may release the GIL.
 
 #include <Python.h>
+#include <structmember.h>
 
 #include <ATen/Context.h>
 #include <ATen/Tensor.h>
@@ -62,6 +63,9 @@ struct Entry {
   std::vector<PyObject*> in_dtypes;     // per tensor ordinal: the storage array's dtype (owned)
   std::vector<std::vector<int64_t>> in_shapes;  // ... its shape (a view's differs from the tensor's)
   std::vector<char> in_weak;            // ... its weak_type
+  // per tensor ordinal: aval objects already matched against the three above (owned; an
+  // aval is immutable, so the same object always matches again)
+  mutable std::vector<std::vector<PyObject*>> seen_avals;
   bool tuple_out = false;
   std::vector<OutMeta> outs;
   std::vector<PyObject*> out_consts;    // OutMeta::konst's values (owned)
@@ -75,6 +79,8 @@ struct Entry {
     for (auto* c : consts) Py_XDECREF(c);
     for (auto* c : out_consts) Py_XDECREF(c);
     for (auto* d : in_dtypes) Py_XDECREF(d);
+    for (auto& v : seen_avals)
+      for (auto* a : v) Py_XDECREF(a);
   }
 };
 
@@ -85,6 +91,7 @@ using Variants = std::vector<std::shared_ptr<Entry>>;
 using Table = std::unordered_map<std::string, Variants>;
 constexpr size_t kMaxEntries = 4096;  // per op: a table past it starts over
 constexpr size_t kMaxVariants = 8;
+constexpr size_t kSeenAvals = 4;  // per entry input
 
 struct Kernel {
   PyObject_HEAD
@@ -111,10 +118,13 @@ PyObject* g_precision = nullptr;   // lowering.registry.matmul_precision
 PyObject* g_jax_precision = nullptr;  // jax's default_matmul_precision config state (or null)
 PyObject* g_counters = nullptr;    // runtime.metrics.COUNTERS
 PyObject* g_empty = nullptr;       // ()
+PyObject* g_is_ready = nullptr;    // ArrayImpl.is_ready (called with the array: no method lookup)
+Py_ssize_t g_array_slot = -1;      // the offset of Buffer's `array` slot (-1: set as an attribute)
 bool g_enabled = true;
 constexpr int64_t kAlign = 512;    // buffer._ALIGN
 
-PyObject *s_value, *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type;
+PyObject *s_value, *s_mode, *s_tpu_buffer, *s_array, *s_dtype, *s_shape, *s_is_ready, *s_weak_type,
+    *s_aval;
 PyObject *c_hits, *c_cache_hits, *c_misses, *c_uncacheable, *c_bypassed, *c_errors,
     *c_installs, *c_full;
 
@@ -266,27 +276,56 @@ bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth) {
 // ---- the hit path ----
 
 // An input tensor's storage array and what decides its view spec besides the tensor's own
-// metadata (which the key holds): the array's dtype, shape and weak type.
+// metadata (which the key holds): the array's dtype, shape and weak type, all three read from
+// its aval (jax's ShapedArray: immutable). A hit reads only the aval: an entry remembers the
+// aval objects it was matched with (a program's outputs share one aval object per output), so
+// the fields are read and compared only for an aval it has not seen.
 struct InArray {
   PyObject* arr = nullptr;    // owned
-  PyObject* dtype = nullptr;  // owned
+  PyObject* aval = nullptr;   // owned
+  PyObject* dtype = nullptr;  // owned; read from the aval on demand (`fields`)
   c10::SmallVector<int64_t, 6> shape;  // (no heap allocation per call)
   bool weak = false;
+  bool have_fields = false;
   InArray() = default;
   InArray(const InArray&) = delete;
   InArray& operator=(const InArray&) = delete;
   InArray(InArray&& o) noexcept
-      : arr(o.arr), dtype(o.dtype), shape(std::move(o.shape)), weak(o.weak) {
-    o.arr = o.dtype = nullptr;
+      : arr(o.arr), aval(o.aval), dtype(o.dtype), shape(std::move(o.shape)), weak(o.weak),
+        have_fields(o.have_fields) {
+    o.arr = o.aval = o.dtype = nullptr;
   }
   ~InArray() {
     Py_XDECREF(arr);
+    Py_XDECREF(aval);
     Py_XDECREF(dtype);
+  }
+  // the aval's dtype, shape and weak type; false (no Python error set) if it has none
+  bool fields() {
+    if (have_fields) return true;
+    dtype = PyObject_GetAttr(aval, s_dtype);
+    if (dtype == nullptr) { PyErr_Clear(); return false; }
+    PyObject* sh = PyObject_GetAttr(aval, s_shape);
+    if (sh == nullptr || !PyTuple_Check(sh)) { PyErr_Clear(); Py_XDECREF(sh); return false; }
+    Py_ssize_t n = PyTuple_GET_SIZE(sh);
+    shape.resize(n);
+    for (Py_ssize_t j = 0; j < n; j++) {
+      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, j));
+      if (d == -1 && PyErr_Occurred()) { PyErr_Clear(); Py_DECREF(sh); return false; }
+      shape[j] = d;
+    }
+    Py_DECREF(sh);
+    PyObject* w = PyObject_GetAttr(aval, s_weak_type);
+    if (w == nullptr) { PyErr_Clear(); return false; }
+    weak = w == Py_True;
+    Py_DECREF(w);
+    have_fields = true;
+    return true;
   }
 };
 
-// The storage arrays of the input tensors; false (no Python error set) if one has none that
-// is a jax Array (a storage that lost its buffer: the Python path decides).
+// The storage arrays of the input tensors and their avals; false (no Python error set) if one
+// has none that is a jax Array (a storage that lost its buffer: the Python path decides).
 using InArrays = c10::SmallVector<InArray, 6>;
 
 bool gather(const Tensors& ts, InArrays& in) {
@@ -302,30 +341,21 @@ bool gather(const Tensors& ts, InArrays& in) {
     Py_DECREF(buf);
     if (a.arr == nullptr) { PyErr_Clear(); return false; }
     if (reinterpret_cast<PyObject*>(Py_TYPE(a.arr)) != g_array_type) return false;
-    a.dtype = PyObject_GetAttr(a.arr, s_dtype);
-    if (a.dtype == nullptr) { PyErr_Clear(); return false; }
-    PyObject* shape = PyObject_GetAttr(a.arr, s_shape);
-    if (shape == nullptr || !PyTuple_Check(shape)) { PyErr_Clear(); Py_XDECREF(shape); return false; }
-    Py_ssize_t n = PyTuple_GET_SIZE(shape);
-    a.shape.resize(n);
-    for (Py_ssize_t j = 0; j < n; j++) {
-      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
-      if (d == -1 && PyErr_Occurred()) { PyErr_Clear(); Py_DECREF(shape); return false; }
-      a.shape[j] = d;
-    }
-    Py_DECREF(shape);
-    PyObject* w = PyObject_GetAttr(a.arr, s_weak_type);
-    if (w == nullptr) { PyErr_Clear(); return false; }
-    a.weak = w == Py_True;
-    Py_DECREF(w);
+    a.aval = PyObject_GetAttr(a.arr, s_aval);
+    if (a.aval == nullptr) { PyErr_Clear(); return false; }
   }
   return true;
 }
 
-// Whether entry `e` was made for these arrays (their dtypes, shapes and weak types).
-bool matches(const Entry& e, const InArrays& in) {
+// Whether entry `e` was made for these arrays (their dtypes, shapes and weak types): an aval
+// the entry has seen matches at once; another one's fields are compared (and, equal, the aval
+// is remembered: up to kSeenAvals per input, the oldest forgotten first).
+bool matches(const Entry& e, InArrays& in) {
   if (e.in_dtypes.size() != in.size()) return false;
   for (size_t i = 0; i < in.size(); i++) {
+    auto& seen = e.seen_avals[i];
+    if (std::find(seen.begin(), seen.end(), in[i].aval) != seen.end()) continue;
+    if (!in[i].fields()) return false;
     const auto& want = e.in_shapes[i];
     if (in[i].weak != (e.in_weak[i] != 0) || in[i].shape.size() != want.size() ||
         !std::equal(want.begin(), want.end(), in[i].shape.begin()))
@@ -335,6 +365,12 @@ bool matches(const Entry& e, const InArrays& in) {
       if (eq < 0) PyErr_Clear();
       if (eq != 1) return false;
     }
+    if (seen.size() >= kSeenAvals) {
+      Py_DECREF(seen.front());
+      seen.erase(seen.begin());
+    }
+    Py_INCREF(in[i].aval);
+    seen.push_back(in[i].aval);
   }
   return true;
 }
@@ -364,7 +400,14 @@ PyObject* wrap(PyObject* arr, const OutMeta& m) {
     at::Tensor t(std::move(impl));
     buf = reinterpret_cast<PyTypeObject*>(g_buffer_type)
               ->tp_new(reinterpret_cast<PyTypeObject*>(g_buffer_type), g_empty, nullptr);
-    if (buf == nullptr || PyObject_SetAttr(buf, s_array, arr) < 0) goto fail;
+    if (buf == nullptr) goto fail;
+    if (g_array_slot >= 0) {  // Buffer.array's slot, written as its member descriptor would
+      PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(buf) + g_array_slot);
+      Py_INCREF(arr);
+      Py_XSETREF(*slot, arr);
+    } else if (PyObject_SetAttr(buf, s_array, arr) < 0) {
+      goto fail;
+    }
     st = THPStorage_Wrap(storage);
     if (st == nullptr || PyObject_SetAttr(st, s_tpu_buffer, buf) < 0) goto fail;
     res = THPVariable_Wrap(std::move(t));
@@ -459,7 +502,8 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   }
   // inflight.note: an output already computed is not kept (its first check, inlined)
   PyObject* first = e.tuple_out ? PyTuple_GET_ITEM(out, 0) : out;
-  PyObject* ready = PyObject_CallMethodNoArgs(first, s_is_ready);
+  PyObject* ready = g_is_ready != nullptr ? PyObject_Vectorcall(g_is_ready, &first, 1, nullptr)
+                                          : PyObject_CallMethodNoArgs(first, s_is_ready);
   if (ready == nullptr) PyErr_Clear();
   if (ready != Py_True) {
     PyObject* r = PyObject_CallOneArg(g_note, out);
@@ -711,6 +755,20 @@ PyObject* m_setup(PyObject*, PyObject* args) {
     Py_INCREF(vals[i]);
     Py_XSETREF(*slots[i], vals[i]);
   }
+  Py_XSETREF(g_is_ready, PyObject_GetAttr(array_type, s_is_ready));
+  if (g_is_ready == nullptr) PyErr_Clear();
+  // Buffer's `array` (a __slots__ member: an object slot at a fixed offset)
+  g_array_slot = -1;
+  PyObject* d = PyObject_GetAttr(buffer_type, s_array);
+  if (d == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (Py_TYPE(d) == &PyMemberDescr_Type) {
+      PyMemberDef* md = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (md->type == T_OBJECT_EX && !(md->flags & READONLY)) g_array_slot = md->offset;
+    }
+    Py_DECREF(d);
+  }
   Py_RETURN_NONE;
 }
 
@@ -817,6 +875,7 @@ PyObject* m_install(PyObject*, PyObject* args) {
     e->in_shapes.push_back(std::move(dims));
     e->in_weak.push_back(static_cast<char>(weak));
   }
+  e->seen_avals.resize(n_t);
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); i++) {
     PyObject* o = PyList_GET_ITEM(outs, i);
     PyObject *shape, *dt, *order = nullptr;
@@ -1123,6 +1182,7 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   s_shape = intern("shape");
   s_is_ready = intern("is_ready");
   s_weak_type = intern("weak_type");
+  s_aval = intern("aval");
   c_hits = intern("eager_fastpath_hits");
   c_cache_hits = intern("eager_cache_hits");
   c_misses = intern("eager_fastpath_misses");
