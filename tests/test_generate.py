@@ -393,3 +393,39 @@ def test_stopping_criteria_list_results_equal_cpu():
     assert got.tolist() == [True, False]
     assert c["generate_programs_saved"] == 4  # full(False), full(done), two ors
     assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 2  # isin, any
+
+
+def test_logits_processor_list_reads_signatures_once():
+    """On "tpu" ``LogitsProcessorList`` reads each processor's ``__call__`` parameters once per
+    function (integrations/generate_steps.py): scores equal CPU's, a processor that takes extra
+    keyword arguments gets them, and a missing one raises transformers' own error."""
+    from transformers.generation import logits_process as lp
+
+    from torchtpu.integrations import STATUS, generate_steps
+
+    assert STATUS["transformers.generation.logits_process.LogitsProcessorList.__call__"] \
+        == "applied"
+
+    class Extra(lp.LogitsProcessor):
+        def __call__(self, input_ids, scores, bonus):
+            return scores + bonus
+
+    scores = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+
+    def procs(device):
+        return lp.LogitsProcessorList([
+            lp.MinLengthLogitsProcessor(8, [2, 5], device=device),
+            lp.RepetitionPenaltyLogitsProcessor(1.3), Extra()])
+
+    expect = procs("cpu")(ids, scores, bonus=0.5)
+    tpu = procs(TPU)
+    for _ in range(2):
+        got = tpu(ids.to(TPU), scores.to(TPU), bonus=0.5)
+        assert got.device.type == "tpu"
+        torch.testing.assert_close(got.cpu(), expect, rtol=0, atol=0)
+    assert generate_steps._PARAMS[Extra.__call__] == ("input_ids", "scores", "bonus")
+    with pytest.raises(ValueError, match="required parameters"):
+        tpu(ids.to(TPU), scores.to(TPU))
+    with pytest.raises(ValueError, match="required parameters"):
+        procs("cpu")(ids, scores)

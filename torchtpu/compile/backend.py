@@ -108,25 +108,36 @@ class CompiledGraph:
         slots = []
         sig = []
         statics = {}
+        whole = {}  # arg position -> its Buffer, for a tensor passed as its storage's array
+        np_of = _NP.get
         for i, a in enumerate(args):
             if isinstance(a, Tensor):
                 buf = None if a.is_cpu else getattr(a.untyped_storage(), "_tpu_buffer", None)
                 if buf is not None:
                     arr = buf.array
+                    shape = arr.shape
+                    dt = arr.dtype
                     # a tensor that is its storage's whole array (parameters, caches, most
                     # inputs) is that array; views go through value_of
-                    if not (arr.shape == a.shape and a.storage_offset() == 0
-                            and a.is_contiguous() and not a.is_conj() and not a.is_neg()
-                            and _NP.get(a.dtype) == arr.dtype):
+                    if (shape == a.shape and not a.storage_offset() and a.is_contiguous()
+                            and not a.is_conj() and not a.is_neg() and np_of(a.dtype) == dt):
+                        whole[i] = buf
+                    else:
                         arr = _copy.value_of(a)
+                        shape = arr.shape
+                        dt = arr.dtype
                 elif a.device.type == "tpu":
                     arr = _copy.value_of(a)  # raises: a tpu tensor without a buffer
+                    shape = arr.shape
+                    dt = arr.dtype
                 else:  # a CPU tensor (optimizer step counts): numpy, moved by the call itself
                     arr = np.array(_lower._torch_to_np(a.detach().cpu()), copy=True)
                     COUNTERS["transfers_host_to_device"] += 1
+                    shape = arr.shape
+                    dt = arr.dtype
                 arrays.append(arr)
                 slots.append(i)
-                sig.append((arr.shape, arr.dtype))
+                sig.append((shape, dt))
             else:
                 if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                     a = a.node.hint if hasattr(a.node, "hint") else int(a)
@@ -140,7 +151,7 @@ class CompiledGraph:
                 slots.append(len(args) + k)
                 sig.append(((), arr.dtype))
         arr = None
-        donate = self._donatable(args, arrays, slots) if self.mutated else ()
+        donate = self._donatable(args, arrays, slots, whole) if self.mutated else ()
         if donate:
             COUNTERS["compile_donated_buffers"] += len(donate)
         # the matmul precision lowerings read at trace time (it is part of the graph key too)
@@ -186,6 +197,14 @@ class CompiledGraph:
         host_mutated = self.low.host_mutated
         for i, new in zip(self.mutated, news):
             t = args[i]
+            buf = whole.get(i)
+            if buf is not None:
+                # the whole array: assign's own first case (no view spec), without finding it
+                # again; a cast or broadcast value still goes through assign
+                arr = buf.array
+                if new.shape == arr.shape and new.dtype == arr.dtype:
+                    buf.array = new
+                    continue
             if t.device.type == "tpu":
                 _copy.assign(t, new)
             elif i not in host_mutated:
@@ -335,18 +354,26 @@ class CompiledGraph:
             res[j] = t
         return res
 
-    def _donatable(self, args, arrays, slots):
-        """Positions (in ``arrays``) of mutated inputs whose buffer nothing else holds."""
+    def _donatable(self, args, arrays, slots, whole):
+        """Positions (in ``arrays``) of mutated inputs whose buffer nothing else holds.
+        ``whole``: arg position -> Buffer of the inputs passed as their storage's array."""
         if not self.opts.get("donate", True):
             return ()
         pos = {s: j for j, s in enumerate(slots)}
-        ids = [id(x) for x in arrays]
+        ids = None
         donate = []
         for i in self.mutated:
             j = pos.get(i)
             if j is None or args[i].device.type != "tpu":
                 continue
-            if _buffer.buffer_of(args[i]).array is not arrays[j] or ids.count(ids[j]) != 1:
+            buf = whole.get(i)
+            if buf is None:
+                buf = _buffer.buffer_of(args[i])
+            if buf.array is not arrays[j]:
+                continue
+            if ids is None:
+                ids = [id(x) for x in arrays]
+            if ids.count(ids[j]) != 1:
                 continue
             if sys.getrefcount(arrays[j]) > _baseline_refcount():  # someone else holds it
                 continue
