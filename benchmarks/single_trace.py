@@ -190,7 +190,7 @@ def main(argv=None):
     table.add("step, process CPU", {n: res[n]["cpu_ms"] for n in names})
     table.add("  main thread (host) CPU", {n: res[n]["host_ms"] for n in names})
     table.add("  other threads (XLA) CPU", {n: res[n]["xla_ms"] for n in names})
-    table.add("  of which system (kernel) CPU", {n: res[n]["sys_ms"] for n in names})
+    table.add("  process CPU in the kernel (system)", {n: res[n]["sys_ms"] for n in names})
     table.add("minor page faults/step", {n: res[n]["faults"] for n in names})
     table.add("programs/step", {n: res[n]["programs"] for n in names})
     table.add("first step (s)", {n: res[n]["first_s"] for n in names})
