@@ -30,7 +30,9 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
 thread-level parallelism or idle spinning, to tell a difference in work from one in scheduling.
 
 Prints the median ms per step, wall and process CPU time (split into the main thread's, the
-host's Python and dispatch, and the other threads', XLA:CPU's execution) (every timed repeat ends with
+host's Python and dispatch, and the other threads', XLA:CPU's execution), the system (kernel)
+CPU and the minor page faults per step (fresh memory: a program's temporaries above glibc's mmap
+threshold are mapped anew every run; see docs/ARCHITECTURE.md, Optimizers) (every timed repeat ends with
 ``torch.tpu.synchronize()``; the repeats go round the contenders so that a changing host load
 hits them alike), the first-step time (trace + compile), and the device programs each step ran: Strict's per-op
 programs, Fused's graphs, compiled graphs, and the optimizer's and trainer's programs (from
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import statistics
 import sys
 import time
@@ -115,16 +118,22 @@ def prepare(name):
 
 
 def timed(fn, mode, steps):
-    """(wall, process CPU, main-thread CPU) seconds per step over ``steps`` steps ending with a
-    synchronize. The main thread runs the host's Python and dispatch; XLA:CPU executes programs
-    on its own threads (process CPU minus main-thread CPU)."""
+    """(wall, process CPU, main-thread CPU, system CPU) seconds and minor page faults per step
+    over ``steps`` steps ending with a synchronize. The main thread runs the host's Python and
+    dispatch; XLA:CPU executes programs on its own threads (process CPU minus main-thread CPU).
+    The page faults count fresh memory touched: XLA:CPU allocates a program's temporaries as
+    one block per run, which glibc maps anew (and the kernel zeroes) each time when it is
+    larger than its mmap threshold (32 MB at most)."""
     with torch.tpu.set_eager_mode(mode):
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0, c0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         for _ in range(steps):
             fn()
         torch.tpu.synchronize()
-        return ((time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps,
-                (time.thread_time() - t0) / steps)
+        w1, c1, t1 = time.perf_counter(), time.process_time(), time.thread_time()
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        return ((w1 - w0) / steps, (c1 - c0) / steps, (t1 - t0) / steps,
+                (r1.ru_stime - r0.ru_stime) / steps, (r1.ru_minflt - r0.ru_minflt) / steps)
 
 
 def one_core() -> None:
@@ -171,6 +180,8 @@ def main(argv=None):
         res[n]["cpu_ms"] = 1e3 * statistics.median(t[1] for t in times[n])
         res[n]["host_ms"] = 1e3 * statistics.median(t[2] for t in times[n])
         res[n]["xla_ms"] = 1e3 * statistics.median(t[1] - t[2] for t in times[n])
+        res[n]["sys_ms"] = 1e3 * statistics.median(t[3] for t in times[n])
+        res[n]["faults"] = statistics.median(t[4] for t in times[n])
         walls = [t[0] for t in times[n]]
         res[n]["spread"] = (max(walls) - min(walls)) / statistics.median(walls)
     table = Table(f"GPT training step (median of {args.repeats} interleaved repeats of "
@@ -179,6 +190,8 @@ def main(argv=None):
     table.add("step, process CPU", {n: res[n]["cpu_ms"] for n in names})
     table.add("  main thread (host) CPU", {n: res[n]["host_ms"] for n in names})
     table.add("  other threads (XLA) CPU", {n: res[n]["xla_ms"] for n in names})
+    table.add("  process CPU in the kernel (system)", {n: res[n]["sys_ms"] for n in names})
+    table.add("minor page faults/step", {n: res[n]["faults"] for n in names})
     table.add("programs/step", {n: res[n]["programs"] for n in names})
     table.add("first step (s)", {n: res[n]["first_s"] for n in names})
     worst = max(res[n]["spread"] for n in names)
