@@ -66,9 +66,12 @@ def _requests(n, seed=0, lo=16, hi=200):
 def _engine(path, contender, kv_bytes, max_tokens_step=512):
     from vllm import LLM
 
+    # tpu-async: compiled with vLLM's async scheduling (the platform's opt-in)
     return LLM(model=path, dtype=DTYPE, enforce_eager=(contender == "tpu-eager"),
                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=max_tokens_step,
-               kv_cache_memory_bytes=kv_bytes, seed=0, enable_prefix_caching=False)
+               kv_cache_memory_bytes=kv_bytes, seed=0, enable_prefix_caching=False,
+               additional_config={"torchtpu_async_scheduling": contender == "tpu-async"}
+               if contender.startswith("tpu") else None)
 
 
 def child_offline(path, contender, n_requests, repeats, out_tokens):
@@ -171,6 +174,8 @@ def child_server(path, contender, streams, out_tokens):
                "--max-model-len", "1024", "--max-num-seqs", "32",
                "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(256 << 20),
                "--served-model-name", "m", "--no-enable-prefix-caching"]
+        if contender == "tpu-async":
+            cmd += ["--additional-config", '{"torchtpu_async_scheduling": true}']
     log = tempfile.TemporaryFile("w+")
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                            start_new_session=True)
@@ -260,11 +265,13 @@ def main():
     ap.add_argument("--skip", default="", help="comma list: offline,start,decode,server")
     ap.add_argument("--decode", action="store_true", help="also the decode-step KV-size rows")
     ap.add_argument("--offline", default="tpu-compiled,vllm-cpu",
-                    help="comma list of the offline rows (tpu-compiled, tpu-eager, vllm-cpu)")
+                    help="comma list of the offline rows (tpu-compiled, tpu-async: async "
+                    "scheduling on, tpu-eager, vllm-cpu)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="offline rows' sampling temperature (0: greedy)")
     ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
-                    help="comma list of the server rows (tpu-compiled, vllm-cpu, tf-serve-tpu)")
+                    help="comma list of the server rows (tpu-compiled, tpu-async, vllm-cpu, "
+                    "tf-serve-tpu)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
@@ -289,7 +296,7 @@ def main():
     skip = set(a.skip.split(","))
     tpu = {"VLLM_TARGET_DEVICE": "tpu"}
     cpu = {"VLLM_TARGET_DEVICE": "cpu"}
-    env_of = {"tpu-compiled": tpu, "tpu-eager": tpu, "vllm-cpu": cpu}
+    env_of = {"tpu-compiled": tpu, "tpu-async": tpu, "tpu-eager": tpu, "vllm-cpu": cpu}
     results = {}
     print(f"model: tiny {MODEL}, {DTYPE}; load: {os.getloadavg()}", flush=True)
     if "offline" not in skip:
@@ -314,12 +321,12 @@ def main():
             r = _run_child(["decode", path, str(kv), "24" if a.quick else "48"], tpu)
             results[f"decode-{kv >> 20}MiB"] = r
             print("decode", json.dumps(r), flush=True)
-    servers = [n for n in ("tpu-compiled", "vllm-cpu", "tf-serve-tpu")
+    servers = [n for n in ("tpu-compiled", "tpu-async", "vllm-cpu", "tf-serve-tpu")
                if n in a.servers.split(",")]
     if "server" not in skip:
         for streams in stream_counts:
             for name in servers:
-                env = {"tpu-compiled": tpu, "vllm-cpu": cpu}.get(name, {})
+                env = env_of.get(name, {})
                 r = _run_child(["server", path, name, str(streams), str(out_tok)], env)
                 results[f"server-{streams}-{name}"] = r
                 print("server", streams, name, json.dumps(r), flush=True)

@@ -6,7 +6,8 @@ python, bounded in time and killed (its whole session) if it overruns. Without t
 tests skip and say how to make it (``make test`` makes it first).
 
 Default run: offline greedy of a tiny Llama, compiled (with prefix caching, seeded sampling,
-n > 1, stop strings, logprobs; 0 compiles after warm-up) and eager. Slow (``--runslow``): Qwen2-
+n > 1, stop strings, logprobs; 0 compiles after warm-up; vLLM's async scheduling, opted in) and
+eager (async scheduling off, the default). Slow (``--runslow``): Qwen2-
 and Mistral-style models, the OpenAI server, tensor parallelism over two processes.
 """
 from __future__ import annotations
@@ -61,8 +62,10 @@ def _tail(out: str, n: int = 6000) -> str:
 @needs_venv
 def test_offline_compiled_llama_matches_transformers():
     # with every import of vllm._C refused, as on a TPU host's vLLM wheel
+    # and with vLLM's async scheduling (the platform's opt-in)
     out = run_script("offline.py", "llama", "compiled", "features",
-                     env={"TORCHTPU_VLLM_BLOCK_C": "1"})
+                     env={"TORCHTPU_VLLM_BLOCK_C": "1", "TORCHTPU_VLLM_ASYNC": "1"})
+    assert "async scheduling: True" in out
     for what in ("greedy OK", "prefix caching OK", "seeded sampling and n=2 OK",
                  "seeded in-program sampling OK", "in-program sampling distribution OK",
                  "mixed greedy/random batch and logit bias OK", "stop strings OK", "logprobs OK", "ran without vllm._C"):
@@ -76,7 +79,9 @@ def test_offline_compiled_llama_matches_transformers():
 
 @needs_venv
 def test_offline_eager_llama_matches_transformers():
-    assert "greedy OK" in run_script("offline.py", "llama", "eager")
+    # vLLM's async scheduling off (the platform's default): ids read each step
+    out = run_script("offline.py", "llama", "eager")
+    assert "async scheduling: False" in out and "greedy OK" in out
 
 
 @needs_venv

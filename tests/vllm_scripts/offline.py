@@ -47,8 +47,13 @@ from vllm import LLM, SamplingParams  # noqa: E402
 t0 = time.perf_counter()
 llm = LLM(model=path, dtype="float32", enforce_eager=(mode == "eager"), max_model_len=256,
           max_num_seqs=8, max_num_batched_tokens=BUDGET, kv_cache_memory_bytes=8 << 20, seed=0,
-          enable_prefix_caching=True, enable_chunked_prefill=True)
+          enable_prefix_caching=True, enable_chunked_prefill=True,
+          # TORCHTPU_VLLM_ASYNC=1: vLLM's async scheduling (the platform's opt-in)
+          additional_config={"torchtpu_async_scheduling":
+                             os.environ.get("TORCHTPU_VLLM_ASYNC") == "1"})
 print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+print("async scheduling:", llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
+      flush=True)
 if os.environ.get("TORCHTPU_VLLM_EXPECT_WARM") == "1":
     # a second process on the same TORCHTPU_CACHE_DIR: every program of the start-up (bucket
     # forwards, logits, gathers, transfers) comes from the compile cache

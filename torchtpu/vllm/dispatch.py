@@ -96,18 +96,20 @@ class BucketDispatch:
                 return False
         return True
 
-    def __call__(self, packed: torch.Tensor, T: int, R: int):
-        key = (T, R, tuple(packed.shape), packed.dtype, packed.device)
+    def __call__(self, *args):
+        # tensors by shape, dtype and device, the rest (the bucket's ints) by value
+        key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+                    for a in args)
         if not self._holds():
             self.invalidate()
         fn = self.fns.get(key)
         if fn is not None:
             count("vllm_steps_direct")
-            return fn(self.step, packed, T, R)
+            return fn(self.step, *args)
         count("vllm_steps_guarded")
         self._local.pending, self._local.captured = True, None
         try:
-            out = self.compiled(packed, T, R)
+            out = self.compiled(*args)
         finally:
             self._local.pending = False
         code, self._local.captured = self._local.captured, None

@@ -17,7 +17,11 @@ cache) lives on "tpu". What differs from the GPU runner:
   program: one small transfer, vLLM's sampler skipped; any other step brings its logits back
   (one transfer) for vLLM's sampler on the host: one host sync a step either way;
 - the KV cache is one tensor per layer (``[blocks, block_size, 2 * kv_heads, head_dim]``), not
-  views of one shared byte buffer: each layer's cache is written in place by its own program.
+  views of one shared byte buffer: each layer's cache is written in place by its own program;
+- under vLLM's async scheduling (opt-in, platform.py) a step's sampled ids stay on the
+  device: the next step's program takes a decoding request's input token from them (``prev``
+  and the per-token source rows in the packed inputs), so the engine schedules and prepares
+  step N+1 while the device runs step N, and reads step N's ids (``TpuAsyncOutput``) after.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
+from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
@@ -51,24 +56,30 @@ PAD_SLOT_ID = -1
 class _Step(torch.nn.Module):
     """A step in one program: the model's forward on the step's packed inputs (token ids and
     positions are the first ``2 * T`` int32 of ``packed``, the attention metadata follows, see
-    ``attention.py``, and the last ``3 * R`` are the rows whose logits are needed, their
-    temperatures (float32 bits) and their sampling seeds), the logits of those rows and their
-    sampled tokens (``sampling.py``: argmax where the temperature is 0, first index on ties, as
-    vLLM's sampler; else a Gumbel-max draw keyed by the seed and the row's position).
-    Returns ``(hidden_states [T, H], logits [R, V], token ids int32 [R])``."""
+    ``attention.py``, then the rows whose logits are needed, their temperatures (float32
+    bits) and their sampling seeds, ``R`` each, and last, per token, the row of ``prev`` (the
+    previous step's ids, async scheduling) that holds its id, or -1), the logits of those
+    rows and their sampled tokens (``sampling.py``: argmax where the temperature is 0, first
+    index on ties, as vLLM's sampler; else a Gumbel-max draw keyed by the seed and the row's
+    position). Returns ``(hidden_states [T, H], logits [R, V], token ids int32 [P])``, ``P =
+    prev.shape[0]`` (the ids padded with zeros: the next step's ``prev``)."""
 
     def __init__(self, model, compute_logits):
         super().__init__()
         self.model = model
         self.compute_logits = compute_logits
 
-    def forward(self, packed, T: int, R: int):
-        h = self.model(input_ids=packed[:T], positions=packed[T:2 * T].to(torch.int64))
-        end = packed.shape[0]
+    def forward(self, packed, prev, T: int, R: int):
+        end = packed.shape[0] - T
+        src = packed[end:]  # token t's id is prev[src[t]] where src[t] >= 0 (async scheduling)
+        input_ids = torch.where(src >= 0, prev.index_select(0, src.clamp(min=0)), packed[:T])
+        h = self.model(input_ids=input_ids, positions=packed[T:2 * T].to(torch.int64))
         rows = packed[end - 3 * R:end - 2 * R].to(torch.int64)
         logits = self.compute_logits(h[rows])
         ids = _sampling.sample(logits, packed[end - 2 * R:end - R].view(torch.float32),
-                               packed[end - R:], packed[T:2 * T][rows])
+                               packed[end - R:end], packed[T:2 * T][rows])
+        if prev.shape[0] > R:  # one shape for every bucket: the next step's ``prev``
+            ids = torch.cat([ids, ids.new_zeros(prev.shape[0] - R)])
         return h, logits, ids
 
 
@@ -87,8 +98,16 @@ class TpuModelRunner(GPUModelRunner):
         self._step_out = None  # (hidden states, logits, token ids) of the step
         self._step_ids = None  # (token ids, real rows) when the step samples in the program
         self._step_n, self._step_sampled = 0, False
+        # async scheduling: the previous step's token ids stay on the device (``prev``: one
+        # shape, the request bucket of max_num_seqs) and the next program reads them itself
+        self.prev_rows = _buckets.pick(self.request_buckets, self.max_num_seqs)
+        self._no_prev: torch.Tensor | None = None  # zeros: no id taken from a previous step
+        self._step_prev: torch.Tensor | None = None  # the step's ``prev`` (_prepare_input_ids)
+        self._step_src: np.ndarray | None = None  # token -> row of ``prev`` or -1
         self._host_buffers()
         _install_host_slot_mapping()
+        if self.use_async_scheduling:
+            _install_async_output()
 
     # ---- host-side inputs (as vLLM's CPU runner) ----
 
@@ -184,6 +203,34 @@ class TpuModelRunner(GPUModelRunner):
                                                                     desc.num_tokens))
         return mode, desc, ubatch, across_dp, stats
 
+    def _get_or_create_async_output_copy_stream(self):
+        return None  # the output's read is the device's own (TpuAsyncOutput)
+
+    def _prepare_input_ids(self, scheduler_output, num_reqs: int,
+                           total_num_scheduled_tokens: int, cu_num_tokens: np.ndarray) -> None:
+        """The host buffers are the inputs (nothing to copy); under async scheduling the last
+        token of a request that decoded in the previous step is not known on the host yet
+        (vLLM wrote a placeholder): where the previous step's ids are on the device the step's
+        program takes them from there (``_step_src``: the row of ``prev`` per token, else -1),
+        where they are on the host (vLLM's sampler ran there) they are written here."""
+        self._step_src, self._step_prev = None, None
+        prev = self.input_batch.prev_sampled_token_ids
+        if prev is None:
+            return
+        prev_pos = self.prev_positions.np[:num_reqs]
+        cur = np.nonzero(prev_pos >= 0)[0]
+        if not len(cur):
+            return
+        flat = np.asarray(cu_num_tokens)[cur] - 1
+        src = prev_pos[cur]
+        ids = _program_ids(prev)
+        if ids is not None:
+            self._step_src = np.full(total_num_scheduled_tokens, -1, np.int32)
+            self._step_src[flat] = src
+            self._step_prev = ids
+            return
+        self.input_ids.np[flat] = prev[:, 0].cpu().numpy()[src]
+
     def _get_slot_mappings(self, *args, **kwargs):
         by_group, by_layer = super()._get_slot_mappings(*args, **kwargs)
         # The attention backend writes the KV cache in its forward, from its own metadata
@@ -211,8 +258,11 @@ class TpuModelRunner(GPUModelRunner):
         rows[:n] = logits_indices.numpy()
         self._step_n = n
         self._step_sampled = _sampling.samples_in_program(self, scheduler_output)
+        src = np.full(T, -1, np.int32)
+        if self._step_src is not None:
+            src[:len(self._step_src)] = self._step_src
         self._step_rows = np.concatenate(
-            [rows, _sampling.row_params(self.input_batch, n, R, self._step_sampled)])
+            [rows, _sampling.row_params(self.input_batch, n, R, self._step_sampled), src])
         # the program gathers the rows itself: the runner's ``hidden_states[logits_indices]``
         # is a view of the whole hidden states (no device op), which _LogitsHook recognises
         return slice(None), spec, max_sampled
@@ -263,11 +313,19 @@ class TpuModelRunner(GPUModelRunner):
         T = int(input_ids.shape[0])
         rows = self._step_rows
         self._step_rows = None
-        if rows is None:  # a padding step (warm-up, dummy runs): greedy rows
-            R = self.rows_bucket(T)
-            rows = np.concatenate([np.full(R, T - 1, np.int32), np.zeros(2 * R, np.int32)])
-        h, logits, ids = self._forward(self._send_inputs(input_ids, positions, rows), T,
-                                       len(rows) // 3)
+        prev, self._step_prev = self._step_prev, None
+        R = self.rows_bucket(T)
+        if rows is None:  # a padding step (warm-up, dummy runs): greedy rows, no prev ids
+            rows = np.concatenate([np.full(R, T - 1, np.int32), np.zeros(2 * R, np.int32),
+                                   np.full(T, -1, np.int32)])
+            prev = None
+        if prev is None:
+            if self._no_prev is None:
+                self._no_prev = torch.zeros(self.prev_rows, dtype=torch.int32,
+                                            device=self.device_tpu)
+            prev = self._no_prev
+        h, logits, ids = self._forward(self._send_inputs(input_ids, positions, rows), prev,
+                                       T, R)
         self._step_out = (h, logits, ids)
         return h
 
@@ -282,7 +340,10 @@ class TpuModelRunner(GPUModelRunner):
         mds = list({id(m): m for m in (attn.values() if isinstance(attn, dict) else [])
                     if isinstance(m, _attn.TpuPagedAttentionMetadata)}.values())
         T = int(input_ids.shape[0])
-        parts = [input_ids.numpy(), positions.numpy()]
+        # under async scheduling the host ids hold vLLM's placeholder (-1) where the program
+        # takes the previous step's id, and padding rows past the step's tokens may hold a
+        # stale one: 0 instead (padding is never attended to nor sampled)
+        parts = [np.maximum(input_ids.numpy(), 0), positions.numpy()]
         if mds:
             parts += mds[0].host_parts()
         parts.append(rows)
@@ -365,6 +426,11 @@ class TpuModelRunner(GPUModelRunner):
         count("vllm_steps_sampled_in_program")
         self.input_batch.update_async_output_token_ids()
         ids, n = got
+        if self.use_async_scheduling:
+            # the ids stay on the device: the next step's program reads them (``prev``) and
+            # TpuAsyncOutput brings them back when the engine asks for the step's output
+            return SamplerOutput(sampled_token_ids=_ids_placeholder(ids, n),
+                                 logprobs_tensors=None)
         return SamplerOutput(sampled_token_ids=ids.cpu()[:n].view(n, 1),
                              logprobs_tensors=None)
 
@@ -400,6 +466,87 @@ class _LogitsHook:
         return out.cpu() if isinstance(out, torch.Tensor) else out
 
 
+def _ids_placeholder(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """What vLLM's bookkeeping takes as the step's ``[n, 1]`` sampled ids under async
+    scheduling (it reads only their shape): a meta tensor holding the program's ``ids`` (a
+    device-side ``ids[:n]`` would be a program per n)."""
+    t = torch.empty((n, 1), dtype=torch.int32, device="meta")
+    t._tpu_program_ids = ids
+    return t
+
+
+def _program_ids(sampled: torch.Tensor) -> torch.Tensor | None:
+    return getattr(sampled, "_tpu_program_ids", None)
+
+
+class _ReadOnce:
+    """The event vLLM waits on before it reads ``sampled_token_ids_cpu`` (penalties' output
+    ids): waiting is reading the device's ids into it."""
+
+    def __init__(self, fill):
+        self.fill = fill
+
+    def synchronize(self) -> None:
+        fill, self.fill = self.fill, None
+        if fill is not None:
+            fill()
+
+    def record(self, *a, **k) -> None:
+        return None
+
+
+class TpuAsyncOutput(AsyncModelRunnerOutput):
+    """A step's output under async scheduling (what vLLM's ``AsyncGPUModelRunnerOutput`` is on
+    CUDA, same constructor): the step's token ids stay where the step left them (the
+    program's on the device, or vLLM's sampler's on the host) until the engine asks for the
+    output (``get_output``), after it has scheduled and launched the next step; the read is
+    the step's one host sync."""
+
+    def __init__(self, model_runner_output, sampled_token_ids, logprobs_tensors,
+                 invalid_req_indices, async_output_copy_stream=None, vocab_size=0,
+                 routed_experts=None, check_ep_fault=False, num_nans=None):
+        if routed_experts is not None or check_ep_fault or num_nans is not None:
+            raise NotImplementedError("routed experts capture, EP fault checks and NaN "
+                                      "counting are not supported on 'tpu' with async "
+                                      "scheduling")
+        self._output = model_runner_output
+        self._invalid = invalid_req_indices
+        self._logprobs = logprobs_tensors
+        n = int(sampled_token_ids.shape[0])
+        self.sampled_token_ids_cpu = torch.empty((n, 1), dtype=torch.int64)
+        base = _program_ids(sampled_token_ids)
+        if base is None:  # vLLM's sampler's, on the host
+            self.sampled_token_ids_cpu.copy_(sampled_token_ids)
+            self.async_copy_ready_event = _ReadOnce(None)
+        else:
+            self.async_copy_ready_event = _ReadOnce(lambda: self._read(base, n))
+
+    def _read(self, base: torch.Tensor, n: int) -> None:
+        # the whole program output comes back (a device-side [:n] is a program per n); the
+        # host tensor was made in the step's inference mode
+        with torch.inference_mode():
+            self.sampled_token_ids_cpu.copy_(base.cpu().reshape(-1)[:n, None])
+
+    def get_output(self):
+        self.async_copy_ready_event.synchronize()
+        ids = self.sampled_token_ids_cpu.tolist()
+        for i in self._invalid:
+            ids[i].clear()
+        out = self._output
+        out.sampled_token_ids = ids
+        if self._logprobs is not None:
+            out.logprobs = self._logprobs.tolists()
+        return out
+
+
+def _install_async_output() -> None:
+    """vLLM's GPU runner makes its async output with CUDA streams and events: on "tpu" it
+    makes ``TpuAsyncOutput`` (a process runs one platform)."""
+    import vllm.v1.worker.gpu_model_runner as _gmr
+
+    _gmr.AsyncGPUModelRunnerOutput = TpuAsyncOutput
+
+
 def _rows(logits: torch.Tensor, R: int) -> torch.Tensor:
     return logits if R == logits.shape[0] else logits[:R]
 
@@ -419,12 +566,12 @@ def _cuda_placeholders():
             self.wait_stream = lambda *a, **k: None
             self.device = torch.device("cpu")
 
-    ev, st = torch.Event, torch.cuda.Stream
-    torch.Event, torch.cuda.Stream = _Event, _Stream
+    ev, cev, st = torch.Event, torch.cuda.Event, torch.cuda.Stream
+    torch.Event, torch.cuda.Event, torch.cuda.Stream = _Event, _Event, _Stream
     try:
         yield
     finally:
-        torch.Event, torch.cuda.Stream = ev, st
+        torch.Event, torch.cuda.Event, torch.cuda.Stream = ev, cev, st
 
 
 class _HostKernel:

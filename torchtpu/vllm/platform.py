@@ -157,7 +157,15 @@ class TpuPlatform(Platform):
         comp.cudagraph_capture_sizes = []
         comp.custom_ops = ["none"]
 
-        scheduler_config.async_scheduling = False
+        # vLLM's async scheduling (model_runner.py: the next step scheduled and launched while
+        # the device runs the current one, its input ids taken from the previous program's on
+        # the device) only where asked for (additional_config {"torchtpu_async_scheduling":
+        # true}): on XLA:CPU it measured slower than synchronous steps so far; not with tensor
+        # parallelism yet
+        async_ok = bool(vllm_config.additional_config.get("torchtpu_async_scheduling")) \
+            and parallel_config.world_size == 1
+        if not async_ok:
+            scheduler_config.async_scheduling = False
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = "torchtpu.vllm.worker.TpuWorker"
         if parallel_config.world_size > 1 and \
