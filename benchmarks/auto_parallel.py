@@ -186,7 +186,8 @@ def main():
                       f"x tp={tight.tp}, {mib(tight.predicted['memory_bytes']).strip()} MiB, "
                       f"TP units {[u for u, d in tight.units.items() if d['choice'] != 'none']}, "
                       f"sequence parallel {tight.sequence_parallel}, loss parallel "
-                      f"{tight.loss_parallel} ({time.perf_counter() - t2:.2f} s)")
+                      f"{tight.loss_parallel}, block inputs saved sharded {tight.sp_regather} "
+                      f"({time.perf_counter() - t2:.2f} s)")
             except ValueError as e:
                 print(f"   budget 0.9 x FSDP's memory: {e}")
 

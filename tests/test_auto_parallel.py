@@ -358,6 +358,34 @@ def test_sequence_parallel_chosen_where_it_fits_and_refused_where_not():
         plan_for(MLP(), 2, (torch.randn(8, 4, 32),), dp=1, tp=2, sequence_parallel=True)
 
 
+def test_block_inputs_saved_sharded_is_a_counted_plan_option():
+    """Under SP each block's gathered input is saved whole per tp rank; saving it sharded on
+    the sequence and gathering it again in backward (``sp_regather``, Megatron's SP) is an
+    option the cost model counts (1 / tp of those bytes kept, one more all-gather per block)
+    and the search takes where a budget needs it, and only with SP."""
+    torch.manual_seed(0)
+    m, x = Transformer(), tokens(1, 512)
+    kw = dict(dp=1, tp=2, device_spec="cpu")
+    sp = plan_for(m, 2, (x,), sequence_parallel=True, **kw)
+    sg = plan_for(m, 2, (x,), sequence_parallel=True, sp_regather=True, **kw)
+    assert sg.predicted["memory_bytes"] < sp.predicted["memory_bytes"]
+    assert sg.predicted["tp_bytes"] > sp.predicted["tp_bytes"]
+    assert sg.predicted["step_time_s"] > sp.predicted["step_time_s"]
+    plan = td.auto_parallelize(m, 2, (x,), memory_budget=1.001 * sg.predicted["memory_bytes"],
+                               device_spec="cpu", verify=False)
+    assert plan.sequence_parallel and plan.sp_regather
+    assert plan.predicted["memory_bytes"] == pytest.approx(sg.predicted["memory_bytes"])
+    assert "gathered again in backward" in str(plan)
+    back = Plan.from_dict(plan.to_dict())
+    assert back.sp_regather and back.decisions() == plan.decisions()
+    assert not plan.to_torchtitan()["exact"]  # TorchTitan's SP saves the gathered inputs
+    roomy = td.auto_parallelize(m, 2, (x,), memory_budget=1.001 * sp.predicted["memory_bytes"],
+                                device_spec="cpu", verify=False)
+    assert roomy.sequence_parallel and not roomy.sp_regather  # not worth its gathers
+    with pytest.raises(ValueError, match="needs sequence parallelism"):
+        plan_for(m, 2, (x,), sp_regather=True, **kw)
+
+
 @pytest.mark.slow  # ~2 min
 def test_mixed_hf_and_meta_plans_train_on_two_processes_like_one():
     """Mixed FSDP / replicated groups (AdamW, JSON round trip), HF Llama under TP and FSDP
@@ -390,6 +418,17 @@ def test_torchtitan_debug_model_loss_parallel_for_its_loss_fn_trains_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_lp", "titan_lp_torch", "titan_lp_compile",
                        timeout=1200))
     dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_titan_lp", nproc=4, timeout=800))
+
+
+@pytest.mark.slow  # ~3 min idle (~9 min at load 15), 2 processes
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                    reason="torchtitan is not installed")
+def test_torchtitan_debug_model_block_inputs_saved_sharded_trains_like_one():
+    """TorchTitan's llama3 debug model with its loss_fn on tp=2 under a budget that TP + SP +
+    loss parallelism alone exceed: the blocks' inputs saved sharded on the sequence and
+    gathered again in backward (``sp_regather``, counted in torch.tpu.metrics()); 5 steps with
+    losses, every step's gradients and the final parameters equal to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_sg", timeout=1200))
 
 
 @pytest.mark.slow  # ~2 min, 4 processes
@@ -428,7 +467,12 @@ def test_hf_llama_sequence_and_loss_parallel_fit_under_fsdp_budget():
                                    example_kwargs=kw).predicted["memory_bytes"]
     assert mem[True, True] < mem[True, False] < mem[False, False]
     assert mem[True, True] < mem[False, True] < mem[False, False]
-    assert plan.predicted["memory_bytes"] == pytest.approx(mem[True, True])
+    # the smallest plan also saves the blocks' inputs sharded (gathered again in backward)
+    regather = plan_for(m, 4, (), dp=plan.dp, tp=plan.tp, sequence_parallel=True,
+                        loss_parallel=True, sp_regather=True, device_spec="cpu",
+                        example_kwargs=kw).predicted["memory_bytes"]
+    assert plan.sp_regather and regather < mem[True, True]
+    assert plan.predicted["memory_bytes"] == pytest.approx(regather)
     assert mem[False, False] > budget  # TP alone does not fit
     no_labels = {"input_ids": x}
     outside = td.auto_parallelize(m, 4, (), example_kwargs=no_labels, device_spec="cpu",

@@ -29,6 +29,9 @@ gradients and the final parameters (``full_tensor``, float32 tolerance) must mat
            titan_lp_compile: the applied module compiled; titan_lp_torch: the loss and its
            backward under PyTorch's own ``loss_parallel()`` instead of ``plan.loss``
            (every titan_lp case with ignored labels spread unevenly over the dp slices)
+  titan_sg the titan_lp model and loss on a tp-only mesh under a budget only saving the
+           blocks' inputs sharded on the sequence (gathered again in backward) meets: TP + SP
+           + loss parallelism + ``sp_regather``
   fsdp_compile, tp_compile, 2d_compile  the fsdp / tp / 2d plan, the applied module under
            torch.compile(backend="tpu"): equal to the eager applied module and to one process
 Prints "OK <config>" per configuration and "ALL OK <n>".
@@ -318,6 +321,32 @@ def main():
             check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab,
                   compiled=cfg.endswith("compile"), torch_loss_parallel=cfg.endswith("torch"),
                   uneven=True)
+        elif cfg == "titan_sg":
+            # the memory floor of TP + SP: each block's gathered input saved whole per tp rank.
+            # Under 0.9 x pure FSDP's memory no plan fits without saving it sharded on the
+            # sequence and gathering it again in backward (Megatron's SP)
+            from torchtpu.distributed.auto_parallel import plan_for
+
+            make, fwd, tkw, tvocab = titan(32)
+            tm = make()
+            x = torch.randint(0, tvocab, (BATCH, 32))
+            lkw = dict(example_kwargs=tkw, device_spec="cpu", loss_fn=token_loss, loss_args=(x,))
+            shape = (1, world)
+            whole, sg = (plan_for(tm, world, (x,), dp=1, tp=world, sequence_parallel=True,
+                                  loss_parallel=True, sp_regather=r, **lkw).predicted
+                         for r in (False, True))
+            # a budget between the two: only the inputs saved sharded fit
+            budget = (whole["memory_bytes"] + sg["memory_bytes"]) / 2
+            plan = td.auto_parallelize(tm, world, (x,), memory_budget=budget,
+                                       mesh_shapes=[shape], verify=False, objective="memory",
+                                       **lkw)
+            assert plan.sequence_parallel and plan.loss_parallel and plan.sp_regather, plan
+            before = torch.tpu.metrics()["counters"].get("auto_parallel_regathers", 0)
+            check(cfg, plan, make, seq=32, steps=5, fwd=fwd, vocab=tvocab, uneven=True)
+            # every step gathered each block's input again in backward (attention and MLP of
+            # every layer; the colwise layers' views of one input share one gather each)
+            n = torch.tpu.metrics()["counters"].get("auto_parallel_regathers", 0) - before
+            assert n >= 5 * 2 * len(make().layers), n
         elif cfg == "hf_fsdp":  # the model's own loss: averaged over dp by the output hook
             torch.manual_seed(0)
             hfm = tiny_llama()

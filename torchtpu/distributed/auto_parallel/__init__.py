@@ -78,10 +78,11 @@ class _Search:
                                           self.optimizer_states)
         return self._costs[(dp, tp)]
 
-    def plan(self, dp, tp, unit_choice, group_choice, sp, lp, term) -> Plan:
+    def plan(self, dp, tp, unit_choice, group_choice, sp, lp, sg, term) -> Plan:
         c = self.costs(dp, tp)
         p = Plan.from_choice(dp, tp, self.spec.name, self.units, unit_choice, group_choice,
                              c.owner, term, sp, lp)
+        p.sp_regather = bool(sg)
         if sp:
             p.sp_modules = self.sp_modules()
         if lp:
@@ -109,8 +110,9 @@ class _Search:
 
 def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
              data_parallel="fsdp", sequence_parallel: bool = False,
-             loss_parallel: bool = False, example_kwargs=None, device_spec="v6e",
-             optimizer_states: int = 2, loss_fn=None, loss_args=()) -> Plan:
+             loss_parallel: bool = False, sp_regather: bool = False, example_kwargs=None,
+             device_spec="v6e", optimizer_states: int = 2, loss_fn=None,
+             loss_args=()) -> Plan:
     """A hand-written plan in the same space, with the cost model's prediction: ``dp`` x ``tp``,
     every TP unit sharded (``tp_units="all"``), none (``None``) or those named (a list of unit
     names), every parameter ``data_parallel`` ("fsdp" or "replicate") over dp. TorchTitan's
@@ -119,7 +121,8 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
     sharded) is TorchTitan's SP, where the model allows it (else a ValueError says why not);
     ``loss_parallel=True`` keeps the head's logits sharded on the vocabulary for the model's
     own cross-entropy (a model that computes its loss itself, HF's ``labels=``, or the user's
-    ``loss_fn``: see ``auto_parallelize``)."""
+    ``loss_fn``: see ``auto_parallelize``); ``sp_regather=True`` (with SP) saves each block's
+    input sharded on the sequence and gathers it again in backward (Megatron's SP)."""
     from .cost import evaluate
 
     args, kwargs = _split_inputs(example_inputs, example_kwargs)
@@ -138,8 +141,8 @@ def plan_for(model, mesh, example_inputs, *, dp: int, tp: int, tp_units="all",
         raise ValueError("plan_for: sequence parallelism does not apply here: " + (
             s.an.sp_blocker or "it needs tp > 1, every TP unit sharded and a sequence length "
                                "divisible by tp"))
-    return s.plan(dp, tp, uc, gc, sequence_parallel, loss_parallel,
-                  evaluate(c, uc, gc, sequence_parallel, loss_parallel))
+    return s.plan(dp, tp, uc, gc, sequence_parallel, loss_parallel, sp_regather,
+                  evaluate(c, uc, gc, sequence_parallel, loss_parallel, sp_regather))
 
 
 def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwargs=None,
@@ -155,7 +158,8 @@ def predict(model, plan: Plan, example_inputs, *, device_spec="v6e", example_kwa
     c = s.costs(plan.dp, plan.tp)
     return _term_dict(evaluate(c, {u: d["choice"] for u, d in plan.units.items()},
                                {g: d["dp"] for g, d in plan.groups.items()},
-                               plan.sequence_parallel, plan.loss_parallel))
+                               plan.sequence_parallel, plan.loss_parallel,
+                               plan.sp_regather))
 
 
 def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spec="v6e",

@@ -223,6 +223,12 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         tp_plan = _tp_plan(plan, model, gn)
         if tp_plan:
             parallelize_module(model, full["tp"], tp_plan)
+        if plan.sequence_parallel and plan.sp_regather:
+            from .regather import install as save_sharded
+
+            blocks = plan.sp_modules["blocks"]
+            save_sharded(model, {fqn: blocks[gn(fqn)][0] for fqn, _ in model.named_modules()
+                                 if gn(fqn) in blocks}, full["tp"])
         if plan.loss_parallel:
             from .loss_parallel import install
 

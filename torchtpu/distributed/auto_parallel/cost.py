@@ -44,6 +44,9 @@ class Costs:
     owner: dict = field(default_factory=dict)  # group -> unit name or None
     const: "Term" = None
     sp: "Term" = None  # what sequence parallelism adds (negative: saves), None if it cannot
+    # what saving the blocks' inputs sharded on the sequence adds to SP (Megatron's: the
+    # all-gather's input is saved and the gather re-run in backward), None if SP cannot
+    sg: "Term" = None
     lp: "Term" = None  # what loss parallelism adds, None if it cannot
     head: str = None  # the head's unit (loss parallelism needs it sharded)
 
@@ -149,6 +152,7 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     if tp > 1 and not an.sp_blocker and an.seq_len % tp == 0 and \
             all(len(o) > 1 for o in c.unit_opts.values()):
         c.sp = _sp_term(an, modules, dp, tp, spec, sec_per_flop)
+        c.sg = _regather_term(an, units, dp, tp, spec)
     head = next((u for u in units if an.leaf_order and an.leaf_order[-1] in u.instances), None)
     if tp > 1 and an.loss_inside and head is not None and head.kind == "linear" and \
             len(c.unit_opts[head.name]) > 1:
@@ -196,6 +200,25 @@ def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
     return Term(-keep * flops / dp * sec_per_flop, t, -keep * saved / dp, tp_bytes=b)
 
 
+def _regather_term(an: Analysis, units: list, dp: int, tp: int, spec: DeviceSpec) -> Term:
+    """What saving each TP block's input sharded on the sequence changes under SP: its colwise
+    layers' saved input (the all-gathered stream, whole on every tp rank) is kept as the
+    rank's 1 / tp slice and gathered again in backward: one more all-gather of the block input
+    per block instance."""
+    t = Term(0.0)
+    for u in units:
+        if u.kind != "block":
+            continue
+        for f in u.instances:
+            blk = next(b for b in an.blocks if b.fqn == f)
+            repl = sum(_subtree(an.saved, x) for x in blk.ins)
+            t.memory -= (1 - 1 / tp) * repl / dp
+            b, s = ring("all_gather", blk.in_act_bytes / dp, tp, spec)
+            t.tp_bytes += b
+            t.comm += s
+    return t
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -204,14 +227,19 @@ def _numel(shape) -> int:
 
 
 def evaluate(c: Costs, unit_choice: dict, group_choice: dict, sp: bool = False,
-             lp: bool = False) -> Term:
+             lp: bool = False, sg: bool = False) -> Term:
     """The predicted Term of one assignment (unit -> tp opt, group -> dp opt, sequence
-    parallel or not, loss parallel or not)."""
+    parallel or not, loss parallel or not, block inputs saved sharded or not)."""
     tot = c.const
     if sp:
         if c.sp is None:
             raise ValueError("sequence parallelism is not possible for this model and mesh")
         tot = tot + c.sp
+    if sg:
+        if not sp:
+            raise ValueError("saving the blocks' inputs sharded on the sequence needs "
+                             "sequence parallelism")
+        tot = tot + c.sg
     if lp:
         if c.lp is None or unit_choice.get(c.head, "none") == "none":
             raise ValueError("loss parallelism needs a cross-entropy on the head's output (in "

@@ -30,6 +30,9 @@ class Plan:
     # with it: the loss is the user's (``loss_fn``), the module returns the logits as a DTensor
     # sharded on the vocabulary (and the batch over dp), ``Plan.loss`` computes it
     loss_outside: bool = False
+    # with sequence parallelism: each TP block's input saved sharded on the sequence for
+    # backward and gathered again there (Megatron's SP), not saved whole per tp rank
+    sp_regather: bool = False
 
     # ---- building ----
 
@@ -87,6 +90,9 @@ class Plan:
                          + ")" + (f", entered at {self.sp_modules['entry'][0]} (the "
                                   f"prologue before it replicated)"
                                   if self.sp_modules.get("entry") else ""))
+            if self.sp_regather:
+                lines.append("  block inputs saved sharded on the sequence, gathered again "
+                             "in backward")
         if self.loss_parallel and self.loss_outside:
             lines.append("  loss parallel: the model returns its logits as a DTensor sharded "
                          "on the vocabulary; compute the loss with plan.loss(loss_fn)")
@@ -112,7 +118,7 @@ class Plan:
                 "compiled": self.compiled, "why": self.why, "search": self.search,
                 "sequence_parallel": self.sequence_parallel, "sp_modules": self.sp_modules,
                 "loss_parallel": self.loss_parallel, "loss_head": self.loss_head,
-                "loss_outside": self.loss_outside}
+                "loss_outside": self.loss_outside, "sp_regather": self.sp_regather}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -121,7 +127,8 @@ class Plan:
         return cls(d["dp"], d["tp"], d["device"], d["units"], d["groups"], d["predicted"],
                    d["compiled"], d["why"], d["search"], d.get("sequence_parallel", False),
                    d.get("sp_modules", {}), d.get("loss_parallel", False),
-                   d.get("loss_head", ""), d.get("loss_outside", False))
+                   d.get("loss_head", ""), d.get("loss_outside", False),
+                   d.get("sp_regather", False))
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -136,7 +143,7 @@ class Plan:
         """The placements alone (what apply() uses), for comparing plans."""
         return {"dp": self.dp, "tp": self.tp, "sequence_parallel": self.sequence_parallel,
                 "loss_parallel": self.loss_parallel, "loss_outside": self.loss_outside,
-                "units": {n: u["choice"] for n, u in self.units.items()},
+                "sp_regather": self.sp_regather, "units": {n: u["choice"] for n, u in self.units.items()},
                 "groups": {g: (d["dp"], d["tp"]) for g, d in self.groups.items()}}
 
     # ---- using ----
@@ -167,14 +174,15 @@ class Plan:
         parallel shard/replicate degrees and the tensor parallel degree. TorchTitan's own TP
         plan for llama3 shards attention, MLP, embedding and head all together; a plan that
         shards only some of them, or keeps some parameters replicated under FSDP, has no exact
-        TorchTitan equivalent (``exact`` is False then)."""
+        TorchTitan equivalent (``exact`` is False then); nor has saving the blocks' inputs
+        sharded on the sequence (``sp_regather``: TorchTitan's SP saves them gathered)."""
         dps = {d["dp"] for d in self.groups.values()}
         fsdp = self.dp > 1 and dps == {"fsdp"}
         ddp = self.dp > 1 and dps == {"replicate"}
         tp_all = all(u["choice"] != "none" for u in self.units.values())
         tp_none = all(u["choice"] == "none" for u in self.units.values())
         exact = (self.dp == 1 or fsdp or ddp) and (self.tp == 1 or tp_all) and \
-            (self.tp > 1 or tp_none)
+            (self.tp > 1 or tp_none) and not self.sp_regather
         return {"parallelism": {"data_parallel_shard_degree": self.dp if fsdp else 1,
                                 "data_parallel_replicate_degree": self.dp if ddp else 1,
                                 "tensor_parallel_degree": self.tp,

@@ -7,7 +7,8 @@ dp option), solved with PuLP's bundled CBC.
                mesh one dp option for all groups; with tp > 1 at least one unit sharded;
                sequence parallelism (one binary, where the model allows it) only with every
                unit sharded; loss parallelism (one binary, where the model computes its own
-               cross-entropy) only with the head sharded.
+               cross-entropy) only with the head sharded; saving the blocks' inputs
+               sharded on the sequence (one binary) only with sequence parallelism.
 The k best assignments of a factorisation come from re-solving with a no-good cut on each
 solution found.
 """
@@ -19,8 +20,8 @@ from .cost import Costs, evaluate
 
 
 def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> list:
-    """Up to ``k`` best (unit_choice, group_choice, sequence_parallel, loss_parallel, Term) of
-    ``c`` within
+    """Up to ``k`` best (unit_choice, group_choice, sequence_parallel, loss_parallel,
+    sp_regather, Term) of ``c`` within
     ``budget`` bytes, best first; [] when none fits."""
     prob = pulp.LpProblem("auto_parallel", pulp.LpMinimize)
     y = {(u, o): pulp.LpVariable(f"y_{i}_{j}", cat="Binary")
@@ -34,7 +35,8 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
 
     sp = pulp.LpVariable("sp", cat="Binary") if c.sp is not None else None
     lp = pulp.LpVariable("lp", cat="Binary") if c.lp is not None else None
-    sp_terms = [(t, v) for t, v in ((c.sp, sp), (c.lp, lp)) if v is not None]
+    sg = pulp.LpVariable("sg", cat="Binary") if sp is not None and c.sg is not None else None
+    sp_terms = [(t, v) for t, v in ((c.sp, sp), (c.lp, lp), (c.sg, sg)) if v is not None]
     prob += (metric(c.const)
              + pulp.lpSum(metric(c.unit_opts[u][o]) * v for (u, o), v in y.items())
              + pulp.lpSum(metric(c.group_opts[g][(t, d)]) * v for (g, t, d), v in z.items())
@@ -42,6 +44,8 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
     if sp is not None:
         for u in c.unit_opts:
             prob += sp <= 1 - y[(u, "none")]
+    if sg is not None:
+        prob += sg <= sp
     if lp is not None:
         prob += lp <= 1 - y[(c.head, "none")]
     for u, opts in c.unit_opts.items():
@@ -80,7 +84,8 @@ def solve(c: Costs, budget: float, objective: str = "step_time", k: int = 1) -> 
         groups = {g: d for (g, t, d), v in z.items() if v.value() > 0.5}
         on = sp is not None and sp.value() > 0.5
         lon = lp is not None and lp.value() > 0.5
-        found.append((units, groups, on, lon, evaluate(c, units, groups, on, lon)))
+        gon = sg is not None and sg.value() > 0.5
+        found.append((units, groups, on, lon, gon, evaluate(c, units, groups, on, lon, gon)))
         every = list(y.values()) + list(z.values()) + [v for _, v in sp_terms]
         ones = [v for v in every if v.value() > 0.5]
         zeros = [v for v in every if v.value() <= 0.5]
