@@ -437,3 +437,45 @@ def test_extend_padding_on_the_host_compiles_nothing_per_length():
     out = pad_on_host(dev, 16, 0)
     assert grew(before).get("host_syncs") == 1
     assert torch.equal(out.cpu(), torch.from_numpy(host) + 1)
+
+
+def test_deferred_buckets_wait_for_the_scheduler_to_stay_idle(monkeypatch):
+    """working_set.warm_if_idle: nothing is warmed until the scheduler has been fully idle for
+    IDLE_AFTER_S without a step in between (a request arriving right after the last ones must
+    not find the scheduler inside a bucket's trace)."""
+    from torchtpu.sglang import working_set as ws
+
+    class Sched:
+        idle = True
+
+        def is_fully_idle(self):
+            return self.idle
+
+    warmed = []
+    monkeypatch.setattr(ws, "_PENDING", __import__("collections").deque())
+    monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
+    monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
+    def run_one():
+        warmed.append(ws._PENDING.popleft()[0])
+        return True
+
+    monkeypatch.setattr(ws, "run_one", run_one)
+    ws.defer("a", None)
+    ws.defer("b", None)
+    s = Sched()
+    t = 100.0
+    for _ in range(19):  # polled every 0.1 s for 1.9 s: not yet
+        assert not ws.warm_if_idle(s, now=t)
+        t += 0.1
+    s.idle = False  # a request: idle time starts again after it
+    assert not ws.warm_if_idle(s, now=t)
+    s.idle = True
+    for _ in range(19):
+        t += 0.1
+        assert not ws.warm_if_idle(s, now=t)
+    t += 1.0  # a gap between polls: a step ran in between, so idle time restarts
+    for _ in range(19):
+        assert not ws.warm_if_idle(s, now=t)
+        t += 0.1
+    assert ws.warm_if_idle(s, now=t + 0.2) and warmed == ["a"]
+    assert ws.pending() == ["b"]
