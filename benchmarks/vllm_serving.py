@@ -71,7 +71,7 @@ def _engine(path, contender, kv_bytes, max_tokens_step=512):
                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=max_tokens_step,
                kv_cache_memory_bytes=kv_bytes, seed=0, enable_prefix_caching=False,
                additional_config={"torchtpu_async_scheduling": contender == "tpu-async"}
-               if contender.startswith("tpu") else None)
+               if contender.startswith("tpu") else {})
 
 
 def child_offline(path, contender, n_requests, repeats, out_tokens):
