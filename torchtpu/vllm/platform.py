@@ -160,8 +160,8 @@ class TpuPlatform(Platform):
         # vLLM's async scheduling (model_runner.py: the next step scheduled and launched while
         # the device runs the current one, its input ids taken from the previous program's on
         # the device) only where asked for (additional_config {"torchtpu_async_scheduling":
-        # true}): on 2-core XLA:CPU it measured no faster than synchronous steps (2026-12-06:
-        # offline 2,510 vs 2,520 tok/s, ITL 4.6 vs 5.0 ms); not with tensor
+        # true}): on 2-core XLA:CPU it gave the same offline throughput as synchronous steps
+        # (2026-12-06: 2,510 vs 2,520 tok/s; served ITL 4.6 vs 5.0 ms, one run); not with tensor
         # parallelism yet
         async_ok = bool(vllm_config.additional_config.get("torchtpu_async_scheduling")) \
             and parallel_config.world_size == 1
