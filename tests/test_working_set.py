@@ -177,3 +177,82 @@ def test_a_warm_process_guesses_no_signature_its_working_set_holds(tmp_path):
     assert longer["guesses"] > 0 and longer["counters"].get("eager_prefetch_hits", 0) > 0
     off = _run(cache, GROWING, **dict(env, TORCHTPU_WORKING_SET="0"))  # loaded on demand
     assert off["out"] == cold["out"] and off["guesses"] > 0
+
+
+SPAWNED = r"""
+import json, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank(r, world, port, q):
+    from jax._src import xla_bridge
+    from torchtpu.runtime import working_set
+    backend_at_import = bool(xla_bridge._backends)
+    if world > 1:  # no WORLD_SIZE in the environment: the rank joins by itself, as vLLM's do
+        dist.init_process_group("tpu_dist", init_method=f"tcp://127.0.0.1:{port}", rank=r,
+                                world_size=world)
+    y = ((torch.arange(6., device="tpu") * 2.5 + 1).sin() * (r + 1)).sum(0, keepdim=True)
+    if world > 1:
+        dist.all_reduce(y)
+    for t in working_set._thread:
+        t.join()
+    q.put([r, backend_at_import, y.cpu().tolist(), dict(torch.tpu.metrics()["counters"])])
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, port = int(sys.argv[1]), int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=rank, args=(r, world, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    got = sorted(q.get(timeout=200) for _ in ps)
+    for p in ps:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
+    print(json.dumps(got))
+"""
+
+
+def test_a_spawned_rank_that_joins_later_is_not_blocked_by_its_working_set(tmp_path):
+    """vLLM's tensor-parallel workers and ``mp.spawn``'s ranks are spawned children that call
+    init_process_group themselves, with no WORLD_SIZE in their environment. Once a run of the
+    same command line had recorded a working set, loading it at import created the backend and
+    the next run's join failed ("init_process_group must run before the first use"). A spawned
+    child now creates nothing at import; its first device use loads the set ahead, unless that
+    use is a job's (whose ranks neither load nor record a set)."""
+    import torch
+    from dist_launch import free_port
+
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(cache), JAX_PLATFORMS="cpu",
+               TORCHTPU_WORKING_SET="spawned-ranks")  # both runs' children: one set
+    for v in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "XLA_FLAGS"):
+        env.pop(v, None)
+
+    def run(world):
+        p = subprocess.run([sys.executable, str(script), str(world), str(free_port())],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    solo = run(1)  # records the set
+    (recorded,) = (cache / "working-sets").iterdir()
+    before = recorded.read_bytes()
+    joined = run(2)  # before: both ranks failed at the join
+    assert recorded.read_bytes() == before  # a job's ranks leave the set alone
+    for r, at_import, y, c in joined:
+        assert not at_import
+        assert c.get("working_set_skipped", 0) == 1 and not c.get("working_set_loads")
+        # the all-reduce's float32 sum of the two ranks' values
+        assert y == (torch.tensor(solo[0][2]) + torch.tensor(solo[1][2])).tolist()
+    again = run(1)
+    for (r, at_import, y, c), before in zip(again, solo):
+        assert not at_import and y == before[2]
+        assert c.get("working_set_deferred_starts", 0) == 1 and c.get("working_set_loads", 0) > 0

@@ -24,6 +24,7 @@ import threading
 import jax
 
 from ..runtime import devices as _devices
+from ..runtime import working_set as _working_set
 
 _KEY = "torchtpu_coordinator"
 _EPOCH_KEY = "torchtpu/epoch"
@@ -151,7 +152,11 @@ def join(store, rank: int, world_size: int, timeout: datetime.timedelta | None =
                 "torchtpu: init_process_group must run before the first use of the tpu device "
                 "(the JAX backend was already created without the other processes). Call "
                 "torch.distributed.init_process_group first, or launch with WORLD_SIZE set "
-                "(torchrun does) so that the first device use joins the job")
+                "(torchrun does) so that the first device use joins the job"
+                + (" (it was created at import, to load the programs this command line's last "
+                   "run used ahead: set MASTER_ADDR or RANK before starting a process that "
+                   "joins a job later, or TORCHTPU_WORKING_SET=0)"
+                   if _working_set.created_backend[0] else ""))
         state.update(rank=rank, world_size=world_size,
                      local_rank=_env_int("LOCAL_RANK", rank))
         if world_size > 1:

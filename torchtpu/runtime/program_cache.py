@@ -801,16 +801,43 @@ def load_working_set() -> bool:
     """Start loading this command line's recorded programs ahead (``working_set.py``); called
     once ``import torchtpu`` has finished. What a load imports is imported here first: an
     import on the loading thread while this one imports could meet a half-initialised module."""
-    if not _working_set.recorded():
+    if _working_set.may_join_a_job_later() and not _working_set.multi_process_job():
+        # a vLLM worker or a spawned rank joins its job after import (init_process_group
+        # with no WORLD_SIZE set): creating the backend now would make that join fail. Its
+        # first device use starts the loading, unless that use is a job's (a spawned child's
+        # set is named once its parent's script is known: checked then)
+        _devices.after_backend.append(_load_working_set_after_backend)
         return False
     if _working_set.multi_process_job():
         # loading creates the backend, which a multi-process job must create only after its
         # processes joined one cluster (its first device use or init_process_group): created
         # now, at import, rank r > 0 would find no device of rank r (KeyError at the join)
-        count("working_set_skipped", op="multi-process job")
+        _working_set.in_a_job()
+        if _working_set.recorded():
+            count("working_set_skipped", op="multi-process job")
         return False
+    if not _working_set.recorded():
+        return False
+    _working_set.created_backend[0] = not _devices.backend_created()
+    _devices.devices()  # through its hooks, as every other first device use
+    return _start_working_set()
+
+
+def _start_working_set() -> bool:
     from jax.experimental.serialize_executable import deserialize_and_load  # noqa: F401
 
-    _devices.devices()  # through its hooks, as every other first device use
     _custom_calls._known()
     return _working_set.start(_load_now, min(_working_set.MAX_ENTRIES, MAX_LIVE // 2))
+
+
+def _load_working_set_after_backend(devs) -> None:
+    """The ``after_backend`` hook of a process that may have joined a job since its import."""
+    if jax.process_count() > 1:  # its programs are a job's
+        _working_set.in_a_job()
+        if _working_set.recorded():
+            count("working_set_skipped", op="multi-process job")
+        return
+    if not _working_set.recorded():
+        return
+    if _start_working_set():
+        count("working_set_deferred_starts")

@@ -17,6 +17,13 @@ the cache folder are loaded; what the process did not use this time is not recor
 the set follows the workload. The thread stops at interpreter exit (before JAX's teardown) and
 is not inherited by a forked child.
 
+Loading creates the JAX backend, which a rank of a multi-process job may create only after its
+job joined: a process with ``WORLD_SIZE`` > 1 loads nothing ahead, and one that may call
+``init_process_group`` itself later (a child multiprocessing spawned, as vLLM's workers and
+``mp.spawn``'s ranks are, or one with ``MASTER_ADDR``/``RANK``/``LOCAL_RANK`` set) starts
+loading at its first device use instead of at import, unless that use is a job's. A job's ranks
+record no set (their programs are the job's, and they would overwrite each other's).
+
 Results cannot change: the executable loaded ahead is the one the disk lookup would load (the
 same key, checksum and custom-call checks: ``program_cache._load_now``). Counted:
 ``working_set_loads`` (loaded ahead), ``<kind>_working_set_hits`` (used), ``working_set_unused``
@@ -47,11 +54,22 @@ _stop = threading.Event()
 _thread: list = []
 _forked: list = []  # a forked child: it neither loads ahead nor writes its parent's set
 _loader: list = []  # (kind, key, device id) -> executable or None: program_cache._load_now
+_job: list = []  # a rank of a multi-process job: it neither loads ahead nor writes a set
+created_backend = [False]  # this process's backend was created at import, to load ahead
+
+
+def _spawned() -> bool:
+    """Whether multiprocessing's spawn or forkserver started this process (its command line is
+    ``-c 'from multiprocessing.spawn import spawn_main; ...' --multiprocessing-fork``)."""
+    return "--multiprocessing-fork" in (getattr(sys, "orig_argv", None) or sys.argv)
 
 
 def _name() -> str:
     # the interpreter's own command line names ``-c``'s code too; the folder tells scripts apart
     argv = list(getattr(sys, "orig_argv", None) or sys.argv)
+    if _spawned():  # every spawned child's command line is alike: name its parent's script
+        main = sys.modules.get("__mp_main__")
+        argv.append(str(getattr(main, "__file__", "") or ""))
     ident = NAME or "\0".join([os.getcwd(), *argv])
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
@@ -131,6 +149,22 @@ def multi_process_job() -> bool:
     return ws > 1 or bool(os.environ.get("TORCHTPU_COORDINATOR_ADDRESS"))
 
 
+def may_join_a_job_later() -> bool:
+    """Whether this process may still call ``init_process_group`` itself after ``import``,
+    with no ``WORLD_SIZE`` telling so ahead: a child that multiprocessing spawned (vLLM's
+    tensor-parallel workers, ``torch.multiprocessing.spawn``'s ranks) or one with
+    torch.distributed's rendezvous variables set. Its backend must not be created at import,
+    so its working set is loaded from its first device use on, when that is not a job's."""
+    return _spawned() or any(os.environ.get(v) for v in ("MASTER_ADDR", "RANK", "LOCAL_RANK"))
+
+
+def in_a_job() -> None:
+    """This process is a rank of a multi-process job: its programs are the job's (compiled for
+    its devices), neither loaded ahead nor recorded for the next run of its command line, whose
+    processes may well run alone (the ranks would also overwrite each other's sets)."""
+    _job.append(True)
+
+
 def recorded() -> bool:
     """Whether a working set was recorded for this command line (and may be loaded)."""
     if not ENABLED or _thread or _forked:
@@ -177,7 +211,7 @@ def _save() -> None:
     if unused:
         count("working_set_unused", unused)
     _ahead.clear()  # before JAX tears its clients down
-    if not ENABLED or not _used or _forked:
+    if not ENABLED or not _used or _forked or _job:
         return
     path = _file()
     if path is None:
