@@ -222,14 +222,18 @@ def test_compiled_collectives_of_hand_written_plans():
 @pytest.mark.slow  # ~40 s: three compile subprocesses
 def test_verification_of_deep_models_extrapolates_from_two_layers():
     """A 6-layer stack is compiled with 1 and 2 layers and XLA's figures extrapolated: they
-    match compiling all 6 (parameters, FLOPs and collective bytes exactly; memory within 2%)."""
+    match compiling all 6 (parameters, FLOPs and collective bytes exactly; memory within 2%),
+    also for an SP + ``sp_regather`` plan compiled with its layouts."""
     from torchtpu.distributed.auto_parallel.verify import compile_plans
 
     torch.manual_seed(0)
     m, x = Transformer(layers=6), tokens()
     plans = [plan_for(m, 4, (x,), dp=1, tp=4, device_spec="cpu",
                       tp_units=["layers.*.attention", "layers.*.feed_forward"]),
-             plan_for(m, 4, (x,), dp=2, tp=2, device_spec="cpu")]
+             plan_for(m, 4, (x,), dp=2, tp=2, device_spec="cpu"),
+             # compiled as applied: its layouts traced into each depth's program
+             plan_for(m, 4, (x,), dp=2, tp=2, sequence_parallel=True, sp_regather=True,
+                      device_spec="cpu")]
     full = compile_plans(m, (x,), {}, plans, 2, 4, full_depth=True)
     ext = compile_plans(m, (x,), {}, plans, 2, 4)
     for f, e in zip(full, ext):
