@@ -163,7 +163,8 @@ def test_verification_compiles_sequence_and_loss_parallel_as_applied():
     layouts (stream sharded on the sequence between the blocks, each block's input gathered,
     the logits sharded on the vocabulary, each block's input gathered again in backward after
     its gradient arrives), and XLA's collectives change accordingly: SP gathers the blocks'
-    inputs (TP only all-reduces), ``sp_regather`` one more all-gather per block call."""
+    inputs (TP only all-reduces), ``sp_regather`` one more all-gather per block call. A plan
+    whose compiled memory exceeds the budget its prediction met is flagged."""
     from torchtpu.distributed.auto_parallel.devices import device_spec
     from torchtpu.distributed.auto_parallel.verify import compile_plans, judge, trace_step
 
@@ -194,6 +195,14 @@ def test_verification_compiles_sequence_and_loss_parallel_as_applied():
     assert rsg["collectives"]["all-gather"] == rsp["collectives"]["all-gather"] + blocks
     sg.compiled = judge(sg, rsg, device_spec("cpu"), 1e-12)
     assert "as applied: sequence parallel, loss parallel, block inputs regathered" in str(sg)
+    # the search's own verification: XLA's memory of this small model is several times the
+    # cost model's, so the plan that the prediction fits under the budget is flagged
+    budget = 1.001 * sg.predicted["memory_bytes"]
+    plan = td.auto_parallelize(m, 2, (x,), memory_budget=budget, device_spec="cpu", top_k=1,
+                               loss_fn=_token_loss, loss_args=(y,))
+    assert plan.sequence_parallel and "sequence parallel" in plan.compiled["lowered"]
+    assert plan.compiled["memory_bytes"] > budget and plan.compiled["over_budget"] == budget
+    assert "OVER the" in str(plan)
 
 
 @pytest.mark.slow  # ~30 s: one more compile subprocess
