@@ -233,6 +233,8 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
                               "compiled": p.compiled[metric],
                               "unpredicted": p.compiled["unpredicted"]} for p in plans]
         chosen = ranked[0]
+        if chosen.compiled["memory_bytes"] > budget:  # the prediction met it, XLA does not
+            chosen.compiled["over_budget"] = budget
     else:
         chosen = plans[0]
     chosen.search = search

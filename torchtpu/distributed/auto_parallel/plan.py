@@ -76,10 +76,13 @@ class Plan:
                          f"{_mib(p['dp_bytes'])} + tp {_mib(p['tp_bytes'])}")
         c = self.compiled
         if c:
-            lines.append(f"  compiled by XLA ({c['devices']} devices): memory "
+            how = f", as applied: {', '.join(c['lowered'])}" if c.get("lowered") else ""
+            lines.append(f"  compiled by XLA ({c['devices']} devices{how}): memory "
                          f"{_mib(c['memory_bytes'])}, collectives {_mib(c['collective_bytes'])} "
                          f"{c['collectives']}, {c['flops']:.3g} FLOPs/device"
-                         + (f"; UNPREDICTED: {c['unpredicted']}" if c.get("unpredicted") else ""))
+                         + (f"; UNPREDICTED: {c['unpredicted']}" if c.get("unpredicted") else "")
+                         + (f"; OVER the {_mib(c['over_budget'])} budget (predicted under it; "
+                            f"no compiled candidate fits)" if c.get("over_budget") else ""))
         tp_units = [n or "<root>" for n, u in self.units.items() if u["choice"] != "none"]
         if tp_units:
             lines.append("  tensor parallel: " + ", ".join(

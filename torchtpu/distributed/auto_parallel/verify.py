@@ -28,14 +28,17 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .analysis import eager, fake_like, fake_mode, namer
+from .layouts import lowered, markers, needs_layouts
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_worker.py")
 
 
-def trace_step(model, args, kwargs, optimizer_states: int, loss_fn=None, loss_args=()):
+def trace_step(model, args, kwargs, optimizer_states: int, loss_fn=None, loss_args=(),
+               plan=None):
     """(GraphModule, parameter names, number of inputs) of one functional train step; the loss
     is ``loss_fn(output, *loss_args)`` (its tensors are inputs of the step), else the sum of
-    the float outputs."""
+    the float outputs. ``plan``: its activation layouts (sequence / loss parallelism,
+    ``sp_regather``) are put into the step as ``layouts.py`` markers."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ...compile.backend import _LazyDecompositions
@@ -99,7 +102,7 @@ def trace_step(model, args, kwargs, optimizer_states: int, loss_fn=None, loss_ar
     fake = ps + [fake_like(fm, p) for _ in range(k) for p in model.parameters()] + \
         [fake_like(fm, b) for b in model.buffers()] + \
         [fake_like(fm, flat_in[i]) for i in tensor_pos]
-    with fm, eager():
+    with fm, eager(), markers(model, plan):
         gm = make_fx(step, decomposition_table=_LazyDecompositions(),
                      tracing_mode="real")(*fake)
         # autograd is traced away above; functionalize the in-place ops of the result
@@ -243,30 +246,44 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     n = plans[0].world_size
     trunk, layers = _trunk(model)
     depths = [None] if full_depth or measure or layers <= 4 else [1, 2]
+    # the plans whose activations the parameters' shardings do not determine (SP, loss
+    # parallelism) are traced with their own layout markers; the others share one program
+    own = [i for i, p in enumerate(plans) if needs_layouts(p)]
+    shared = [i for i in range(len(plans)) if i not in own]
+    groups = ([(None, shared)] if shared else []) + [(plans[i], [i]) for i in own]
     with tempfile.TemporaryDirectory() as tmp:
         programs = []
         for d in depths:
             with _depth(trunk, d if d is not None else layers):
                 n_b = len(list(model.buffers()))
-                gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states,
-                                                 loss_fn, loss_args)
-                path = os.path.join(tmp, f"step{d}.jaxexport")
-                shapes = export_step(gm, path)
-                programs.append({
-                    "exported": path, "devices": n,
-                    "donate": list(range(len(names) * (1 + optimizer_states))),
-                    "measure": measure,
-                    "candidates": [candidate_specs(p, names, shapes, optimizer_states, n_b,
-                                                   batch, n_inputs, namer(model))
-                                   for p in plans]})
+                for j, (marked, idx) in enumerate(groups):
+                    gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states,
+                                                     loss_fn, loss_args, plan=marked)
+                    path = os.path.join(tmp, f"step{d}_{j}.jaxexport")
+                    shapes = export_step(gm, path)
+                    programs.append({
+                        "exported": path, "devices": n,
+                        "donate": list(range(len(names) * (1 + optimizer_states))),
+                        "measure": measure,
+                        "candidates": [candidate_specs(plans[i], names, shapes,
+                                                       optimizer_states, n_b, batch, n_inputs,
+                                                       namer(model)) for i in idx]})
         req = {"programs": programs}
         if jax.default_backend() == "cpu" and jax.local_device_count() >= n:
             res = [_worker().compile_candidates(p) for p in programs]
         else:
             res = _run_worker(req, n, timeout, optimise=bool(measure))
-    if len(res) == 1:
-        return res[0]
-    return [_extrapolate(a, b, layers) for a, b in zip(*res)]
+    per_depth = []
+    for k in range(len(depths)):
+        out = [None] * len(plans)
+        for (_, idx), r in zip(groups, res[k * len(groups):(k + 1) * len(groups)]):
+            for i, ri in zip(idx, r):
+                ri["lowered"] = lowered(plans[i])
+                out[i] = ri
+        per_depth.append(out)
+    if len(per_depth) == 1:
+        return per_depth[0]
+    return [_extrapolate(a, b, layers) for a, b in zip(*per_depth)]
 
 
 def _run_worker(req: dict, n: int, timeout: float, optimise: bool = False) -> list:
