@@ -305,3 +305,37 @@ def offer(lowering, prog, flat, tensors, out, traced_type, check=None, static_ty
         order = None if like is None else _layout_order(len(shape), like)
         metas.append((tuple(shape), dt) if order is None else (tuple(shape), dt, order))
     return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas, check)
+
+
+def setup_fused(fused_mode, fused_globals, pending_type, task_fn) -> bool:
+    """Let Kernels record Fused-mode ops whose key ``record`` recorded before (eager/fused.py
+    calls it once, at install): they read ``fused_globals`` (fused.py's module dict: its
+    ``_graph``, ``MAX_NODES``, ``CUT_AT_BACKWARD``, ``flush``) at each recording. False where
+    the fast path is not bound."""
+    if not wanted():
+        return False
+    ext = _load()
+    if ext is None:
+        return False
+    ext.setup_fused(fused_mode, fused_globals, pending_type, task_fn)
+    return True
+
+
+def offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs) -> bool:
+    """Install the recording entry for this thread's pending Fused key: the node ``record``
+    just appended (its recording key ``akey``, traced function and persistent spelling
+    ``text``), how its references are made (``plan``: per reference a tensor ordinal,
+    ``("c", value)`` a graph input deduplicated by identity, ``("o", value)`` a view offset's
+    input), per tensor ordinal ``(canonical aval, shape, numpy dtype)`` and per result None,
+    ``("s", value)`` or ``(canonical aval, shape, torch dtype)``. The caller (fused.record)
+    offers only calls whose recording is a function of the key and the inputs' abstract
+    values; True if installed."""
+    ext = _state["ext"]
+    if ext is None:
+        return False
+    return ext.install_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs)
+
+
+def fused_entries() -> int:
+    ext = _state["ext"]
+    return 0 if ext is None else ext.fused_entries()
