@@ -17,10 +17,15 @@ Strict mode, every tensor on a storage array (no CPU scalar), no random state dr
 mutated argument, one device, array results (None and Python scalar results are constants of
 the entry; a checked op's flag goes to ``checks.add`` from C++; a factory is served where tpu:0
 is the only device; SDPA's fused op and its backward are restrided like their inputs, registry
-meta ``eager_layout_like``). Everything else (in-place writes and donation, Debug and Fused
-modes, dynamic shapes, calls that draw random state, fallbacks) takes the Python path every
+meta ``eager_layout_like``). Everything else (in-place writes and donation, Debug
+mode, dynamic shapes, calls that draw random state, fallbacks) takes the Python path every
 time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
 too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
+
+In Fused mode (DEFER_AND_FUSE) a Kernel records instead: a key ``fused.record`` recorded
+before (and offered, ``offer_fused``) is replayed in C++ (the node appended to the pending
+graph, PendingBuffer outputs made), as docs/ARCHITECTURE.md "Fused" describes; anything else
+runs ``record``.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
 ``set_enabled(False)`` makes every Kernel run its Python kernel (the same path, in-process,
@@ -28,7 +33,7 @@ for tests and benchmarks). Without a C++ compiler the Python kernels are bound a
 ``eager_fastpath_unavailable`` is counted. ``torch.tpu.metrics()`` counts
 ``eager_fastpath_hits`` (also counted as ``eager_cache_hits``), ``eager_fastpath_misses`` (no
 entry: the Python path ran), ``eager_fastpath_installs``, ``eager_fastpath_uncacheable``
-(arguments it cannot key), ``eager_fastpath_bypassed`` (not Strict mode) and
+(arguments it cannot key), ``eager_fastpath_bypassed`` (Debug mode) and
 ``eager_fastpath_fallbacks`` (a key with no entry for these storage arrays, or an executable
 that refused them: the Python path ran).
 """
