@@ -93,6 +93,8 @@ constexpr size_t kMaxEntries = 4096;  // per op: a table past it starts over
 constexpr size_t kMaxVariants = 8;
 constexpr size_t kSeenAvals = 4;  // per entry input
 
+struct FTable;
+
 struct Kernel {
   PyObject_HEAD
   PyObject* fn;        // the Python kernel
@@ -100,6 +102,7 @@ struct Kernel {
   PyObject* name;      // str: for counters
   int reads_precision;
   Table* table;
+  struct FTable* ftable;  // Fused mode's recording entries (see "Fused recording" below)
 };
 
 std::vector<Kernel*>& all_kernels() {
@@ -170,6 +173,7 @@ struct Pending {
   Kernel* kernel = nullptr;
   std::string key;
   int n_tensors = 0;
+  bool fused = false;  // a Fused-mode miss: only install_fused may use it (Strict's install not)
 };
 thread_local Pending* tl_pending = nullptr;
 
@@ -375,9 +379,10 @@ bool matches(const Entry& e, InArrays& in) {
   return true;
 }
 
-// A new tpu tensor whose storage holds `arr` (buffer.wrap_noted); new reference or nullptr
-// with a Python error set.
-PyObject* wrap(PyObject* arr, const OutMeta& m) {
+// A new tpu tensor whose storage's `_tpu_buffer` is `buf` (borrowed): a Buffer holding an array
+// (`wrap`) or the Fused executor's PendingBuffer (buffer.wrap_pending); new reference or
+// nullptr with a Python error set.
+PyObject* tensor_on(PyObject* buf, const OutMeta& m) {
   PyObject* nf = PyList_GetItem(g_next_free, 0);  // borrowed
   if (nf == nullptr) return nullptr;
   long long addr = PyLong_AsLongLong(nf);
@@ -385,7 +390,6 @@ PyObject* wrap(PyObject* arr, const OutMeta& m) {
   PyObject* next = PyLong_FromLongLong(addr + (m.nbytes / kAlign + 1) * kAlign);
   if (next == nullptr) return nullptr;
   if (PyList_SetItem(g_next_free, 0, next) < 0) return nullptr;  // steals `next`
-  PyObject* buf = nullptr;
   PyObject* st = nullptr;
   PyObject* res = nullptr;
   try {
@@ -398,16 +402,6 @@ PyObject* wrap(PyObject* arr, const OutMeta& m) {
         caffe2::TypeMeta::fromScalarType(m.dtype));
     impl->set_sizes_and_strides(m.sizes, m.strides);
     at::Tensor t(std::move(impl));
-    buf = reinterpret_cast<PyTypeObject*>(g_buffer_type)
-              ->tp_new(reinterpret_cast<PyTypeObject*>(g_buffer_type), g_empty, nullptr);
-    if (buf == nullptr) goto fail;
-    if (g_array_slot >= 0) {  // Buffer.array's slot, written as its member descriptor would
-      PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(buf) + g_array_slot);
-      Py_INCREF(arr);
-      Py_XSETREF(*slot, arr);
-    } else if (PyObject_SetAttr(buf, s_array, arr) < 0) {
-      goto fail;
-    }
     st = THPStorage_Wrap(storage);
     if (st == nullptr || PyObject_SetAttr(st, s_tpu_buffer, buf) < 0) goto fail;
     res = THPVariable_Wrap(std::move(t));
@@ -415,8 +409,26 @@ PyObject* wrap(PyObject* arr, const OutMeta& m) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
   }
 fail:
-  Py_XDECREF(buf);
   Py_XDECREF(st);
+  return res;
+}
+
+// A new tpu tensor whose storage holds `arr` (buffer.wrap_noted); new reference or nullptr
+// with a Python error set.
+PyObject* wrap(PyObject* arr, const OutMeta& m) {
+  PyObject* buf = reinterpret_cast<PyTypeObject*>(g_buffer_type)
+                      ->tp_new(reinterpret_cast<PyTypeObject*>(g_buffer_type), g_empty, nullptr);
+  if (buf == nullptr) return nullptr;
+  if (g_array_slot >= 0) {  // Buffer.array's slot, written as its member descriptor would
+    PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(buf) + g_array_slot);
+    Py_INCREF(arr);
+    Py_XSETREF(*slot, arr);
+  } else if (PyObject_SetAttr(buf, s_array, arr) < 0) {
+    Py_DECREF(buf);
+    return nullptr;
+  }
+  PyObject* res = tensor_on(buf, m);
+  Py_DECREF(buf);
   return res;
 }
 
@@ -528,6 +540,383 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
   return HIT_OK;
 }
 
+// ---- Fused recording (eager/fused.py `record`, for a key it recorded before) ----
+// In DEFER_AND_FUSE mode an op is recorded, not run: a node (its recording key, traced
+// function, argument references, persistent spelling) appended to the pending graph, and
+// output tensors whose storages hold PendingBuffers. What `record` derives from the arguments
+// (the executor key, each input's view spec and abstract value, the traced function and the
+// abstract outputs) is a function of this Kernel's key and of each input's abstract value (a
+// pending value's canonical aval, or a computed array's shape and dtype), so an entry made by
+// `record` for a call (`install_fused`) replays it: it checks each input's abstract value,
+// builds the node's references (a pending input's `ref`, an array or traced scalar as a
+// graph input, deduplicated by identity as `_Graph.input_ref` does; a view's offset as a new
+// input each time) and makes the outputs. Everything else (a new key, another abstract value,
+// a graph task change with the backward cut on, random, checked, mutating, in-place and
+// layout ops: `record` decides what it offers) runs `record` itself.
+
+struct FOut {
+  PyObject* aval = nullptr;   // the canonical aval of a pending output (owned), or nullptr
+  PyObject* konst = nullptr;  // a constant result (None or a Python scalar; owned)
+  OutMeta meta;
+};
+
+struct FEntry {
+  PyObject *akey = nullptr, *traced = nullptr, *text = nullptr;  // the node's fixed parts (owned)
+  // per reference of the node, in order: 'T' a tensor ordinal, 'C' a graph input constant
+  // (a traced scalar's value: deduplicated), 'O' a view's offset (appended each time)
+  std::vector<char> plan_kind;
+  std::vector<int> plan_idx;    // the tensor ordinal, or the index into consts
+  std::vector<PyObject*> consts;           // owned
+  std::vector<PyObject*> in_avals;         // per tensor ordinal: the canonical aval (owned)
+  std::vector<PyObject*> in_dtypes;        // ... its numpy dtype (owned)
+  std::vector<std::vector<int64_t>> in_shapes;  // ... its shape
+  mutable std::vector<std::vector<PyObject*>> seen;  // jax avals matched per ordinal (owned)
+  bool tuple_out = false;
+  std::vector<FOut> outs;
+  ~FEntry() {
+    Py_XDECREF(akey);
+    Py_XDECREF(traced);
+    Py_XDECREF(text);
+    for (auto* c : consts) Py_XDECREF(c);
+    for (auto* a : in_avals) Py_XDECREF(a);
+    for (auto* d : in_dtypes) Py_XDECREF(d);
+    for (auto& v : seen)
+      for (auto* a : v) Py_XDECREF(a);
+    for (auto& o : outs) {
+      Py_XDECREF(o.aval);
+      Py_XDECREF(o.konst);
+    }
+  }
+};
+
+struct FTable : std::unordered_map<std::string, std::vector<std::shared_ptr<FEntry>>> {};
+
+// set once by setup_fused (fused.install)
+PyObject* g_fused = nullptr;       // EagerMode.DEFER_AND_FUSE
+// eager/fused.py's globals: `_graph` (a one-element list: the pending _Graph), `MAX_NODES`,
+// `CUT_AT_BACKWARD`, `flush`, read at each recording (tests and users may set them)
+PyObject* g_fused_globals = nullptr;
+PyObject* g_pb_type = nullptr;     // fused.PendingBuffer
+PyObject* g_task_fn = nullptr;     // torch._C._current_graph_task_id
+Py_ssize_t g_pb_value = -1, g_pb_ref = -1, g_pb_aval = -1;  // PendingBuffer's slot offsets
+PyObject *s_nodes, *s_inputs, *s_input_ids, *s_pending, *s_task, *s_i, *s_n, *s_size_limit,
+    *s_graph, *s_max_nodes, *s_cut_at_backward, *s_flush;
+PyObject *c_recorded, *c_frecords, *c_fmisses, *c_finstalls, *c_ffallbacks;
+
+inline PyObject*& slot_at(PyObject* o, Py_ssize_t off) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+}
+
+// One input tensor of a recording hit: its pending reference, or its computed array.
+struct FIn {
+  PyObject* ref = nullptr;   // owned: the PendingBuffer's ("n", node, output)
+  PyObject* arr = nullptr;   // owned: the storage's array
+  PyObject* aval = nullptr;  // owned: the PendingBuffer's canonical aval, or the array's aval
+  FIn() = default;
+  FIn(const FIn&) = delete;
+  FIn& operator=(const FIn&) = delete;
+  FIn(FIn&& o) noexcept : ref(o.ref), arr(o.arr), aval(o.aval) { o.ref = o.arr = o.aval = nullptr; }
+  ~FIn() {
+    Py_XDECREF(ref);
+    Py_XDECREF(arr);
+    Py_XDECREF(aval);
+  }
+};
+using FIns = c10::SmallVector<FIn, 6>;
+
+// What `record` reads of each input: false (no Python error set) where one is neither a
+// pending value still to be computed nor a jax Array (`record` decides: it raises for a lost
+// value, passes a CPU scalar...).
+bool fgather(const Tensors& ts, FIns& in) {
+  in.resize(ts.size());
+  for (size_t i = 0; i < ts.size(); i++) {
+    FIn& a = in[i];
+    PyObject* st = THPStorage_Wrap(ts[i].storage());
+    if (st == nullptr) { PyErr_Clear(); return false; }
+    PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
+    Py_DECREF(st);
+    if (buf == nullptr) { PyErr_Clear(); return false; }
+    if (reinterpret_cast<PyObject*>(Py_TYPE(buf)) == g_pb_type) {
+      PyObject* v = slot_at(buf, g_pb_value);
+      if (v == nullptr || v == Py_None) {  // pending: its reference and canonical aval
+        PyObject* r = slot_at(buf, g_pb_ref);
+        PyObject* av = slot_at(buf, g_pb_aval);
+        if (r == nullptr || r == Py_None || av == nullptr) { Py_DECREF(buf); return false; }
+        Py_INCREF(r);
+        Py_INCREF(av);
+        a.ref = r;
+        a.aval = av;
+        Py_DECREF(buf);
+        continue;
+      }
+      Py_INCREF(v);
+      a.arr = v;
+    } else {
+      a.arr = PyObject_GetAttr(buf, s_array);
+      if (a.arr == nullptr) { PyErr_Clear(); Py_DECREF(buf); return false; }
+    }
+    Py_DECREF(buf);
+    if (reinterpret_cast<PyObject*>(Py_TYPE(a.arr)) != g_array_type) return false;
+    a.aval = PyObject_GetAttr(a.arr, s_aval);
+    if (a.aval == nullptr) { PyErr_Clear(); return false; }
+  }
+  return true;
+}
+
+// Whether entry `e` was recorded for these inputs' abstract values: a pending input's
+// canonical aval is the entry's (identity); a computed array's shape and dtype are the
+// entry's (`record` keys it by `_aval(shape, dtype)`, weak type aside).
+bool fmatches(const FEntry& e, FIns& in) {
+  if (e.in_avals.size() != in.size()) return false;
+  for (size_t i = 0; i < in.size(); i++) {
+    if (in[i].ref != nullptr) {
+      if (in[i].aval != e.in_avals[i]) return false;
+      continue;
+    }
+    auto& seen = e.seen[i];
+    if (std::find(seen.begin(), seen.end(), in[i].aval) != seen.end()) continue;
+    PyObject* dt = PyObject_GetAttr(in[i].aval, s_dtype);
+    if (dt == nullptr) { PyErr_Clear(); return false; }
+    int eq = dt == e.in_dtypes[i] ? 1 : PyObject_RichCompareBool(dt, e.in_dtypes[i], Py_EQ);
+    Py_DECREF(dt);
+    if (eq != 1) { if (eq < 0) PyErr_Clear(); return false; }
+    PyObject* sh = PyObject_GetAttr(in[i].aval, s_shape);
+    if (sh == nullptr || !PyTuple_Check(sh)) { PyErr_Clear(); Py_XDECREF(sh); return false; }
+    const auto& want = e.in_shapes[i];
+    bool same = PyTuple_GET_SIZE(sh) == static_cast<Py_ssize_t>(want.size());
+    for (size_t j = 0; same && j < want.size(); j++) {
+      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(sh, j));
+      if (d == -1 && PyErr_Occurred()) PyErr_Clear();
+      same = d == want[j];
+    }
+    Py_DECREF(sh);
+    if (!same) return false;
+    if (seen.size() >= kSeenAvals) {
+      Py_DECREF(seen.front());
+      seen.erase(seen.begin());
+    }
+    Py_INCREF(in[i].aval);
+    seen.push_back(in[i].aval);
+  }
+  return true;
+}
+
+// `_Graph.input_ref`: ("i", index) of `obj` among the graph's inputs, added once per object;
+// new reference or nullptr with a Python error set.
+PyObject* input_ref(PyObject* inputs, PyObject* ids, PyObject* obj) {
+  PyObject* k = PyLong_FromVoidPtr(obj);  // id(obj)
+  if (k == nullptr) return nullptr;
+  PyObject* idx = PyDict_GetItemWithError(ids, k);  // borrowed
+  if (idx != nullptr) {
+    Py_INCREF(idx);
+  } else {
+    if (PyErr_Occurred()) { Py_DECREF(k); return nullptr; }
+    idx = PyLong_FromSsize_t(PyList_GET_SIZE(inputs));
+    if (idx == nullptr || PyDict_SetItem(ids, k, idx) < 0 || PyList_Append(inputs, obj) < 0) {
+      Py_XDECREF(idx);
+      Py_DECREF(k);
+      return nullptr;
+    }
+  }
+  Py_DECREF(k);
+  PyObject* r = PyTuple_Pack(2, s_i, idx);
+  Py_DECREF(idx);
+  return r;
+}
+
+// A new PendingBuffer(ref, aval), as its __init__ sets it; new reference or nullptr.
+PyObject* new_pending(PyObject* ref, PyObject* aval) {
+  auto* tp = reinterpret_cast<PyTypeObject*>(g_pb_type);
+  PyObject* pb = tp->tp_new(tp, g_empty, nullptr);
+  if (pb == nullptr) return nullptr;
+  Py_INCREF(Py_None);
+  Py_XSETREF(slot_at(pb, g_pb_value), Py_None);
+  Py_INCREF(ref);
+  Py_XSETREF(slot_at(pb, g_pb_ref), ref);
+  Py_INCREF(aval);
+  Py_XSETREF(slot_at(pb, g_pb_aval), aval);
+  return pb;
+}
+
+enum RecordResult { REC_OK, REC_PYTHON, REC_ERROR };
+
+// Record one call by entry `e` into the pending graph (fused.record's steps for a known key).
+RecordResult frecord(const FEntry& e, FIns& in, PyObject** result) {
+  PyObject* graph = PyDict_GetItemWithError(g_fused_globals, s_graph);  // borrowed
+  PyObject* cut = graph == nullptr ? nullptr
+                                   : PyDict_GetItemWithError(g_fused_globals, s_cut_at_backward);
+  PyObject* max_nodes = cut == nullptr ? nullptr
+                                       : PyDict_GetItemWithError(g_fused_globals, s_max_nodes);
+  if (max_nodes == nullptr || !PyList_CheckExact(graph) || PyList_GET_SIZE(graph) != 1 ||
+      !PyLong_CheckExact(max_nodes)) {
+    if (PyErr_Occurred()) return REC_ERROR;
+    return REC_PYTHON;
+  }
+  int cutting = PyObject_IsTrue(cut);
+  if (cutting < 0) return REC_ERROR;
+  PyObject* g = PyList_GET_ITEM(graph, 0);
+  Py_INCREF(g);
+  PyObject *nodes = nullptr, *inputs = nullptr, *ids = nullptr, *pending = nullptr,
+           *refs = nullptr, *node = nullptr, *res = nullptr;
+  RecordResult rc = REC_ERROR;
+  Py_ssize_t node_index = 0;
+  size_t n = e.plan_kind.size();
+  if (cutting) {  // the backward cut: a graph task change is record's to handle
+    PyObject* task = PyObject_CallNoArgs(g_task_fn);
+    PyObject* gtask = task == nullptr ? nullptr : PyObject_GetAttr(g, s_task);
+    int same = gtask == nullptr ? -1 : PyObject_RichCompareBool(task, gtask, Py_EQ);
+    Py_XDECREF(task);
+    Py_XDECREF(gtask);
+    if (same != 1) {
+      if (same < 0) goto done;
+      rc = REC_PYTHON;
+      goto done;
+    }
+  }
+  nodes = PyObject_GetAttr(g, s_nodes);
+  inputs = nodes == nullptr ? nullptr : PyObject_GetAttr(g, s_inputs);
+  ids = inputs == nullptr ? nullptr : PyObject_GetAttr(g, s_input_ids);
+  pending = ids == nullptr ? nullptr : PyObject_GetAttr(g, s_pending);
+  if (pending == nullptr) goto done;
+  if (!PyList_CheckExact(nodes) || !PyList_CheckExact(inputs) || !PyDict_CheckExact(ids) ||
+      !PyList_CheckExact(pending)) {
+    rc = REC_PYTHON;  // (a graph being flushed: record decides)
+    goto done;
+  }
+  refs = PyTuple_New(static_cast<Py_ssize_t>(n));
+  if (refs == nullptr) goto done;
+  for (size_t i = 0; i < n; i++) {
+    PyObject* r = nullptr;
+    char kind = e.plan_kind[i];
+    if (kind == 'T') {
+      FIn& a = in[e.plan_idx[i]];
+      if (a.ref != nullptr) {
+        Py_INCREF(a.ref);
+        r = a.ref;
+      } else {
+        r = input_ref(inputs, ids, a.arr);
+      }
+    } else if (kind == 'C') {
+      r = input_ref(inputs, ids, e.consts[e.plan_idx[i]]);
+    } else {  // 'O': a new input each time, as record does
+      PyObject* idx = PyLong_FromSsize_t(PyList_GET_SIZE(inputs));
+      if (idx != nullptr && PyList_Append(inputs, e.consts[e.plan_idx[i]]) == 0)
+        r = PyTuple_Pack(2, s_i, idx);
+      Py_XDECREF(idx);
+    }
+    if (r == nullptr) goto done;
+    PyTuple_SET_ITEM(refs, i, r);
+  }
+  // the inputs' arrays: the graph holds them now (donation at the cut counts references)
+  for (auto& a : in) Py_CLEAR(a.arr);
+  node_index = PyList_GET_SIZE(nodes);
+  node = PyTuple_Pack(4, e.akey, e.traced, refs, e.text);
+  if (node == nullptr || PyList_Append(nodes, node) < 0) goto done;
+  bump(c_recorded);
+  bump(c_frecords);
+  {
+    size_t n_out = e.outs.size();
+    if (e.tuple_out) {
+      res = PyTuple_New(static_cast<Py_ssize_t>(n_out));
+      if (res == nullptr) goto done;
+    }
+    for (size_t i = 0; i < n_out; i++) {
+      const FOut& o = e.outs[i];
+      PyObject* w;
+      if (o.aval == nullptr) {
+        Py_INCREF(o.konst);
+        w = o.konst;
+      } else {
+        PyObject* ref = Py_BuildValue("(Onn)", s_n, node_index, static_cast<Py_ssize_t>(i));
+        PyObject* pb = ref == nullptr ? nullptr : new_pending(ref, o.aval);
+        Py_XDECREF(ref);
+        if (pb == nullptr || PyList_Append(pending, pb) < 0) {
+          Py_XDECREF(pb);
+          Py_CLEAR(res);
+          goto done;
+        }
+        w = tensor_on(pb, o.meta);
+        Py_DECREF(pb);
+      }
+      if (w == nullptr) { Py_CLEAR(res); goto done; }
+      if (e.tuple_out) PyTuple_SET_ITEM(res, i, w);
+      else res = w;
+    }
+  }
+  if (node_index + 1 >= PyLong_AsSsize_t(max_nodes)) {
+    PyObject* flush = PyDict_GetItemWithError(g_fused_globals, s_flush);  // borrowed
+    PyObject* r = flush == nullptr ? nullptr : PyObject_CallOneArg(flush, s_size_limit);
+    if (r == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "fused.flush is gone");
+      Py_CLEAR(res);
+      goto done;
+    }
+    Py_DECREF(r);
+  }
+  *result = res;
+  rc = REC_OK;
+done:
+  Py_XDECREF(node);
+  Py_XDECREF(refs);
+  Py_XDECREF(pending);
+  Py_XDECREF(ids);
+  Py_XDECREF(inputs);
+  Py_XDECREF(nodes);
+  Py_DECREF(g);
+  return rc;
+}
+
+// The recording path of Kernel_serve (the key made): replay an entry, or run `record` with
+// this thread's pending key set (it may install one).
+PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs);
+
+PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::string& key,
+                        const Tensors& ts, bool* served) {
+  auto it = self->ftable->find(key);
+  if (it != self->ftable->end()) {
+    std::shared_ptr<FEntry> e;  // kept alive while Python code runs (a size-limit flush)
+    FIns in;
+    try {
+      if (fgather(ts, in)) {
+        for (auto& v : it->second)
+          if (fmatches(*v, in)) { e = v; break; }
+      }
+    } catch (const std::exception& ex) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, ex.what());
+      return nullptr;
+    }
+    if (e) {
+      PyObject* res = nullptr;
+      RecordResult r;
+      try {
+        r = frecord(*e, in, &res);
+      } catch (const std::exception& ex) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, ex.what());
+        return nullptr;
+      }
+      if (r == REC_OK) {
+        *served = true;
+        return res;
+      }
+      if (r == REC_ERROR) return nullptr;
+    } else {
+      bump(c_ffallbacks);
+    }
+  } else {
+    bump(c_fmisses);
+  }
+  Pending pending;
+  pending.kernel = self;
+  pending.key = std::move(key);
+  pending.n_tensors = static_cast<int>(ts.size());
+  pending.fused = true;
+  Pending* saved = tl_pending;
+  tl_pending = &pending;
+  PyObject* res = forward(self, args, kwargs);
+  tl_pending = saved;
+  return res;
+}
+
 // ---- the Kernel type ----
 
 PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs) {
@@ -599,10 +988,14 @@ PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* ser
   *served = false;
   if (!g_enabled || g_mode_state == nullptr) return forward(self, args, kwargs);
   PyObject* mode = PyDict_GetItemWithError(g_mode_state, s_mode);  // borrowed
+  bool fused = false;
   if (mode != g_strict) {
     if (mode == nullptr) PyErr_Clear();
-    bump(c_bypassed);
-    return forward(self, args, kwargs);
+    if (mode == nullptr || mode != g_fused) {
+      bump(c_bypassed);
+      return forward(self, args, kwargs);
+    }
+    fused = true;  // DEFER_AND_FUSE: the op is recorded (Kernel_record)
   }
   std::string key;
   key.reserve(128);
@@ -636,6 +1029,7 @@ PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* ser
   }
   put<int8_t>(key, static_cast<int8_t>(c10::get_default_dtype_as_scalartype()));
   if (self->reads_precision && !key_precision(key)) return nullptr;
+  if (fused) return Kernel_record(self, args, kwargs, key, ts, served);
   auto it = self->table->find(key);
   if (it != self->table->end()) {
     std::shared_ptr<Entry> e;  // kept alive while the GIL may be released
@@ -698,6 +1092,7 @@ void Kernel_dealloc(PyObject* obj) {
   Py_XDECREF(self->lowering);
   Py_XDECREF(self->name);
   delete self->table;
+  delete self->ftable;
   auto& ks = all_kernels();
   for (size_t i = 0; i < ks.size(); i++)
     if (ks[i] == self) { ks.erase(ks.begin() + i); break; }
@@ -718,6 +1113,7 @@ PyObject* Kernel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->name = name;
   self->reads_precision = reads_precision;
   self->table = new Table();
+  self->ftable = new FTable();
   all_kernels().push_back(self);
   return reinterpret_cast<PyObject*>(self);
 }
@@ -728,6 +1124,7 @@ PyObject* Kernel_size(PyObject* obj, PyObject*) {
 
 PyObject* Kernel_clear(PyObject* obj, PyObject*) {
   reinterpret_cast<Kernel*>(obj)->table->clear();
+  reinterpret_cast<Kernel*>(obj)->ftable->clear();
   Py_RETURN_NONE;
 }
 
@@ -826,7 +1223,8 @@ PyObject* m_install(PyObject*, PyObject* args) {
                         &in_dtypes, &tuple_out, &PyList_Type, &outs, &check))
     return nullptr;
   Pending* p = tl_pending;
-  if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering) Py_RETURN_FALSE;
+  if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering || p->fused)
+    Py_RETURN_FALSE;
   Py_ssize_t n_t = PyList_GET_SIZE(in_dtypes);
   if (n_t != p->n_tensors || PyList_GET_SIZE(outs) == 0 ||
       (!tuple_out && PyList_GET_SIZE(outs) != 1))
@@ -1127,9 +1525,180 @@ PyObject* m_native_guard(PyObject*, PyObject* arg) {
 }
 
 PyObject* m_clear(PyObject*, PyObject*) {
-  for (Kernel* k : all_kernels()) k->table->clear();
+  for (Kernel* k : all_kernels()) {
+    k->table->clear();
+    k->ftable->clear();
+  }
   Py_RETURN_NONE;
 }
+
+// setup_fused(fused mode, fused.py's globals, PendingBuffer, the graph task function): what
+// the recording path reads (fused.install); without it Fused mode runs `record` for every op.
+PyObject* m_setup_fused(PyObject*, PyObject* args) {
+  PyObject *mode, *globals, *pb_type, *task_fn;
+  if (!PyArg_ParseTuple(args, "OO!O!O", &mode, &PyDict_Type, &globals, &PyType_Type, &pb_type,
+                        &task_fn))
+    return nullptr;
+  const char* names[] = {"_value", "ref", "aval"};
+  Py_ssize_t offs[3] = {-1, -1, -1};
+  for (int i = 0; i < 3; i++) {
+    PyObject* d = PyObject_GetAttrString(pb_type, names[i]);
+    if (d == nullptr) return nullptr;
+    if (Py_TYPE(d) == &PyMemberDescr_Type) {
+      PyMemberDef* md = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+      if (md->type == T_OBJECT_EX && !(md->flags & READONLY)) offs[i] = md->offset;
+    }
+    Py_DECREF(d);
+    if (offs[i] < 0) {
+      PyErr_Format(PyExc_TypeError, "setup_fused: PendingBuffer.%s is not a slot", names[i]);
+      return nullptr;
+    }
+  }
+  g_pb_value = offs[0];
+  g_pb_ref = offs[1];
+  g_pb_aval = offs[2];
+  PyObject** slots[] = {&g_fused, &g_fused_globals, &g_pb_type, &g_task_fn};
+  PyObject* vals[] = {mode, globals, pb_type, task_fn};
+  for (int i = 0; i < 4; i++) {
+    Py_INCREF(vals[i]);
+    Py_XSETREF(*slots[i], vals[i]);
+  }
+  Py_RETURN_NONE;
+}
+
+bool out_meta(PyObject* shape, PyObject* dt, OutMeta& m) {
+  if (!PyTuple_Check(shape) || Py_TYPE(dt) != &THPDtypeType) {
+    PyErr_SetString(PyExc_TypeError, "an output's (shape tuple, torch dtype)");
+    return false;
+  }
+  m.dtype = reinterpret_cast<THPDtype*>(dt)->scalar_type;
+  int64_t numel = 1;
+  for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
+    long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+    if (d == -1 && PyErr_Occurred()) return false;
+    m.sizes.push_back(d);
+    numel *= d;
+  }
+  m.strides.resize(m.sizes.size());
+  int64_t acc = 1;
+  for (Py_ssize_t j = static_cast<Py_ssize_t>(m.sizes.size()) - 1; j >= 0; j--) {
+    m.strides[j] = acc;
+    acc *= m.sizes[j] > 1 ? m.sizes[j] : 1;
+  }
+  m.nbytes = numel * static_cast<int64_t>(c10::elementSize(m.dtype));
+  return true;
+}
+
+// install_fused(lowering, akey, traced, text, plan, inputs, tuple_out, outs): the node `record`
+// just made for this thread's pending (Fused) key. plan: per reference, a tensor ordinal,
+// ("c", value) a deduplicated graph input or ("o", value) a view offset's input; inputs: per
+// tensor ordinal (canonical aval, shape, numpy dtype); outs: per result None, ("s", value) a
+// constant, or (canonical aval, shape, torch dtype) a pending output.
+PyObject* m_install_fused(PyObject*, PyObject* args) {
+  PyObject *lowering, *akey, *traced, *text, *plan, *ins, *outs;
+  int tuple_out = 0;
+  if (!PyArg_ParseTuple(args, "OOOOO!O!pO!", &lowering, &akey, &traced, &text, &PyList_Type,
+                        &plan, &PyList_Type, &ins, &tuple_out, &PyList_Type, &outs))
+    return nullptr;
+  Pending* p = tl_pending;
+  if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering || !p->fused ||
+      g_fused == nullptr)
+    Py_RETURN_FALSE;
+  Py_ssize_t n_t = PyList_GET_SIZE(ins);
+  if (n_t != p->n_tensors || PyList_GET_SIZE(outs) == 0 ||
+      (!tuple_out && PyList_GET_SIZE(outs) != 1))
+    Py_RETURN_FALSE;
+  auto e = std::make_shared<FEntry>();
+  PyObject** fixed[] = {&e->akey, &e->traced, &e->text};
+  PyObject* fvals[] = {akey, traced, text};
+  for (int i = 0; i < 3; i++) {
+    Py_INCREF(fvals[i]);
+    *fixed[i] = fvals[i];
+  }
+  e->tuple_out = tuple_out != 0;
+  std::vector<bool> used(n_t, false);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(plan); i++) {
+    PyObject* item = PyList_GET_ITEM(plan, i);
+    if (PyLong_CheckExact(item)) {
+      long v = PyLong_AsLong(item);
+      if (v < 0 || v >= n_t) Py_RETURN_FALSE;
+      used[v] = true;
+      e->plan_kind.push_back('T');
+      e->plan_idx.push_back(static_cast<int>(v));
+      continue;
+    }
+    const char* tag = nullptr;
+    PyObject* c = nullptr;
+    if (!PyTuple_CheckExact(item) || !PyArg_ParseTuple(item, "sO", &tag, &c) ||
+        (tag[0] != 'c' && tag[0] != 'o')) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    Py_INCREF(c);
+    e->consts.push_back(c);
+    e->plan_kind.push_back(tag[0] == 'c' ? 'C' : 'O');
+    e->plan_idx.push_back(static_cast<int>(e->consts.size()) - 1);
+  }
+  for (bool u : used)
+    if (!u) Py_RETURN_FALSE;  // every tensor the kernel got is referenced by the node
+  for (Py_ssize_t i = 0; i < n_t; i++) {
+    PyObject *aval, *shape, *dt;
+    if (!PyArg_ParseTuple(PyList_GET_ITEM(ins, i), "OO!O", &aval, &PyTuple_Type, &shape, &dt))
+      return nullptr;
+    std::vector<int64_t> dims;
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
+      long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+      if (v == -1 && PyErr_Occurred()) return nullptr;
+      dims.push_back(v);
+    }
+    Py_INCREF(aval);
+    e->in_avals.push_back(aval);
+    Py_INCREF(dt);
+    e->in_dtypes.push_back(dt);
+    e->in_shapes.push_back(std::move(dims));
+  }
+  e->seen.resize(n_t);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); i++) {
+    PyObject* o = PyList_GET_ITEM(outs, i);
+    FOut fo;
+    if (o == Py_None) {
+      Py_INCREF(Py_None);
+      fo.konst = Py_None;
+    } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {  // ("s", value)
+      fo.konst = PyTuple_GET_ITEM(o, 1);
+      Py_INCREF(fo.konst);
+    } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 3) {
+      if (!out_meta(PyTuple_GET_ITEM(o, 1), PyTuple_GET_ITEM(o, 2), fo.meta)) return nullptr;
+      fo.aval = PyTuple_GET_ITEM(o, 0);
+      Py_INCREF(fo.aval);
+    } else {
+      Py_RETURN_FALSE;
+    }
+    e->outs.push_back(fo);
+    fo.aval = fo.konst = nullptr;  // (owned by the entry's copy now)
+  }
+  FTable& t = *p->kernel->ftable;
+  if (t.size() >= kMaxEntries) {
+    t.clear();
+    bump(c_full);
+  }
+  auto& vs = t[p->key];
+  for (size_t i = 0; i < vs.size(); i++)
+    if (vs[i]->in_avals == e->in_avals) { vs.erase(vs.begin() + i); break; }
+  if (vs.size() >= kMaxVariants) vs.erase(vs.begin());
+  vs.push_back(std::move(e));
+  p->kernel = nullptr;  // consumed
+  bump(c_finstalls);
+  Py_RETURN_TRUE;
+}
+
+PyObject* m_fused_entries(PyObject*, PyObject*) {
+  size_t n = 0;
+  for (Kernel* k : all_kernels())
+    for (auto& kv : *k->ftable) n += kv.second.size();
+  return PyLong_FromSize_t(n);
+}
+
 
 PyObject* m_entries(PyObject*, PyObject*) {
   size_t n = 0;
@@ -1155,6 +1724,10 @@ PyMethodDef module_methods[] = {
     {"timing", m_timing, METH_NOARGS, "Kernel calls timed: hits, Python kernels, their ns"},
     {"pending", m_pending, METH_NOARGS, "the lowering this thread's pending key belongs to"},
     {"install", m_install, METH_VARARGS, "install an entry for this thread's pending key"},
+    {"setup_fused", m_setup_fused, METH_VARARGS, "what Fused mode's recording path reads"},
+    {"install_fused", m_install_fused, METH_VARARGS,
+     "install a recording entry for this thread's pending (Fused) key"},
+    {"fused_entries", m_fused_entries, METH_NOARGS, "recording entries in every table"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "torchtpu_fastpath", nullptr, -1,
@@ -1191,6 +1764,23 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   c_errors = intern("eager_fastpath_fallbacks");
   c_installs = intern("eager_fastpath_installs");
   c_full = intern("eager_fastpath_table_resets");
+  s_nodes = intern("nodes");
+  s_inputs = intern("inputs");
+  s_input_ids = intern("input_ids");
+  s_pending = intern("pending");
+  s_task = intern("task");
+  s_i = intern("i");
+  s_n = intern("n");
+  s_size_limit = intern("size_limit");
+  s_graph = intern("_graph");
+  s_max_nodes = intern("MAX_NODES");
+  s_cut_at_backward = intern("CUT_AT_BACKWARD");
+  s_flush = intern("flush");
+  c_recorded = intern("fused_ops_recorded");
+  c_frecords = intern("fused_fastpath_records");
+  c_fmisses = intern("fused_fastpath_misses");
+  c_finstalls = intern("fused_fastpath_installs");
+  c_ffallbacks = intern("fused_fastpath_fallbacks");
   g_empty = PyTuple_New(0);
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;

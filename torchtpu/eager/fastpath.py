@@ -17,10 +17,15 @@ Strict mode, every tensor on a storage array (no CPU scalar), no random state dr
 mutated argument, one device, array results (None and Python scalar results are constants of
 the entry; a checked op's flag goes to ``checks.add`` from C++; a factory is served where tpu:0
 is the only device; SDPA's fused op and its backward are restrided like their inputs, registry
-meta ``eager_layout_like``). Everything else (in-place writes and donation, Debug and Fused
-modes, dynamic shapes, calls that draw random state, fallbacks) takes the Python path every
+meta ``eager_layout_like``). Everything else (in-place writes and donation, Debug
+mode, dynamic shapes, calls that draw random state, fallbacks) takes the Python path every
 time. The metadata-only ops' kernels (``cpu_redispatch``) are bound in C++
 too: PyTorch's CPU kernel through a boxed redispatch, as eager/kernels.py does in Python.
+
+In Fused mode (DEFER_AND_FUSE) a Kernel records instead: a key ``fused.record`` recorded
+before (and offered, ``offer_fused``) is replayed in C++ (the node appended to the pending
+graph, PendingBuffer outputs made), as docs/ARCHITECTURE.md "Fused" describes; anything else
+runs ``record``.
 
 ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
 ``set_enabled(False)`` makes every Kernel run its Python kernel (the same path, in-process,
@@ -28,7 +33,7 @@ for tests and benchmarks). Without a C++ compiler the Python kernels are bound a
 ``eager_fastpath_unavailable`` is counted. ``torch.tpu.metrics()`` counts
 ``eager_fastpath_hits`` (also counted as ``eager_cache_hits``), ``eager_fastpath_misses`` (no
 entry: the Python path ran), ``eager_fastpath_installs``, ``eager_fastpath_uncacheable``
-(arguments it cannot key), ``eager_fastpath_bypassed`` (not Strict mode) and
+(arguments it cannot key), ``eager_fastpath_bypassed`` (Debug mode) and
 ``eager_fastpath_fallbacks`` (a key with no entry for these storage arrays, or an executable
 that refused them: the Python path ran).
 """
@@ -305,3 +310,37 @@ def offer(lowering, prog, flat, tensors, out, traced_type, check=None, static_ty
         order = None if like is None else _layout_order(len(shape), like)
         metas.append((tuple(shape), dt) if order is None else (tuple(shape), dt, order))
     return _state["ext"].install(lowering, call, plan, arrays, tuple_out, metas, check)
+
+
+def setup_fused(fused_mode, fused_globals, pending_type, task_fn) -> bool:
+    """Let Kernels record Fused-mode ops whose key ``record`` recorded before (eager/fused.py
+    calls it once, at install): they read ``fused_globals`` (fused.py's module dict: its
+    ``_graph``, ``MAX_NODES``, ``CUT_AT_BACKWARD``, ``flush``) at each recording. False where
+    the fast path is not bound."""
+    if not wanted():
+        return False
+    ext = _load()
+    if ext is None:
+        return False
+    ext.setup_fused(fused_mode, fused_globals, pending_type, task_fn)
+    return True
+
+
+def offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs) -> bool:
+    """Install the recording entry for this thread's pending Fused key: the node ``record``
+    just appended (its recording key ``akey``, traced function and persistent spelling
+    ``text``), how its references are made (``plan``: per reference a tensor ordinal,
+    ``("c", value)`` a graph input deduplicated by identity, ``("o", value)`` a view offset's
+    input), per tensor ordinal ``(canonical aval, shape, numpy dtype)`` and per result None,
+    ``("s", value)`` or ``(canonical aval, shape, torch dtype)``. The caller (fused.record)
+    offers only calls whose recording is a function of the key and the inputs' abstract
+    values; True if installed."""
+    ext = _state["ext"]
+    if ext is None:
+        return False
+    return ext.install_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs)
+
+
+def fused_entries() -> int:
+    ext = _state["ext"]
+    return 0 if ext is None else ext.fused_entries()

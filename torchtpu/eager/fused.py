@@ -33,6 +33,7 @@ from ..runtime import program_cache as _program_cache
 from ..runtime import sync as _sync
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
+from . import fastpath as _fastpath
 from . import fused_shapes as _shapes
 from . import executor, modes, views
 from .executor import FUNCTIONAL, FUNCTIONAL_RAW, Traced, _NP
@@ -204,11 +205,16 @@ def record(lowering, kind, args, kwargs):
     specs = []
     offs = None
     input_ids = g.input_ids
+    # what the C++ recording path needs to replay this call (fastpath.offer_fused): per
+    # reference a tensor ordinal or a traced scalar's value; None once it cannot (a CPU scalar)
+    plan = [] if _fastpath.pending() is lowering else None
     for t in tensors:
         if type(t) is Traced:
             v = t.flat()
             aval = _scalar_aval(v)
             spec = None
+            if plan is not None:
+                plan.append(("c", v))
         else:
             try:
                 buf = t.untyped_storage()._tpu_buffer
@@ -216,7 +222,10 @@ def record(lowering, kind, args, kwargs):
                 v = executor.cpu_scalar(t, lowering, tensors)
                 aval = _scalar_aval(v)
                 spec = None
+                plan = None
             else:
+                if plan is not None:
+                    plan.append(None)  # the next tensor ordinal (numbered in _offer)
                 if type(buf) is PendingBuffer and buf._value is None:
                     v = None
                     if buf.ref is None:
@@ -255,6 +264,8 @@ def record(lowering, kind, args, kwargs):
             # offset value, so offsets that happen to be equal do not change it
             refs.append(("i", len(inputs)))
             inputs.append(executor.offset_value(off))
+            if plan is not None:
+                plan.append(("o", inputs[-1]))
             flat_avals.append(off_aval)
             aval_ids.append(id(off_aval))
     if draws:
@@ -316,6 +327,9 @@ def record(lowering, kind, args, kwargs):
             pending.append(pb)
             tensors[slot].untyped_storage()._tpu_buffer = pb
         res = args[0] if args else kwargs["self"]
+    if plan is not None and kind == FUNCTIONAL and not draws and check_aval is None \
+            and nest is None and _replayable(lowering):
+        _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals)
     if check_aval is not None:
         n_out = len(out_avals) if isinstance(out_avals, (tuple, list)) else 1
         pb = PendingBuffer(("n", node_index, n_out), check_aval)
@@ -324,6 +338,57 @@ def record(lowering, kind, args, kwargs):
     if node_index + 1 >= MAX_NODES:
         flush("size_limit")
     return res
+
+
+_REPLAYABLE: dict = {}  # lowering -> whether the C++ path may replay its recordings
+
+
+def _replayable(lowering) -> bool:
+    """Whether recording ``lowering`` is, past its key, a function of the inputs' abstract
+    values alone (what the C++ recording path checks): no data-dependent shape, random state,
+    mutated arguments, layout read from the arguments or restrided results, host tensors, and
+    one device (ops on tpu:N>0 run strict)."""
+    ok = _REPLAYABLE.get(lowering)
+    if ok is None:
+        ok = _REPLAYABLE[lowering] = not (
+            lowering.dynamic_shape or lowering.random or lowering.mutates
+            or lowering.reads_layout or lowering.check is not None
+            or lowering.meta.get("eager_layout") is not None
+            or lowering.meta.get("host_tensors"))
+    return ok and not executor._multi_device()
+
+
+def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals) -> None:
+    """Hand this call's recording to the C++ path (eager/fastpath.py ``offer_fused``): the next
+    call with the same Kernel key and inputs' abstract values appends the same node and makes
+    the same outputs without this function."""
+    if type(out_avals) is tuple:
+        results, tuple_out = out_avals, True
+    elif type(out_avals) is _ShapeDtype:
+        results, tuple_out = (out_avals,), False
+    else:
+        return
+    outs = []
+    for a in results:
+        if a is None:
+            outs.append(None)
+        elif type(a) is executor._Static:
+            outs.append(("s", a.value))
+        elif type(a) is _ShapeDtype:
+            outs.append((a, tuple(a.shape), _buffer._meta(tuple(a.shape), a.dtype)[1]))
+        else:
+            return
+    ins = []
+    for i, t in enumerate(tensors):
+        if plan[i] is None:  # a tensor: its ordinal among the Kernel's tensors
+            plan[i] = len(ins)
+            a = flat_avals[i]
+            ins.append((a, tuple(a.shape), a.dtype))
+    try:
+        _fastpath.offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs)
+    except Exception as e:  # noqa: BLE001 - an entry not installed: record runs each time
+        count("fused_fastpath_offer_errors")
+        _fastpath._log.debug("torchtpu: fused recording entry not installed: %r", e)
 
 
 def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced_scalars,
@@ -344,6 +409,7 @@ def _trace_node(lowering, kind, args, kwargs, specs, tensors, flat_avals, traced
         except (TypeError, ValueError) as e:
             if traced_scalars and isinstance(e, jax.errors.ConcretizationTypeError):
                 lowering.meta["static_scalars"] = True
+                _fastpath.clear()  # entries that pass traced scalars the op now bakes in
                 return None
             err = executor._trace_error(lowering, tensors, e)  # PyTorch's exception, as Strict
             if err is e:
@@ -523,5 +589,6 @@ def _on_switch(old, new):
 
 def install() -> None:
     executor.fused_run = record
+    _fastpath.setup_fused(modes.EagerMode.DEFER_AND_FUSE, globals(), PendingBuffer, _graph_task)
     modes.on_switch(_on_switch)
     _sync.on_synchronize(lambda: flush("synchronize"))
