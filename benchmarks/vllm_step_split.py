@@ -12,7 +12,11 @@ round of ``--rounds`` after a warm-up round. Every step ends with the sampled to
 host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
 through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
 the bucket's program called directly (the runner's path) and through torch.compile's guards. The load
-average is printed with the table: compare runs taken on a quiet host.
+average is printed with the table: compare runs taken on a quiet host. ``--profile N`` also
+traces N replays of that step with XLA's profiler and prints the program's HLO operations by
+exclusive time per call (nested ``while``/``cond`` bodies counted in their operations; the
+tracer adds a few microseconds per operation, so compare the shares, not the sum, with the
+untraced call).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ PARTS = [  # (label, owner, method)
 ]
 
 
-def child(contender, n_requests, rounds):
+def child(contender, n_requests, rounds, profile=0):
     import vllm_serving as bench
     from tiny_models import save_tiny_model
     from vllm import SamplingParams
@@ -118,8 +122,62 @@ def child(contender, n_requests, rounds):
     res = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
     if contender.startswith("tpu"):
         res.update(_replay_last_step(llm, runner, last))
+        if profile:
+            res["program_ops"] = _profile_last_step(runner, last, profile)
     res["load"] = os.getloadavg()[0]
     return res
+
+
+def _replay(runner, last):
+    """One replay of the recorded decode step: inputs sent, program, greedy ids on the host."""
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(last["attn"], runner.vllm_config,
+                             num_tokens=int(last["ids"].shape[0]), slot_mapping={}):
+        runner._step_rows = last["rows"]
+        runner._model_forward(input_ids=last["ids"], positions=last["pos"])
+    ids = runner._step_out[2]
+    runner._step_out = None
+    ids.cpu()
+
+
+def _profile_last_step(runner, last, n):
+    """The recorded decode step's program replayed ``n`` times under XLA's profiler: per HLO
+    operation (XLA:CPU's thunk events, exclusive of the operations nested in it), microseconds
+    per call and runs per call, largest first."""
+    import jax
+    import torch
+
+    from torchtpu.profiler._xla import XlaSession
+
+    with torch.inference_mode():
+        _replay(runner, last)
+        session = XlaSession(host_tracer_level=2)
+        for _ in range(n):
+            _replay(runner, last)
+        session.stop()
+    data = jax.profiler.ProfileData.from_serialized_xspace(session.xspace)
+    excl: dict = collections.defaultdict(int)
+    runs: dict = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            stack = []  # events of one thread nest: (end, name)
+            evs = []
+            for ev in line.events:
+                mod = dict(ev.stats).get("hlo_module")
+                if mod is not None and "compiled" in str(mod):
+                    evs.append((int(ev.start_ns), -int(ev.end_ns), ev.name))
+            for s, neg_e, name in sorted(evs):
+                e = -neg_e
+                while stack and stack[-1][0] <= s:
+                    stack.pop()
+                if stack:
+                    excl[stack[-1][1]] -= e - s
+                excl[name] += e - s
+                runs[name] += 1
+                stack.append((e, name))
+    rows = sorted(excl.items(), key=lambda kv: -kv[1])
+    return [(name, t / n / 1e3, runs[name] / n) for name, t in rows]
 
 
 def _replay_last_step(llm, runner, last):
@@ -131,7 +189,6 @@ def _replay_last_step(llm, runner, last):
     call; wall, main-thread CPU and the CPU of every thread (XLA:CPU runs the program on its
     own threads) per call."""
     import torch
-    from vllm.forward_context import set_forward_context
 
     T = int(last["ids"].shape[0])
     dispatch = runner._forward
@@ -143,13 +200,7 @@ def _replay_last_step(llm, runner, last):
                 runner._forward = fwd
                 t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
                 for _ in range(30):
-                    with set_forward_context(last["attn"], runner.vllm_config, num_tokens=T,
-                                             slot_mapping={}):
-                        runner._step_rows = last["rows"]
-                        runner._model_forward(input_ids=last["ids"], positions=last["pos"])
-                    ids = runner._step_out[2]
-                    runner._step_out = None
-                    ids.cpu()
+                    _replay(runner, last)
                 times[name][0].append((time.perf_counter() - t) / 30)
                 times[name][1].append((time.thread_time() - c) / 30)
                 times[name][2].append((time.process_time() - pc) / 30)
@@ -165,14 +216,16 @@ def _replay_last_step(llm, runner, last):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", nargs=3)
+    ap.add_argument("--child", nargs=4)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile N replays of tpu's largest decode step per HLO operation")
     a = ap.parse_args()
     if a.child:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        r = child(a.child[0], int(a.child[1]), int(a.child[2]))
+        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]))
         print("RESULT " + json.dumps(r), flush=True)
         return
     names = a.contenders.split(",")
@@ -182,7 +235,8 @@ def main():
         env = dict(os.environ, VLLM_TARGET_DEVICE="tpu" if name.startswith("tpu") else "cpu")
         env.pop("XLA_FLAGS", None)
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
-                            str(a.requests), str(a.rounds)], capture_output=True, text=True,
+                            str(a.requests), str(a.rounds), str(a.profile)],
+                           capture_output=True, text=True,
                            env=env, timeout=3600)
         got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         results[name] = json.loads(got[-1][7:]) if got else dict(error=p.stderr[-2000:])
@@ -211,6 +265,16 @@ def main():
                           f"{results[n][f'program_{path}_cpu_s'] * 1e3:.2f} ms main-thread CPU / "
                           f"{results[n][f'program_{path}_process_cpu_s'] * 1e3:.2f} ms CPU "
                           "of every thread (XLA's included) per call")
+    for n in ok:
+        ops = results[n].get("program_ops")
+        if ops:
+            total = sum(t for _, t, _ in ops)
+            print(f"\n{n}: the largest decode step's program under XLA's profiler "
+                  f"({total:.0f} us per call traced), HLO operations by exclusive time:\n")
+            print("| HLO operation | us per call | share | runs per call |")
+            print("|---|---|---|---|")
+            for name, t, k in ops[:25]:
+                print(f"| {name} | {t:.0f} | {t / total:.1%} | {k:g} |")
     for n in names:
         if "error" in results[n]:
             print(f"\n{n} failed:\n{results[n]['error']}")
