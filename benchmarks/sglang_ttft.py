@@ -85,8 +85,12 @@ def _delta(m0, m1):
                 ops[f"{kind}:{op}"] = d
     f0, f1 = m0["forwards"], m1["forwards"]
     d0, d1 = m0.get("deferred") or {}, m1.get("deferred") or {}
+    xla = sum(v for k, v in grow.items() if k.endswith("xla_compiles"))
     return {"extend steps": f1.get("extend", 0) - f0.get("extend", 0),
-            "xla compiles": sum(v for k, v in grow.items() if k.endswith("xla_compiles")),
+            "xla compiles": xla,
+            "xla compiles in path": xla - sum(v for k, v in grow.items()
+                                              if k.endswith("xla_compiles_off_path")),
+            "served on host": grow.get("eager_deferred_calls", 0),
             "eager compiles": grow.get("eager_compiles", 0), "eager ops": ops,
             "host syncs": grow.get("host_syncs", 0),
             "idle warmed": d1.get("idle_warmed", 0) - d0.get("idle_warmed", 0)}
@@ -136,14 +140,15 @@ def main():
     print(f"\n## SGLang server TTFT split (compiled, {a.streams} streams), "
           f"load {os.getloadavg()[0]:.1f}\n")
     print("| start | ready s | round | " + " | ".join(f"{p} ms" for p in PARTS)
-          + " | ttft max ms | extend steps | XLA compiles | eager compiles | host syncs "
-          "| idle-warmed buckets |")
-    print("|---|---|---|" + "---|" * (len(PARTS) + 6))
+          + " | ttft max ms | extend steps | XLA compiles (in the path) | eager compiles "
+          "| served on host | host syncs | idle-warmed buckets |")
+    print("|---|---|---|" + "---|" * (len(PARTS) + 7))
     for start, start_s, i, r in rows:
         print(f"| {start} | {start_s:.1f} | {i} | "
               + " | ".join(f"{1000 * r[p]:.0f}" for p in PARTS)
-              + f" | {1000 * r['ttft max']:.0f} | {r['extend steps']} | {r['xla compiles']} | "
-              f"{r['eager compiles']} | {r['host syncs']} | {r['idle warmed']} |")
+              + f" | {1000 * r['ttft max']:.0f} | {r['extend steps']} | {r['xla compiles']} "
+              f"({r['xla compiles in path']}) | {r['eager compiles']} | {r['served on host']} | "
+              f"{r['host syncs']} | {r['idle warmed']} |")
     for start, _, i, r in rows:
         if r["eager ops"]:
             print(f"eager programs compiled, {start} round {i}: {r['eager ops']}")

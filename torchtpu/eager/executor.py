@@ -24,6 +24,7 @@ from ..runtime.metrics import COUNTERS, count
 from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
 from . import checks as _checks
+from . import deferred as _deferred
 from . import fastpath as _fastpath
 from . import modes, views
 from . import key_guess as _key_guess
@@ -907,7 +908,19 @@ def run(lowering, kind, args, kwargs, mode=None):
         arr = None  # (the loop's last array: not a holder)
         prog, call = _donation(entry, flat)
     try:
-        out = prog(*call)
+        if _deferred.ON[0] and mode is not _DEBUG and not draws and groups is None \
+                and dev is None and kind != FUNCTIONAL_RAW:
+            # no executable yet for these shapes: built on a worker while this call runs on
+            # the host, where that is exact (deferred.py)
+            try:
+                out = prog.call_or_defer(call, lambda: _deferred.eligible(
+                    lowering, orig[0], orig[1], tensors, entry.writes, not entry.writes),
+                    _deferred.HOLD[0])
+            except _program_cache.Deferred:
+                return _deferred.serve(lowering, orig[0], orig[1],
+                                       tensors[entry.writes[0]] if entry.writes else None)
+        else:
+            out = prog(*call)
         del call
         if guess:  # a miss: guess the next key if this op's static arguments grow
             _guess_next(key, flat, (lowering, kind, args, kwargs, key_args, key_kwargs,

@@ -36,6 +36,7 @@ THREADS = int(os.environ.get("TORCHTPU_PREFETCH_THREADS", str(min(2, os.cpu_coun
 NICE = int(os.environ.get("TORCHTPU_PREFETCH_NICE", "10"))  # the workers' scheduling priority
 MAX_WASTED = 2  # a Program stops predicting when its unused guesses exceed its used ones by this
 HISTORY = 16  # misses a Program remembers; a guess not used within as many misses is dropped
+WORKER_NAME = "torchtpu-prefetch"  # the workers' thread name
 PAUSE = 64  # misses a Program that stopped guessing waits before it guesses again
 
 
@@ -131,13 +132,15 @@ class _Pool:
         self.closed = False
 
     def submit(self, fn, *args) -> Job | None:
-        job = Job(fn, args)
+        return self.add(Job(fn, args))
+
+    def add(self, job: Job) -> Job | None:
         with self.lock:
             if self.closed:
                 return None
             self.queue.append(job)
             if len(self.threads) < THREADS:
-                t = threading.Thread(target=self._work, name="torchtpu-prefetch", daemon=True)
+                t = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
                 self.threads.append(t)
                 t.start()
             self.ready.notify()
@@ -224,3 +227,52 @@ def submit(fn, *args) -> Job | None:
     if THREADS <= 0:
         return None
     return _pool.submit(fn, *args)
+
+
+_held: collections.deque = collections.deque()  # builds kept for run_held
+_running_held = threading.local()
+
+
+def hold(fn, *args) -> Job:
+    """A build kept until ``run_held`` runs it on the calling thread (a server builds while it
+    is idle: a worker compiling beside its requests takes their cores and the GIL), or until
+    ``release`` hands it to a worker."""
+    job = Job(fn, args)
+    _held.append(job)
+    return job
+
+
+def held() -> int:
+    return len(_held)
+
+
+def release(job: Job) -> None:
+    """A held build wanted again: queued for a worker now (no-op if not held)."""
+    try:
+        _held.remove(job)
+    except ValueError:
+        return
+    if THREADS <= 0 or _pool.add(job) is None:
+        _held.appendleft(job)
+
+
+def run_held(n: int = 1) -> int:
+    """Run up to ``n`` held builds here (skipping those dropped or taken); how many ran."""
+    ran = 0
+    while _held and ran < n:
+        job = _held.popleft()
+        if _pool.claim(job):
+            _running_held.on = True
+            try:
+                job.run()
+            finally:
+                _running_held.on = False
+            ran += 1
+    return ran
+
+
+def off_path() -> bool:
+    """Whether this thread builds off a caller's path: a worker, or ``run_held``."""
+    return (threading.current_thread().name == WORKER_NAME
+            or getattr(_running_held, "on", False))
+

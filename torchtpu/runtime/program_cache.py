@@ -75,6 +75,10 @@ FAST_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 _PY = {bool: bool, int: int, float: float, complex: complex, type(None): type(None)}
 
 
+class Deferred(Exception):
+    """``Program.call_or_defer``: the executable is being built on a worker."""
+
+
 class NotStable(Exception):
     """A key part without a process-independent spelling: the program is not persisted."""
 
@@ -517,6 +521,44 @@ class Program:
             h.update(b"\0")
         return "p" + h.hexdigest(), ids[0]
 
+    def call_or_defer(self, flat, may_defer, hold=False):
+        """Call the program if its executable for these arguments is at hand (compiled, or
+        built ahead and finished); else, if ``may_defer()`` says so, queue its build on a prefetch worker (loaded from the
+        disk cache or compiled there) and raise ``Deferred``: the caller computes this call
+        another exact way (eager/deferred.py); ``hold``: the build is kept for
+        ``prefetch.run_held`` instead, and queued for a worker when the same arguments' shapes
+        come again before it ran (a recurring shape, e.g. a steady decode batch). Without workers, or where the build would only be taken
+        from the working set loaded ahead, it is built here as ``__call__`` would."""
+        c = self._last
+        if c is not None:
+            try:
+                out = c(*flat)
+            except TypeError:
+                self._last = None
+            else:
+                _inflight_note(out)
+                return out
+        sig = signature(flat)
+        c = self.by_sig.get(sig)
+        if c is not None:
+            out = c(*flat)
+            _inflight_note(out)
+            return out
+        pending = self._pending.get(sig) if self._pending else None
+        first = pending is None
+        if pending is None and not _MULTI[0] and (hold or _prefetch.THREADS > 0) and may_defer():
+            self._submit(sig, flat, hold)
+            pending = self._pending.get(sig) if self._pending else None
+            if pending is not None:
+                count(f"{self.kind}_deferred_builds")
+        if pending is not None and not pending[0].done.is_set():
+            if hold and not first:
+                _prefetch.release(pending[0])  # a recurring shape: built on a worker now
+            raise Deferred
+        out = self._miss(flat)  # takes the finished build (or builds it: no worker)
+        _inflight_note(out)
+        return out
+
     def _miss(self, flat):
         if any(isinstance(a, jax.core.Tracer) for a in flat):  # called inside a trace: inline
             return jax.jit(self.fn, **self.jit_kwargs)(*flat)
@@ -594,6 +636,8 @@ class Program:
         kind = self.kind
         count(f"{kind}_xla_compiles")
         count(f"{kind}_xla_compile_ms", ms)
+        if _prefetch.off_path():
+            count(f"{kind}_xla_compiles_off_path")  # on a worker, or a held build run idle
         if opts:
             count(f"{kind}_fast_compiles")
         if opts is CLASSIC_OPTIONS:
@@ -661,7 +705,7 @@ class Program:
         if not _MULTI[0] and _prefetch.THREADS > 0:
             self._submit(sig, template)
 
-    def _submit(self, sig, template) -> None:
+    def _submit(self, sig, template, hold: bool = False) -> None:
         """Queue the build of ``sig``'s executable on a prefetch worker (abstract arguments with
         the shardings of ``template``'s arrays)."""
         if sig in self.by_sig:
@@ -677,8 +721,8 @@ class Program:
             # switch on a warm start's ~240 guesses)
             count(f"{self.kind}_prefetch_skipped")
             return
-        job = _prefetch.submit(self._build, args, dkey, fast,
-                               jax.config.jax_default_matmul_precision)
+        job = (_prefetch.hold if hold else _prefetch.submit)(
+            self._build, args, dkey, fast, jax.config.jax_default_matmul_precision)
         if job is not None:
             if self._pending is None:
                 self._pending = {}

@@ -63,6 +63,19 @@ def plugin() -> None:
 
     HookRegistry.register("sglang.srt.distributed.bootstrap.init_parallel_runtime",
                           _rank_env, HookType.BEFORE)
+    if os.environ.get("TORCHTPU_SGLANG_DEFER_NOVEL_OPS", "0") == "1":  # opt-in: see below
+        from torchtpu.eager import deferred
+
+        # the scheduler's bookkeeping ops (allocator, sampler, batch merges) take new shapes
+        # with every batch composition: a new one runs on the host, exactly, while its program
+        # builds on a worker, instead of compiling inside a request (eager/deferred.py).
+        # TORCHTPU_SGLANG_DEFER_HOLD=1: held until the scheduler idles (working_set.
+        # warm_if_idle) or the shape comes again: no compile beside a burst of new shapes,
+        # but a steady shape runs on the host until its second step. Opt-in: with it on, the
+        # engine check's steady decode steps still ran one bookkeeping call each on the host
+        # (a host sync each; not yet explained), so the default suite's one sync per step
+        # failed
+        deferred.enable(True, hold=os.environ.get("TORCHTPU_SGLANG_DEFER_HOLD") == "1")
     from . import dynamo_compat
     from .disagg import install
 

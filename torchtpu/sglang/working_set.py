@@ -34,6 +34,8 @@ import os
 import time
 from collections import deque
 
+from torchtpu.eager import deferred
+
 logger = logging.getLogger(__name__)
 
 # deferred warm-ups of this process: (name, callable), run one per idle hook call
@@ -162,7 +164,7 @@ _IDLE = {"since": None, "last": 0.0}
 def warm_if_idle(scheduler, now=None) -> bool:
     """One deferred bucket, only once no request has run or waited for ``IDLE_AFTER_S`` (a
     request arriving during it waits for this one bucket at most); whether one was warmed."""
-    if not _PENDING:
+    if not _PENDING and not deferred.held():
         return False
     now = time.monotonic() if now is None else now
     if not scheduler.is_fully_idle():
@@ -174,6 +176,7 @@ def warm_if_idle(scheduler, now=None) -> bool:
     _IDLE["last"] = now
     if now - _IDLE["since"] < IDLE_AFTER_S:
         return False
-    ok = run_one()
+    # buckets first; then the eager programs of ops served on the host (eager/deferred.py)
+    ok = run_one() if _PENDING else deferred.build_held(1) > 0
     _IDLE["last"] = time.monotonic() if ok else now  # the warm-up is not a gap in the polls
     return ok
