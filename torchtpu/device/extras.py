@@ -23,6 +23,8 @@ import jax
 import numpy as np
 import torch
 
+from ..eager import copy as _copy
+from ..eager import executor as _executor
 from ..eager import rng as _rng
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
@@ -586,7 +588,7 @@ def _install_pin_memory() -> None:
 
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
              non_blocking=False, memory_format=None):
-    """aten::_to_copy for a tpu ``self``. PyTorch's composite allocates a pinned CPU output
+    """aten::_to_copy to or from tpu. PyTorch's composite allocates a pinned CPU output
     for ``non_blocking`` device-to-host copies, which needs a C++ pinned allocator we cannot
     provide. A device-to-host copy of a jax array completes before it returns anyway, so the
     result is ready (and correct) whatever ``non_blocking`` says; host-to-device copies
@@ -596,10 +598,18 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
     dt = self.dtype if dtype is None else dtype
     dev = self.device if device is None else torch.device(device)
     mf = torch.preserve_format if memory_format is None else memory_format
-    if dev.type == "tpu" and (dev.index is None or dev.index == self.device.index) \
+    if dev.type == "tpu" and self.device.type == "tpu" \
+            and (dev.index is None or dev.index == self.device.index) \
             and mf in (torch.preserve_format, torch.contiguous_format):
         # same device: one cached dtype-conversion program, no allocate-then-copy
         return torch.ops.prims.convert_element_type.default(self, dt)
+    if dev.type == "tpu" and self.device.type == "cpu" and dt == self.dtype \
+            and self.layout == torch.strided and not (self.is_conj() or self.is_neg()) \
+            and (mf is torch.contiguous_format or self.is_contiguous()):
+        # host to device: one transfer into a new tensor. Allocating the tpu tensor first
+        # and copying into it ran a zeros program per new shape (an XLA compile each: every
+        # batch shape a data loader makes)
+        return _buffer.wrap(_copy.host_to_device(self, _executor._device_index(dev)))
     out = torch.empty_like(self, dtype=dt, device=dev, memory_format=mf)
     out.copy_(self)
     if pin_memory and dev.type == "cpu":
