@@ -362,6 +362,39 @@ def test_pin_memory_and_non_blocking():
     assert t.cpu(memory_format=torch.preserve_format).stride() == a.t().stride()
 
 
+def test_host_to_device_copies_compile_nothing_and_name_the_device():
+    """``.to("tpu")`` of a CPU tensor is one transfer into a new tensor: no program per new
+    shape (it allocated zeros first: an XLA compile for every batch shape a data loader made),
+    strides, dtype, conj and values as CPU's ``_to_copy`` gives them. ``aten::_to_copy`` with
+    ``device="tpu"`` (no index) returned a CPU tensor: the same-device shortcut took a CPU
+    ``self`` for a tpu one."""
+    srcs = [torch.arange(12.).reshape(3, 4), torch.arange(12.).reshape(3, 4).t(),
+            torch.randn(2, 3, dtype=torch.complex64).conj(), torch.tensor([True, False]),
+            torch.randn(4).bfloat16(), torch.empty(0, 3), torch.tensor(3.5),
+            torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)]
+    for x in srcs:
+        for kw in ({}, {"memory_format": torch.contiguous_format}, {"dtype": torch.float64}):
+            if x.is_complex() and "dtype" in kw:
+                continue
+            ref = torch.ops.aten._to_copy.default(x, **kw)
+            for d in ("tpu", "tpu:0", torch.device("tpu")):
+                y = torch.ops.aten._to_copy.default(x, device=d, **kw)
+                assert y.device == torch.device("tpu", 0), (d, y.device)
+                assert (y.dtype, y.shape, y.stride(), y.is_conj()) == \
+                    (ref.dtype, ref.shape, ref.stride(), ref.is_conj()), (x.shape, kw)
+                assert torch.equal(y.cpu().resolve_conj(), ref.resolve_conj())
+    c0 = dict(tpu.metrics()["counters"])
+    ys = [torch.arange(n, dtype=torch.float32).to("tpu") for n in (17, 19, 23, 29)]
+    c1 = tpu.metrics()["counters"]
+    assert c1.get("eager_xla_compiles", 0) == c0.get("eager_xla_compiles", 0)
+    assert c1["transfers_host_to_device"] - c0.get("transfers_host_to_device", 0) == 4
+    x = torch.arange(4.)
+    y = x.to("tpu")
+    x.add_(1)  # the device copy is the value at the time of the copy
+    assert y.cpu().tolist() == [0, 1, 2, 3] and [t.cpu().sum().item() for t in ys] == [
+        136, 171, 253, 406]
+
+
 def test_dataloader_pin_memory():
     ds = torch.utils.data.TensorDataset(torch.arange(12.0).reshape(6, 2), torch.arange(6))
     dl = torch.utils.data.DataLoader(ds, batch_size=3, pin_memory=True)
@@ -535,13 +568,28 @@ assert torch.Generator("tpu:1").device.index == 1
 assert torch.tpu.memory_allocated(1) >= x.nbytes
 with torch.tpu.device(1):
     assert torch.tpu.current_device() == 1
+    # a device without an index is the current one, as for CUDA: also where C++ fills it in
+    # (it took the guard's device, always 0: x.to("tpu") landed on tpu:0)
+    assert torch.accelerator.current_device_index() == 1
+    for t in (a.to("tpu"), a.to(torch.device("tpu")), torch.tensor([1.0], device="tpu"),
+              torch.empty(2, device="tpu"), torch.ops.aten._to_copy.default(a, device="tpu")):
+        assert t.device == torch.device("tpu", 1), t.device
+    assert (a.to("tpu") + x).device.index == 1
+assert torch.accelerator.current_device_index() == 0 and a.to("tpu").device.index == 0
+torch.tpu.set_device(1)
+assert a.to("tpu").device.index == 1 and torch.accelerator.current_device_index() == 1
+w = a.to("tpu").requires_grad_()  # backward on tpu:1 (an internal assert in autograd's engine:
+(w * w).sum().backward()          # the guard counted 1 device)
+assert w.grad.device.index == 1 and torch.equal(w.grad.cpu(), 2 * a)
+torch.tpu.set_device(0)
 print("MULTI-OK")
 '''
 
 
-def test_second_device():
+@pytest.mark.parametrize("fastpath", ["1", "0"])
+def test_second_device(fastpath):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", TORCHTPU_PLATFORM="cpu")
+               JAX_PLATFORMS="cpu", TORCHTPU_PLATFORM="cpu", TORCHTPU_FASTPATH=fastpath)
     out = subprocess.run([sys.executable, "-c", _MULTI_SCRIPT], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0 and "MULTI-OK" in out.stdout, out.stderr[-3000:]

@@ -34,6 +34,20 @@ def _keep_dynamo_out() -> None:
                 skip(fn)
 
 
+def _count_devices_in_the_guard(fastpath) -> None:
+    """Once the backend exists, the C++ guard answers torch.tpu's device count (the autograd
+    engine sizes its per-device queues by it)."""
+    from ..runtime import devices as _devices
+
+    def tell(devs=None):
+        fastpath.set_device_count(_devices.visible_device_count())
+
+    if _devices.backend_created():
+        tell()
+    else:
+        _devices.after_backend.append(tell)
+
+
 def register() -> None:
     """Idempotent: set up the device, bind the lowering table and runtime kernels."""
     if _done[0]:
@@ -52,6 +66,7 @@ def register() -> None:
     from ..eager import fastpath
 
     fastpath.native_guard()  # the guard's type/device in C++ (the Python _Guard behind it)
+    _count_devices_in_the_guard(fastpath)
     from ..eager import fused
 
     fused.install()

@@ -7,6 +7,7 @@ import jax as _jax
 import torch as _torch
 
 from ..eager import fallback as _fallback
+from ..eager import fastpath as _fastpath
 from ..eager import modes as _modes
 from ..eager import rng as _rng
 from ..runtime import devices as _devices
@@ -83,6 +84,7 @@ def set_device(device) -> None:
     idx = _index(device)
     _devices.jax_device(idx)
     _current[0] = _devices.canonical_index(idx)
+    _fastpath.set_current_device(_current[0])
 
 
 class device:
@@ -100,6 +102,7 @@ class device:
     def __exit__(self, *exc):
         if self.idx >= 0:
             _current[0] = self.prev
+            _fastpath.set_current_device(self.prev)
         return False
 
 

@@ -16,6 +16,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <atomic>
+
 #include <ATen/Context.h>
 #include <ATen/Tensor.h>
 #include <c10/core/DefaultDtype.h>
@@ -1438,18 +1440,32 @@ static auto keep_python_error(F&& f) -> decltype(f()) {
 }
 
 // `answer` false (TORCHTPU_FASTPATH=0, the reference): every call goes to the guard behind,
-// only with the pending-error protection above.
+// only with the pending-error protection above, except getDevice().
+// getDevice() answers torch.tpu's current device (set_device / torch.tpu.device: set_current)
+// in both modes: C++ fills a device without an index from it (`x.to("tpu")`,
+// `torch.tensor(..., device="tpu")`), which the Python guard answers with 0 whatever the
+// current device is.
+static std::atomic<int> g_current_device{0};
+// deviceCount(): the devices torch.tpu sees, once the backend exists (set_device_count); the
+// Python backend's guard answers 1, so the autograd engine had no ready queue for tpu:1 and
+// a backward there failed an internal assert.
+static std::atomic<int> g_device_count{0};
+
 struct NativeGuard final : public c10::impl::DeviceGuardImplInterface {
   const c10::impl::DeviceGuardImplInterface* prev;
   bool answer;
   NativeGuard(const c10::impl::DeviceGuardImplInterface* p, bool a) : prev(p), answer(a) {}
   static c10::Device dev() { return c10::Device(c10::DeviceType::PrivateUse1, 0); }
+  static c10::Device current() {
+    return c10::Device(c10::DeviceType::PrivateUse1,
+                       static_cast<c10::DeviceIndex>(g_current_device.load()));
+  }
   c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
   c10::Device exchangeDevice(c10::Device d) const override {
-    if (answer) return dev();
+    if (answer) return current();
     return keep_python_error([&] { return prev->exchangeDevice(d); });
   }
-  c10::Device getDevice() const override { return answer ? dev() : prev->getDevice(); }
+  c10::Device getDevice() const override { return current(); }
   void setDevice(c10::Device d) const override { prev->setDevice(d); }
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     keep_python_error([&] { prev->uncheckedSetDevice(d); });
@@ -1477,7 +1493,10 @@ struct NativeGuard final : public c10::impl::DeviceGuardImplInterface {
   }
   void block(void* e, const c10::Stream& s) const override { prev->block(e, s); }
   bool queryEvent(void* e) const override { return prev->queryEvent(e); }
-  c10::DeviceIndex deviceCount() const noexcept override { return prev->deviceCount(); }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    const int n = g_device_count.load();
+    return n > 0 ? static_cast<c10::DeviceIndex>(n) : prev->deviceCount();
+  }
   c10::DeviceCapability getDeviceCapability(c10::Device d) const override {
     return prev->getDeviceCapability(d);
   }
@@ -1522,6 +1541,20 @@ PyObject* m_native_guard(PyObject*, PyObject* arg) {
   installed = new NativeGuard(cur, answer != 0);
   slot.store(installed);
   Py_RETURN_TRUE;
+}
+
+PyObject* m_set_current(PyObject*, PyObject* arg) {
+  const long i = PyLong_AsLong(arg);
+  if (i == -1 && PyErr_Occurred()) return nullptr;
+  g_current_device.store(static_cast<int>(i));
+  Py_RETURN_NONE;
+}
+
+PyObject* m_set_device_count(PyObject*, PyObject* arg) {
+  const long n = PyLong_AsLong(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  g_device_count.store(static_cast<int>(n));
+  Py_RETURN_NONE;
 }
 
 PyObject* m_clear(PyObject*, PyObject*) {
@@ -1715,6 +1748,10 @@ PyMethodDef module_methods[] = {
     {"entries", m_entries, METH_NOARGS, "entries in every table"},
     {"native_guard", m_native_guard, METH_O,
      "put a C++ guard in front of the PrivateUse1 device guard (True: it answers type and device)"},
+    {"set_current", m_set_current, METH_O,
+     "torch.tpu's current device index, what the guard's getDevice() answers"},
+    {"set_device_count", m_set_device_count, METH_O,
+     "the device count the guard answers (0: the guard behind's)"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
     {"set_precision_state", m_set_precision_state, METH_O,

@@ -184,9 +184,27 @@ def native_guard() -> bool:
     if ext is None:
         return False
     ok = bool(ext.native_guard(answer))
+    if ok:
+        _guard_ext[:] = [ext]
     _metrics.count(("device_guard_native" if answer else "device_guard_python_behind_native")
                    if ok else "device_guard_python")
     return ok
+
+
+_guard_ext: list = []  # the extension whose guard is in front (set_current_device writes it)
+
+
+def set_current_device(index: int) -> None:
+    """Tell the C++ guard torch.tpu's current device (what C++ fills a device without an
+    index from); nothing where the guard is not in front."""
+    if _guard_ext:
+        _guard_ext[0].set_current(index)
+
+
+def set_device_count(n: int) -> None:
+    """Tell the C++ guard how many devices torch.tpu sees (once the backend exists)."""
+    if _guard_ext:
+        _guard_ext[0].set_device_count(n)
 
 
 def timing(start=None):
