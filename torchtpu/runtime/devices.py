@@ -62,8 +62,9 @@ _devs: list = []
 # tpu:0 .. tpu:{alias_count - 1} all name that one device, and tensors there report tpu:0
 # (``canonical_index``), which is then also the current device. Not tpu:{local_rank}: PyTorch's
 # autograd engine sizes its per-device queues by the device guard's count, which for a Python
-# backend is 1, so backward fails on any tensor with an index above 0 (and C++ fills a missing
-# index from that guard as 0). See torchtpu/distributed/bootstrap.py.
+# backend is 1 (and C++ fills a missing index from that guard as 0); torchtpu's C++ guard
+# answers both right where its extension builds (eager/fastpath.cpp NativeGuard), not
+# everywhere. See torchtpu/distributed/bootstrap.py.
 alias_count = [0]
 
 
