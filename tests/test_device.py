@@ -553,6 +553,7 @@ x[1].add_(10)
 torch.testing.assert_close(x.cpu()[1], a[1] + 10)
 z = x.to("tpu:0")
 assert z.device.index == 0
+assert torch.ops.aten._to_copy.default(x, device="tpu").device.index == 0  # the current one
 torch.testing.assert_close(z.cpu(), x.cpu())
 try:
     x + z

@@ -599,7 +599,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
     dev = self.device if device is None else torch.device(device)
     mf = torch.preserve_format if memory_format is None else memory_format
     if dev.type == "tpu" and self.device.type == "tpu" \
-            and (dev.index is None or dev.index == self.device.index) \
+            and _executor._device_index(dev) == self.device.index \
             and mf in (torch.preserve_format, torch.contiguous_format):
         # same device: one cached dtype-conversion program, no allocate-then-copy
         return torch.ops.prims.convert_element_type.default(self, dt)
