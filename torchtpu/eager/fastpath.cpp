@@ -1215,6 +1215,30 @@ PyObject* m_pending(PyObject*, PyObject*) {
   return l;
 }
 
+// An output's metadata from its (shape tuple, torch dtype): contiguous strides, byte size.
+bool out_meta(PyObject* shape, PyObject* dt, OutMeta& m) {
+  if (!PyTuple_Check(shape) || Py_TYPE(dt) != &THPDtypeType) {
+    PyErr_SetString(PyExc_TypeError, "an output's (shape tuple, torch dtype)");
+    return false;
+  }
+  m.dtype = reinterpret_cast<THPDtype*>(dt)->scalar_type;
+  int64_t numel = 1;
+  for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
+    long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
+    if (d == -1 && PyErr_Occurred()) return false;
+    m.sizes.push_back(d);
+    numel *= d;
+  }
+  m.strides.resize(m.sizes.size());
+  int64_t acc = 1;
+  for (Py_ssize_t j = static_cast<Py_ssize_t>(m.sizes.size()) - 1; j >= 0; j--) {
+    m.strides[j] = acc;
+    acc *= m.sizes[j] > 1 ? m.sizes[j] : 1;
+  }
+  m.nbytes = numel * static_cast<int64_t>(c10::elementSize(m.dtype));
+  return true;
+}
+
 // install(lowering, call, plan, arrays, tuple_out, outs, check): arrays = [(array dtype,
 // shape, weak type)] per tensor ordinal; outs = [(shape, torch dtype)]; check: None, or what a
 // checked op's flag is passed to.
@@ -1304,21 +1328,7 @@ PyObject* m_install(PyObject*, PyObject* args) {
         m.inverse[d] = j;
       }
     }
-    m.dtype = reinterpret_cast<THPDtype*>(dt)->scalar_type;
-    int64_t numel = 1;
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
-      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
-      if (d == -1 && PyErr_Occurred()) return nullptr;
-      m.sizes.push_back(d);
-      numel *= d;
-    }
-    m.strides.resize(m.sizes.size());
-    int64_t acc = 1;
-    for (Py_ssize_t j = static_cast<Py_ssize_t>(m.sizes.size()) - 1; j >= 0; j--) {
-      m.strides[j] = acc;
-      acc *= m.sizes[j] > 1 ? m.sizes[j] : 1;
-    }
-    m.nbytes = numel * static_cast<int64_t>(c10::elementSize(m.dtype));
+    if (!out_meta(shape, dt, m)) return nullptr;
     e->outs.push_back(std::move(m));
   }
   Table& t = *p->kernel->table;
@@ -1599,28 +1609,6 @@ PyObject* m_setup_fused(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-bool out_meta(PyObject* shape, PyObject* dt, OutMeta& m) {
-  if (!PyTuple_Check(shape) || Py_TYPE(dt) != &THPDtypeType) {
-    PyErr_SetString(PyExc_TypeError, "an output's (shape tuple, torch dtype)");
-    return false;
-  }
-  m.dtype = reinterpret_cast<THPDtype*>(dt)->scalar_type;
-  int64_t numel = 1;
-  for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(shape); j++) {
-    long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, j));
-    if (d == -1 && PyErr_Occurred()) return false;
-    m.sizes.push_back(d);
-    numel *= d;
-  }
-  m.strides.resize(m.sizes.size());
-  int64_t acc = 1;
-  for (Py_ssize_t j = static_cast<Py_ssize_t>(m.sizes.size()) - 1; j >= 0; j--) {
-    m.strides[j] = acc;
-    acc *= m.sizes[j] > 1 ? m.sizes[j] : 1;
-  }
-  m.nbytes = numel * static_cast<int64_t>(c10::elementSize(m.dtype));
-  return true;
-}
 
 // install_fused(lowering, akey, traced, text, plan, inputs, tuple_out, outs): the node `record`
 // just made for this thread's pending (Fused) key. plan: per reference, a tensor ordinal,
