@@ -334,15 +334,25 @@ struct InArray {
 // has none that is a jax Array (a storage that lost its buffer: the Python path decides).
 using InArrays = c10::SmallVector<InArray, 6>;
 
+// A tensor's storage's `_tpu_buffer`: a new reference, or nullptr with no Python error set.
+PyObject* storage_buffer(const at::Tensor& t) {
+  PyObject* st = THPStorage_Wrap(t.storage());
+  if (st == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
+  Py_DECREF(st);
+  if (buf == nullptr) PyErr_Clear();
+  return buf;
+}
+
 bool gather(const Tensors& ts, InArrays& in) {
   in.resize(ts.size());
   for (size_t i = 0; i < ts.size(); i++) {
     InArray& a = in[i];
-    PyObject* st = THPStorage_Wrap(ts[i].storage());
-    if (st == nullptr) { PyErr_Clear(); return false; }
-    PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
-    Py_DECREF(st);
-    if (buf == nullptr) { PyErr_Clear(); return false; }
+    PyObject* buf = storage_buffer(ts[i]);
+    if (buf == nullptr) return false;
     a.arr = PyObject_GetAttr(buf, s_array);
     Py_DECREF(buf);
     if (a.arr == nullptr) { PyErr_Clear(); return false; }
@@ -633,11 +643,8 @@ bool fgather(const Tensors& ts, FIns& in) {
   in.resize(ts.size());
   for (size_t i = 0; i < ts.size(); i++) {
     FIn& a = in[i];
-    PyObject* st = THPStorage_Wrap(ts[i].storage());
-    if (st == nullptr) { PyErr_Clear(); return false; }
-    PyObject* buf = PyObject_GetAttr(st, s_tpu_buffer);
-    Py_DECREF(st);
-    if (buf == nullptr) { PyErr_Clear(); return false; }
+    PyObject* buf = storage_buffer(ts[i]);
+    if (buf == nullptr) return false;
     if (reinterpret_cast<PyObject*>(Py_TYPE(buf)) == g_pb_type) {
       PyObject* v = slot_at(buf, g_pb_value);
       if (v == nullptr || v == Py_None) {  // pending: its reference and canonical aval
