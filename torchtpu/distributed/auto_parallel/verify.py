@@ -151,16 +151,21 @@ def _jnp_dtype(dt):
 
 
 def param_spec(shape, dp_choice: str, tp_place: str) -> list:
-    """The PartitionSpec (as a JSON list) of a parameter on the ("dp", "tp") mesh."""
+    """The PartitionSpec (as a JSON list) of a parameter on the ("dp", "tp") mesh, as
+    ``apply`` lays it out."""
     dims = [[] for _ in shape]
     if not dims:
         return []
-    if dp_choice == "fsdp":
-        dims[0].append("dp")
     if tp_place.startswith("Shard("):
         d = int(tp_place[6:-1])
         if d < len(dims):
             dims[d].append("tp")
+    if dp_choice == "fsdp":
+        # on a dimension tp also shards, FSDP2 shards each tp rank's slice over dp
+        # (``_StridedShard``): tp is the outer factor, ("tp", "dp"). The other order
+        # (dp outer) is not the layout TP computes in: XLA reorders every such parameter
+        # and gradient with all-to-alls and collective-permutes
+        dims[0].append("dp")
     return [None if not a else (a[0] if len(a) == 1 else a) for a in dims]
 
 
@@ -247,10 +252,16 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     trunk, layers = _trunk(model)
     depths = [None] if full_depth or measure or layers <= 4 else [1, 2]
     # the plans whose activations the parameters' shardings do not determine (SP, loss
-    # parallelism) are traced with their own layout markers; the others share one program
-    own = [i for i, p in enumerate(plans) if needs_layouts(p)]
-    shared = [i for i in range(len(plans)) if i not in own]
-    groups = ([(None, shared)] if shared else []) + [(plans[i], [i]) for i in own]
+    # parallelism) are traced with their own layout markers;
+    # the others share one program; plans whose markers are the same (they differ only in
+    # the dp choice of their parameters) share one trace
+    own = {}
+    for i, p in enumerate(plans):
+        if needs_layouts(p):
+            own.setdefault(_marker_key(p), []).append(i)
+    shared = [i for i, p in enumerate(plans) if not needs_layouts(p)]
+    groups = ([(None, shared)] if shared else []) + [(plans[idx[0]], idx)
+                                                     for idx in own.values()]
     with tempfile.TemporaryDirectory() as tmp:
         programs = []
         for d in depths:
@@ -284,6 +295,13 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     if len(per_depth) == 1:
         return per_depth[0]
     return [_extrapolate(a, b, layers) for a, b in zip(*per_depth)]
+
+
+def _marker_key(plan) -> tuple:
+    """What ``layouts.markers`` reads of a plan: its mesh, its activation layouts and its
+    tensor-parallel units."""
+    return (plan.dp, plan.tp, plan.sequence_parallel, plan.loss_parallel, plan.sp_regather,
+            plan.loss_head, tuple(sorted((u, d["choice"]) for u, d in plan.units.items())))
 
 
 def _run_worker(req: dict, n: int, timeout: float, optimise: bool = False) -> list:
