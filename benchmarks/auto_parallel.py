@@ -94,6 +94,12 @@ def titan_plan(model, n, a, common):
             continue
 
 
+def _spent(plan) -> str:
+    sp = [r.get("spent", {}) for r in plan.search.get("verify_rounds", [])]
+    return "; ".join(f"{x.get('traces', 0)} traces {x.get('trace_s', 0):.1f} s, exports "
+                     f"{x.get('export_s', 0):.1f} s, XLA {x.get('xla_s', 0):.1f} s" for x in sp)
+
+
 def mib(b):
     return f"{b / 2**20:9.1f}"
 
@@ -141,7 +147,8 @@ def main():
             print(f"\n-- mesh of {n} devices: auto search {search_s:.2f} s "
                   f"(analyse {auto.search['analyse_s']:.2f}, ILP {auto.search['solve_s']:.2f}, "
                   f"{auto.search['candidates']} candidates), verification of the top 3 "
-                  f"{auto.search['verify_s']:.2f} s, auto_parallelize total {wall:.2f} s; "
+                  f"{auto.search['verify_s']:.2f} s ({_spent(auto)}), auto_parallelize "
+                  f"total {wall:.2f} s; "
                   f"compiling the 3 hand-written plans {t_hand:.2f} s")
             print(f"   auto plan: dp={auto.dp} x tp={auto.tp}, TP units "
                   f"{[u for u, d in auto.units.items() if d['choice'] != 'none']}, dp "

@@ -266,7 +266,8 @@ def _verify(s, model, args, kwargs, plans, found, budget, objective, top_k, mesh
         ratio = max(p.compiled["memory_bytes"] / max(p.predicted["memory_bytes"], 1.0)
                     for _, p in pending)
         rounds.append({"plans": len(pending), "predicted_budget": target,
-                       "compiled_over_predicted": ratio})
+                       "compiled_over_predicted": ratio,
+                       "spent": res[0].get("verify_spent", {})})
         if any(p.compiled["memory_bytes"] <= budget for p in done.values()):
             break
         # the corrected estimate: the prediction must leave room for what XLA added

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -132,16 +133,26 @@ def export_step(gm, path: str):
     def program(*arrays):
         return fn(*arrays)[0]
 
-    lowered = jax.jit(program).trace(*shapes)
+    # one trace of the program: the export's (the lowering notes its host fallbacks while
+    # it traces)
+    try:
+        exp = export.export(jax.jit(program), platforms=["cpu"])(*shapes)
+    except Exception as e:
+        if low.fallback_ops:
+            raise _fallback_error(low) from e
+        raise
     if low.fallback_ops:
-        raise RuntimeError(f"auto_parallelize(verify=True): the train step has ops without a "
-                           f"tpu lowering ({sorted(map(str, low.fallback_ops))}), which run on "
-                           f"the host and cannot be compiled as one SPMD program; pass "
-                           f"verify=False")
-    exp = export.export(jax.jit(program), platforms=["cpu"])(*shapes)
+        raise _fallback_error(low)
     with open(path, "wb") as f:
         f.write(exp.serialize())
     return shapes
+
+
+def _fallback_error(low) -> RuntimeError:
+    return RuntimeError(f"auto_parallelize(verify=True): the train step has ops without a "
+                        f"tpu lowering ({sorted(map(str, low.fallback_ops))}), which run on "
+                        f"the host and cannot be compiled as one SPMD program; pass "
+                        f"verify=False")
 
 
 def _jnp_dtype(dt):
@@ -262,16 +273,22 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     shared = [i for i, p in enumerate(plans) if not needs_layouts(p)]
     groups = ([(None, shared)] if shared else []) + [(plans[idx[0]], idx)
                                                      for idx in own.values()]
+    spent = {"traces": 0, "trace_s": 0.0, "export_s": 0.0, "xla_s": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         programs = []
         for d in depths:
             with _depth(trunk, d if d is not None else layers):
                 n_b = len(list(model.buffers()))
                 for j, (marked, idx) in enumerate(groups):
+                    t0 = time.perf_counter()
                     gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states,
                                                      loss_fn, loss_args, plan=marked)
                     path = os.path.join(tmp, f"step{d}_{j}.jaxexport")
+                    t1 = time.perf_counter()
                     shapes = export_step(gm, path)
+                    spent["traces"] += 1
+                    spent["trace_s"] += t1 - t0
+                    spent["export_s"] += time.perf_counter() - t1
                     programs.append({
                         "exported": path, "devices": n,
                         "donate": list(range(len(names) * (1 + optimizer_states))),
@@ -280,16 +297,19 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
                                                        optimizer_states, n_b, batch, n_inputs,
                                                        namer(model)) for i in idx]})
         req = {"programs": programs}
+        t0 = time.perf_counter()
         if jax.default_backend() == "cpu" and jax.local_device_count() >= n:
             res = [_worker().compile_candidates(p) for p in programs]
         else:
             res = _run_worker(req, n, timeout, optimise=bool(measure))
+        spent["xla_s"] = time.perf_counter() - t0
     per_depth = []
     for k in range(len(depths)):
         out = [None] * len(plans)
         for (_, idx), r in zip(groups, res[k * len(groups):(k + 1) * len(groups)]):
             for i, ri in zip(idx, r):
                 ri["lowered"] = lowered(plans[i])
+                ri["verify_spent"] = spent  # the whole call's: traces, their time, XLA's
                 out[i] = ri
         per_depth.append(out)
     if len(per_depth) == 1:
