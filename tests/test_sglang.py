@@ -458,7 +458,8 @@ def test_deferred_buckets_wait_for_the_scheduler_to_stay_idle(monkeypatch):
     monkeypatch.setattr(ws, "_PENDING", __import__("collections").deque())
     monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
     monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
-    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None})
+    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None,
+                                        "published": None})
 
     def run_one():
         warmed.append(ws._PENDING.popleft()[0])
@@ -508,7 +509,8 @@ def test_a_request_never_waits_for_a_deferred_warm_up(monkeypatch):
     monkeypatch.setattr(ws, "_PENDING", collections.deque())
     monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
     monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
-    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None})
+    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None,
+                                        "published": None})
     monkeypatch.setattr(ws, "_grad_mode", contextlib.nullcontext)
     started, release, events = threading.Event(), threading.Event(), []
 
@@ -558,7 +560,8 @@ def test_held_eager_builds_run_once_the_scheduler_idles(monkeypatch):
     monkeypatch.setattr(ws, "_PENDING", collections.deque())
     monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
     monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
-    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None})
+    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None,
+                                        "published": None})
     old = deferred.enabled()
     deferred.enable(True, hold=True)
     try:

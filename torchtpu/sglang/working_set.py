@@ -23,11 +23,11 @@ So the start-up warms only what it must:
   loaded from the compile cache, no program run), so it neither races the scheduler's steps
   for the KV pages nor runs a tensor-parallel collective on one rank alone. SGLang's forward
   context is one process-wide global (``sglang.srt.model_executor.forward_context``): the
-  worker never sets it; before the first worker starts, the scheduler's thread publishes a
-  lasting context of the runner's attention backend (what ``ModelRunner._forward_raw`` would
-  build itself; deferred buckets exist only where one model runner serves: no speculative
-  decoding, graph_runner.inactive_reason), which the worker's trace reads, and each step's own
-  context replaces while it runs. A step that meets a deferred bucket first traces it then
+  worker never sets it; before a worker starts, the scheduler's thread publishes a context
+  of the runner's attention backend (what ``ModelRunner._forward_raw`` would build itself;
+  deferred buckets exist only where one model runner serves: no speculative decoding,
+  graph_runner.inactive_reason), which the worker's trace reads and each step's own context
+  replaces while it runs; the scheduler's thread takes it back once the worker is done. A step that meets a deferred bucket first traces it then
   (its program loads from the compile cache: no XLA compile).
   ``TORCHTPU_SGLANG_WARM_ALL=1`` warms every bucket at start-up as before.
 
@@ -55,7 +55,7 @@ _PENDING: deque = deque()
 _STATS = {"idle_warmed": 0, "idle_warm_s": 0.0}
 # the worker thread now warming (or None), the warm-ups finished since ``take_finished``, and
 # the forward context published for the worker's traces (``set_context``)
-_WORKER = {"thread": None, "finished": 0, "context": None}
+_WORKER = {"thread": None, "finished": 0, "context": None, "published": None}
 
 def _folder() -> str | None:
     from torchtpu.runtime.disk_cache import cache_dir
@@ -224,22 +224,38 @@ def _work() -> None:
 
 
 def _publish_context() -> None:
-    """A lasting forward context for the worker's traces, where none is active (on the
+    """A forward context for the worker's traces while it runs, where none is active (on the
     scheduler's thread, between its steps: each step's own context replaces it while it
-    runs and restores it after)."""
+    runs and restores it after); taken back by ``_unpublish`` once the worker is done."""
     make = _WORKER["context"]
     if make is None:
         return
     from sglang.srt.model_executor import forward_context as fc
 
     if not fc.has_forward_context():
-        fc.set_forward_context(make())
+        ctx = _WORKER["published"] = make()
+        fc.set_forward_context(ctx)
+
+
+def _unpublish() -> None:
+    """On the scheduler's thread between steps, the worker done: no forward context left
+    active (a later step builds its own from the runner's attention backend of then)."""
+    ctx = _WORKER.get("published")
+    if ctx is None:
+        return
+    from sglang.srt.model_executor import forward_context as fc
+
+    if fc._current is ctx:
+        fc.set_forward_context(None)
+    _WORKER["published"] = None
 
 
 def warm_if_idle(scheduler, now=None) -> bool:
     """Start one deferred warm-up on the worker thread, only once no request has run or waited
     for ``IDLE_AFTER_S`` and none is running; whether one was started. Never waits: a request
     arriving while the worker traces is received and served by the scheduler meanwhile."""
+    if not warming():
+        _unpublish()
     if not _PENDING and not deferred.held():
         return False
     now = time.monotonic() if now is None else now
