@@ -165,7 +165,7 @@ class TpuGraphRunner:
         run = self._dry if dry else self._run
         before = _dynamo_counts()
         run(fb)
-        self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
+        counts = {k: v - before[k] for k, v in _dynamo_counts().items()}
         if again:
             before = _dynamo_counts()
             run(fb)
@@ -173,6 +173,7 @@ class TpuGraphRunner:
             rerun = self.dynamo.setdefault("rerun", dict.fromkeys(grew, 0))
             for k, v in grew.items():
                 rerun[k] = rerun.get(k, 0) + v
+        self.dynamo[bs] = counts  # last: a deferred bucket is warmed once it is here
 
     def _step_eager(self, fb):
         with forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend),
@@ -237,6 +238,7 @@ class TpuGraphRunner:
         first = key[1] == self.w0 and bs not in self.dynamo  # deferred, not warmed yet
         if first and working_set.warming(f"decode {bs}"):
             working_set.join()  # its trace is under way: done sooner than a second one
+            first = bs not in self.dynamo
         self.working_set.served(_key_name(*key))  # every KV width: warmed at the next start
         pad = bs - raw
         fb.input_ids = _pad(forward_batch.input_ids, pad, 0)

@@ -292,6 +292,7 @@ class TpuPrefillRunner:
         first = name not in self.dynamo
         if first and ctx is not None and working_set.warming(f"prefill {name}"):
             working_set.join()  # its trace is under way: done sooner than a second one
+            first = name not in self.dynamo
         if first:
             before, t0 = _dynamo_counts(), time.perf_counter()
         if ctx is None:
