@@ -175,8 +175,10 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
                          "--engine-args", BUCKETS, env=env)
     assert any(cache.iterdir()), "the first process wrote no compile cache entry"
+    # then the deferred buckets warm on the worker thread while the scheduler idles
     second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
-                         "--engine-args", BUCKETS, env=env)
+                          "--engine-args", BUCKETS, "--idle-warm",
+                          env={**env, "TORCHTPU_SGLANG_IDLE_WARM_AFTER_S": "0.2"})
     _check_engine(first)
     _check_engine(second)
     assert first["sampled"] == second["sampled"]
@@ -187,6 +189,12 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     assert second["worker"]["xla_compiles"] == 0, second["worker"]
     deferred = second["worker"]["deferred"]
     assert deferred["decode"] and deferred["prefill"], deferred
+    # warmed as dry runs on the worker thread (working_set.py): a prompt sent meanwhile is
+    # served (equal to HF); once all are warmed, their programs trace and compile nothing
+    idle = second["idle"]
+    assert idle["pending_after"] == [], idle
+    assert idle["one"] == idle["one_again"] == second["hf"][0], idle
+    assert idle["again"] == {"compile_graphs": 0, "xla_compiles": 0, "compile_traces": 0}, idle
 
 
 @pytest.mark.slow

@@ -142,7 +142,8 @@ def snapshot() -> dict:
             "decode_warm_up_s": getattr(graphs, "warm_up_s", None),
             "deferred": {"decode": list(getattr(graphs, "deferred", None) or []),
                          "prefill": list(getattr(prefill, "deferred", None) or []),
-                         "pending": working_set.pending(), **working_set._STATS},
+                         "pending": working_set.pending(), "warming": working_set.warming(),
+                         **working_set._STATS},
             "graph_bs": list(getattr(graphs, "capture_bs", None) or [])})
     return out
 
