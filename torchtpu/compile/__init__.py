@@ -61,18 +61,10 @@ def _compile(model=None, *args, **kwargs):
     if isinstance(backend, str) and backend == "tpu" or not isinstance(backend, str) and \
             _is_tpu_backend(backend):
         register_backend()
-        _prefetch_key()
     elif backend == "inductor" and "backend" not in kwargs and _module_on_tpu(model):
         register_backend()
-        _prefetch_key()
         kwargs["backend"] = "tpu"
     return _orig_compile(model, *args, **kwargs)
-
-
-def _prefetch_key() -> None:
-    from .aot_cache import prefetch_key
-
-    prefetch_key()
 
 
 def _install() -> None:

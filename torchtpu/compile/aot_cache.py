@@ -134,30 +134,6 @@ def _counters():
     return c["autograd_cache_hit"], c["autograd_cache_miss"], c["autograd_cache_bypass"]
 
 
-_prefetched: list = []
-
-
-def prefetch_key() -> None:
-    """Start computing PyTorch's hash of its own source (``codecache.torch_key``, part of every
-    AOTAutogradCache key: ~0.2-0.6 s of file reads and hashing) on a background thread, once per
-    process, when the persistent cache is on; called at ``torch.compile(backend="tpu")``, so a
-    warm start hashes while Dynamo traces. The value is the one the key would compute."""
-    if _prefetched or not _cache.cache_dir():
-        return
-    _prefetched.append(True)
-    import threading
-
-    def run():
-        try:
-            from torch._inductor.codecache import torch_key
-
-            torch_key()
-        except Exception:  # noqa: BLE001 - the key computes it again where it needs it
-            pass
-
-    threading.Thread(target=run, name="torchtpu-torch-key", daemon=True).start()
-
-
 @contextlib.contextmanager
 def _no_inductor_backends():
     """AOTAutogradCache's key (``FxGraphHashDetails``) first registers every Inductor codegen
