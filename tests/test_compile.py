@@ -356,6 +356,38 @@ def test_persistent_cache_across_processes(tmp_path):
     assert runs[1][1] == "0 1 0 1"
 
 
+def test_aot_cache_key_skips_inductor_backends_and_still_tells_graphs_apart(tmp_path):
+    """AOTAutogradCache's key is computed without registering Inductor's code generators (their
+    imports were ~1 s of a warm start) and does not depend on whether the process registered
+    them: a process that used Inductor first still hits. A changed shape or a changed constant
+    in the function is a miss, traced again, with the right values."""
+    code = (
+        "import sys, torch\n"
+        "from torch._inductor.codegen import common\n"
+        "if sys.argv[1] == 'inductor':\n"
+        "    common.init_backend_registration()\n"
+        "n, k = int(sys.argv[2]), int(sys.argv[3])\n"
+        "f = torch.compile(lambda x: (x * k).sin() + 1, backend='tpu')\n"
+        "x = torch.arange(n, dtype=torch.float32)\n"
+        "torch.testing.assert_close(f(x.to('tpu')).cpu(), (x * k).sin() + 1)\n"
+        "c = torch.tpu.metrics()['counters']\n"
+        "print(c.get('aot_cache_hits', 0), c.get('compile_traces', 0),\n"
+        "      int('cuda' in common.device_codegens))\n")
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "k"))
+
+    def run(*argv):
+        out = subprocess.run([sys.executable, "-c", code, *argv], env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    assert run("plain", "4", "3") == "0 1 0"  # traced; Inductor's backends never registered
+    assert run("plain", "4", "3") == "1 0 0"
+    assert run("inductor", "4", "3") == "1 0 1"  # the same key with them registered
+    assert run("plain", "5", "3") == "0 1 0"  # another shape
+    assert run("plain", "4", "2") == "0 1 0"  # another constant
+
+
 def test_aot_cache_folder_depends_on_options_and_can_be_off(tmp_path, monkeypatch):
     from torchtpu.compile import aot_cache
 

@@ -135,6 +135,22 @@ def _counters():
 
 
 @contextlib.contextmanager
+def _no_inductor_backends():
+    """AOTAutogradCache's key (``FxGraphHashDetails``) first registers every Inductor codegen
+    backend (``init_backend_registration``: imports of the C++/Triton/Halide/Pallas/... code
+    generators, ~1 s of a warm start) to hash the custom passes and configs those backends
+    registered. They shape Inductor's code only, never a graph of ours: around our key they
+    read as none, so the key neither pays the imports nor depends on whether this process used
+    Inductor before (with Inductor's registrations it would differ, a needless miss)."""
+    from torch._inductor import codecache
+
+    with mock.patch.object(codecache, "init_backend_registration", lambda: None), \
+            mock.patch.object(codecache, "custom_backend_passes", {}), \
+            mock.patch.object(codecache, "custom_backend_codegen_configs", {}):
+        yield
+
+
+@contextlib.contextmanager
 def enabled(opts: dict):
     """Around one aot_autograd call: PyTorch's cache in bundled mode, in our folder."""
     d = entry_dir(opts)
@@ -147,7 +163,8 @@ def enabled(opts: dict):
     before = _counters()
     with functorch_config.patch(enable_autograd_cache=True, bundled_autograd_cache=True,
                                 force_non_lazy_backward_lowering=True), \
-            mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: d)):
+            mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: d)), \
+            _no_inductor_backends():
         yield True
     after = _counters()
     for name, b, a in zip(("aot_cache_hits", "aot_cache_misses", "aot_cache_bypasses"),

@@ -62,12 +62,21 @@ class _Group:
         return None
 
 
+_described: dict = {}  # id(infos) -> (infos, _describe(infos))
+
+
 def add_program_flags(flags, infos) -> None:
     """Add the input-check flags of one compiled program, described by ``infos`` ((op name,
     exception type, message) each). ``flags`` may lead with the program's AND of the others
     (one more flag than ``infos``): then they join the list as one entry, read in one transfer."""
     if len(infos) >= 2 and len(flags) == len(infos) + 1:
-        name, exc, msg = _describe(infos)
+        # a compiled program passes the same ``infos`` every call: described once
+        held = _described.get(id(infos))
+        if held is None or held[0] is not infos:
+            if len(_described) > 256:
+                _described.clear()
+            held = _described[id(infos)] = (infos, _describe(infos))
+        name, exc, msg = held[1]
         _pending.append((_Group(flags[0], tuple(flags[1:]), tuple(infos)), name, exc, msg))
         count("device_checks", len(infos))
         if len(_pending) >= _FOLD_AT and len(_pending) % _FOLD_AT == 0:
