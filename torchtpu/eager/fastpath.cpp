@@ -448,13 +448,20 @@ PyObject* wrap(PyObject* arr, const OutMeta& m) {
 // its order (the permuted copy runs through the dispatcher: `clone`'s own kernel, a fast-path
 // hit itself, as `_like_layout`'s `.contiguous()` is in Python); new reference or nullptr
 // with a Python error set.
+PyObject* restride(PyObject* w, const OutMeta& m);
+
 PyObject* wrap_out(PyObject* arr, const Entry& e, const OutMeta& m) {
   if (m.konst >= 0) {
     PyObject* c = e.out_consts[m.konst];
     Py_INCREF(c);
     return c;
   }
-  PyObject* w = wrap(arr, m);
+  return restride(wrap(arr, m), m);
+}
+
+// Output tensor `w` (a new reference, or nullptr: passed on) restrided to `m`'s order, if it
+// has one; steals `w`; new reference or nullptr with a Python error set.
+PyObject* restride(PyObject* w, const OutMeta& m) {
   if (w == nullptr || m.order.empty()) return w;
   try {
     at::Tensor t = THPVariable_Unpack(w).permute(m.order).contiguous().permute(m.inverse);
@@ -584,6 +591,7 @@ struct FEntry {
   std::vector<std::vector<int64_t>> in_shapes;  // ... its shape
   mutable std::vector<std::vector<PyObject*>> seen;  // jax avals matched per ordinal (owned)
   bool tuple_out = false;
+  bool restrided = false;  // some output has an order (restrided once the node is recorded)
   std::vector<FOut> outs;
   ~FEntry() {
     Py_XDECREF(akey);
@@ -861,6 +869,22 @@ RecordResult frecord(const FEntry& e, FIns& in, PyObject** result) {
       goto done;
     }
     Py_DECREF(r);
+  }
+  if (e.restrided) {  // as the Python kernel's eager_layout runs on record's results
+    for (size_t i = 0; i < e.outs.size(); i++) {
+      if (e.outs[i].meta.order.empty() || e.outs[i].aval == nullptr) continue;
+      if (!e.tuple_out) {
+        res = restride(res, e.outs[i].meta);
+        if (res == nullptr) goto done;
+        continue;
+      }
+      PyObject* was = PyTuple_GET_ITEM(res, i);
+      Py_INCREF(was);
+      PyObject* w = restride(was, e.outs[i].meta);  // (takes the reference to `was`)
+      if (w == nullptr) { Py_CLEAR(res); goto done; }
+      PyTuple_SET_ITEM(res, i, w);  // res is new: the tuple's own reference goes
+      Py_DECREF(was);
+    }
   }
   *result = res;
   rc = REC_OK;
@@ -1223,6 +1247,21 @@ PyObject* m_pending(PyObject*, PyObject*) {
 }
 
 // An output's metadata from its (shape tuple, torch dtype): contiguous strides, byte size.
+// An output's restriding order (a tuple of `nd` dimensions) into m.order and m.inverse: 1, 0
+// where it is not a permutation of the dimensions, -1 with a Python error set.
+int out_order(PyObject* order, Py_ssize_t nd, OutMeta& m) {
+  if (PyTuple_GET_SIZE(order) != nd) return 0;
+  m.inverse.assign(nd, -1);
+  for (Py_ssize_t j = 0; j < nd; j++) {
+    long d = PyLong_AsLong(PyTuple_GET_ITEM(order, j));
+    if (d == -1 && PyErr_Occurred()) return -1;
+    if (d < 0 || d >= nd || m.inverse[d] != -1) return 0;  // not a permutation
+    m.order.push_back(d);
+    m.inverse[d] = j;
+  }
+  return 1;
+}
+
 bool out_meta(PyObject* shape, PyObject* dt, OutMeta& m) {
   if (!PyTuple_Check(shape) || Py_TYPE(dt) != &THPDtypeType) {
     PyErr_SetString(PyExc_TypeError, "an output's (shape tuple, torch dtype)");
@@ -1324,16 +1363,8 @@ PyObject* m_install(PyObject*, PyObject* args) {
                           &PyTuple_Type, &order))
       return nullptr;
     if (order != nullptr) {
-      Py_ssize_t nd = PyTuple_GET_SIZE(order);
-      if (nd != PyTuple_GET_SIZE(shape)) Py_RETURN_FALSE;
-      m.inverse.assign(nd, -1);
-      for (Py_ssize_t j = 0; j < nd; j++) {
-        long d = PyLong_AsLong(PyTuple_GET_ITEM(order, j));
-        if (d == -1 && PyErr_Occurred()) return nullptr;
-        if (d < 0 || d >= nd || m.inverse[d] != -1) Py_RETURN_FALSE;  // not a permutation
-        m.order.push_back(d);
-        m.inverse[d] = j;
-      }
+      int ok = out_order(order, PyTuple_GET_SIZE(shape), m);
+      if (ok <= 0) return ok < 0 ? nullptr : Py_NewRef(Py_False);
     }
     if (!out_meta(shape, dt, m)) return nullptr;
     e->outs.push_back(std::move(m));
@@ -1695,8 +1726,16 @@ PyObject* m_install_fused(PyObject*, PyObject* args) {
     } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {  // ("s", value)
       fo.konst = PyTuple_GET_ITEM(o, 1);
       Py_INCREF(fo.konst);
-    } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 3) {
-      if (!out_meta(PyTuple_GET_ITEM(o, 1), PyTuple_GET_ITEM(o, 2), fo.meta)) return nullptr;
+    } else if (PyTuple_Check(o) && (PyTuple_GET_SIZE(o) == 3 || PyTuple_GET_SIZE(o) == 4)) {
+      PyObject* shape = PyTuple_GET_ITEM(o, 1);
+      if (!PyTuple_Check(shape)) Py_RETURN_FALSE;
+      if (PyTuple_GET_SIZE(o) == 4) {  // restrided like an argument (eager_layout_like)
+        PyObject* order = PyTuple_GET_ITEM(o, 3);
+        int ok = PyTuple_Check(order) ? out_order(order, PyTuple_GET_SIZE(shape), fo.meta) : 0;
+        if (ok <= 0) return ok < 0 ? nullptr : Py_NewRef(Py_False);
+        e->restrided = true;
+      }
+      if (!out_meta(shape, PyTuple_GET_ITEM(o, 2), fo.meta)) return nullptr;
       fo.aval = PyTuple_GET_ITEM(o, 0);
       Py_INCREF(fo.aval);
     } else {

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import torch
 
+from ..lowering.attention import layout_order as _layout_order
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import disk_cache as _disk
@@ -327,9 +328,9 @@ def record(lowering, kind, args, kwargs):
             pending.append(pb)
             tensors[slot].untyped_storage()._tpu_buffer = pb
         res = args[0] if args else kwargs["self"]
-    if plan is not None and kind == FUNCTIONAL and not draws and check_aval is None \
-            and nest is None and _replayable(lowering):
-        _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals)
+    if plan is not None and kind == FUNCTIONAL and not draws and gen is None \
+            and check_aval is None and nest is None and _replayable(lowering):
+        _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals, orig[0])
     if check_aval is not None:
         n_out = len(out_avals) if isinstance(out_avals, (tuple, list)) else 1
         pb = PendingBuffer(("n", node_index, n_out), check_aval)
@@ -345,23 +346,31 @@ _REPLAYABLE: dict = {}  # lowering -> whether the C++ path may replay its record
 
 def _replayable(lowering) -> bool:
     """Whether recording ``lowering`` is, past its key, a function of the inputs' abstract
-    values alone (what the C++ recording path checks): no data-dependent shape, random state,
-    mutated arguments, layout read from the arguments or restrided results, host tensors, and
-    one device (ops on tpu:N>0 run strict)."""
+    values alone (what the C++ recording path checks): no data-dependent shape, random state
+    drawn whatever the scalars (``random=True``; a call that draws is never offered: whether it
+    draws is a function of its scalars, which the key holds, as for Strict's entries), mutated
+    arguments, layout read from the arguments, restrided results other than ``eager_layout_like``
+    ones (the entry restrides them as the Python kernel does), host tensors, and one device
+    (ops on tpu:N>0 run strict)."""
     ok = _REPLAYABLE.get(lowering)
     if ok is None:
         ok = _REPLAYABLE[lowering] = not (
-            lowering.dynamic_shape or lowering.random or lowering.mutates
+            lowering.dynamic_shape or lowering.random is True or lowering.mutates
             or lowering.reads_layout or lowering.check is not None
-            or lowering.meta.get("eager_layout") is not None
+            or (lowering.meta.get("eager_layout") is not None
+                and lowering.meta.get("eager_layout_like") is None)
             or lowering.meta.get("host_tensors"))
     return ok and not executor._multi_device()
 
 
-def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals) -> None:
+def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals, args) -> None:
     """Hand this call's recording to the C++ path (eager/fastpath.py ``offer_fused``): the next
     call with the same Kernel key and inputs' abstract values appends the same node and makes
-    the same outputs without this function."""
+    the same outputs without this function. A result of an ``eager_layout_like`` op carries
+    its order (lowering/attention.py ``layout_order`` of the positional argument it is laid out
+    like, read from metadata the key holds): the entry restrides it as the kernel's
+    ``eager_layout`` does with ``record``'s result."""
+    like = lowering.meta.get("eager_layout_like")
     if type(out_avals) is tuple:
         results, tuple_out = out_avals, True
     elif type(out_avals) is _ShapeDtype:
@@ -375,7 +384,13 @@ def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals) -
         elif type(a) is executor._Static:
             outs.append(("s", a.value))
         elif type(a) is _ShapeDtype:
-            outs.append((a, tuple(a.shape), _buffer._meta(tuple(a.shape), a.dtype)[1]))
+            out = (a, tuple(a.shape), _buffer._meta(tuple(a.shape), a.dtype)[1])
+            p = like[len(outs)] if like is not None and len(outs) < len(like) else None
+            if p is not None and p < len(args) and isinstance(args[p], Tensor):
+                order = _layout_order(len(a.shape), args[p])
+                if order is not None:
+                    out = out + (order,)
+            outs.append(out)
         else:
             return
     ins = []
