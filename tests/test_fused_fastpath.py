@@ -188,6 +188,37 @@ def test_sdpa_restrided_results_bitwise(monkeypatch, max_nodes):
         assert torch.allclose(x.cpu(), y, atol=1e-5)
 
 
+def test_checked_ops_hand_over_their_flag():
+    """A checked op (registry ``check``: embedding's index bounds) replayed in C++ appends the
+    node with its flag output and hands the flag to the pending checks as ``record`` does: the
+    same graph, results bit for bit, one device check each; an out-of-range index recorded by
+    the C++ entry raises the Python path's error at the sync."""
+    w = _rand(10, 4)
+    ok = torch.tensor([[1, 3, 9]]).to("tpu")
+
+    def fn(w, i):
+        return torch.nn.functional.embedding(i, w) * 2.0
+
+    both(lambda: (w, ok), fn)
+    bad = torch.tensor([[1, 10, 3]]).to("tpu")
+    errors = []
+    for enabled in (False, True, True):
+        fastpath.set_enabled(enabled)
+        checks, falls = _c("device_checks"), _c("fused_fastpath_fallbacks")
+        recs, misses = _c("fused_fastpath_records"), _c("fused_fastpath_misses")
+        with torch.tpu.set_eager_mode(FUSE):
+            out = fn(w, bad)
+            with pytest.raises(IndexError) as e:
+                out.cpu()
+        errors.append(str(e.value))
+        assert _c("device_checks") == checks + 1
+        if enabled:  # the entry installed with `ok` replays this call
+            assert (_c("fused_fastpath_misses"), _c("fused_fastpath_fallbacks")) == (misses, falls)
+            assert _c("fused_fastpath_records") >= recs + 1
+    assert errors[0] == errors[1] == errors[2]
+    assert "index out of range" in errors[0]
+
+
 def test_entries_are_cleared_with_the_fast_path():
     a = _rand(3)
     with torch.tpu.set_eager_mode(FUSE):

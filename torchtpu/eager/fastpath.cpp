@@ -570,8 +570,8 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
 // builds the node's references (a pending input's `ref`, an array or traced scalar as a
 // graph input, deduplicated by identity as `_Graph.input_ref` does; a view's offset as a new
 // input each time) and makes the outputs. Everything else (a new key, another abstract value,
-// a graph task change with the backward cut on, random, checked, mutating, in-place and
-// layout ops: `record` decides what it offers) runs `record` itself.
+// a graph task change with the backward cut on, random, mutating, in-place and some layout
+// ops: `record` decides what it offers) runs `record` itself.
 
 struct FOut {
   PyObject* aval = nullptr;   // the canonical aval of a pending output (owned), or nullptr
@@ -593,7 +593,13 @@ struct FEntry {
   bool tuple_out = false;
   bool restrided = false;  // some output has an order (restrided once the node is recorded)
   std::vector<FOut> outs;
+  // a checked op (registry `check`): the node's last output is its flag, a PendingBuffer of
+  // this aval handed to `check` (checks.add with the op's name, exception and message bound),
+  // as record does (owned; nullptr: no check)
+  PyObject *check_aval = nullptr, *check = nullptr;
   ~FEntry() {
+    Py_XDECREF(check_aval);
+    Py_XDECREF(check);
     Py_XDECREF(akey);
     Py_XDECREF(traced);
     Py_XDECREF(text);
@@ -859,6 +865,17 @@ RecordResult frecord(const FEntry& e, FIns& in, PyObject** result) {
       if (e.tuple_out) PyTuple_SET_ITEM(res, i, w);
       else res = w;
     }
+  }
+  if (e.check != nullptr) {  // the flag: output n_out of the node, to the pending checks
+    PyObject* ref = Py_BuildValue("(Onn)", s_n, node_index,
+                                  static_cast<Py_ssize_t>(e.outs.size()));
+    PyObject* pb = ref == nullptr ? nullptr : new_pending(ref, e.check_aval);
+    Py_XDECREF(ref);
+    PyObject* r = pb == nullptr || PyList_Append(pending, pb) < 0
+                      ? nullptr : PyObject_CallOneArg(e.check, pb);
+    Py_XDECREF(pb);
+    if (r == nullptr) { Py_CLEAR(res); goto done; }
+    Py_DECREF(r);
   }
   if (node_index + 1 >= PyLong_AsSsize_t(max_nodes)) {
     PyObject* flush = PyDict_GetItemWithError(g_fused_globals, s_flush);  // borrowed
@@ -1648,17 +1665,20 @@ PyObject* m_setup_fused(PyObject*, PyObject* args) {
 }
 
 
-// install_fused(lowering, akey, traced, text, plan, inputs, tuple_out, outs): the node `record`
-// just made for this thread's pending (Fused) key. plan: per reference, a tensor ordinal,
-// ("c", value) a deduplicated graph input or ("o", value) a view offset's input; inputs: per
-// tensor ordinal (canonical aval, shape, numpy dtype); outs: per result None, ("s", value) a
-// constant, or (canonical aval, shape, torch dtype) a pending output.
+// install_fused(lowering, akey, traced, text, plan, inputs, tuple_out, outs, check=None): the
+// node `record` just made for this thread's pending (Fused) key. plan: per reference, a tensor
+// ordinal, ("c", value) a deduplicated graph input or ("o", value) a view offset's input;
+// inputs: per tensor ordinal (canonical aval, shape, numpy dtype); outs: per result None,
+// ("s", value) a constant, or (canonical aval, shape, torch dtype[, order]) a pending output
+// (restrided to order); check: None, or (flag aval, what the flag goes to) for a checked op.
 PyObject* m_install_fused(PyObject*, PyObject* args) {
-  PyObject *lowering, *akey, *traced, *text, *plan, *ins, *outs;
+  PyObject *lowering, *akey, *traced, *text, *plan, *ins, *outs, *check = Py_None;
   int tuple_out = 0;
-  if (!PyArg_ParseTuple(args, "OOOOO!O!pO!", &lowering, &akey, &traced, &text, &PyList_Type,
-                        &plan, &PyList_Type, &ins, &tuple_out, &PyList_Type, &outs))
+  if (!PyArg_ParseTuple(args, "OOOOO!O!pO!|O", &lowering, &akey, &traced, &text, &PyList_Type,
+                        &plan, &PyList_Type, &ins, &tuple_out, &PyList_Type, &outs, &check))
     return nullptr;
+  if (check != Py_None && (!PyTuple_Check(check) || PyTuple_GET_SIZE(check) != 2))
+    Py_RETURN_FALSE;
   Pending* p = tl_pending;
   if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering || !p->fused ||
       g_fused == nullptr)
@@ -1668,6 +1688,10 @@ PyObject* m_install_fused(PyObject*, PyObject* args) {
       (!tuple_out && PyList_GET_SIZE(outs) != 1))
     Py_RETURN_FALSE;
   auto e = std::make_shared<FEntry>();
+  if (check != Py_None) {
+    e->check_aval = Py_NewRef(PyTuple_GET_ITEM(check, 0));
+    e->check = Py_NewRef(PyTuple_GET_ITEM(check, 1));
+  }
   PyObject** fixed[] = {&e->akey, &e->traced, &e->text};
   PyObject* fvals[] = {akey, traced, text};
   for (int i = 0; i < 3; i++) {
