@@ -14,9 +14,10 @@ through the runner's forward call alone (inputs sent, program, greedy ids back),
 the bucket's program called directly (the runner's path) and through torch.compile's guards. The load
 average is printed with the table: compare runs taken on a quiet host. ``--profile N`` also
 traces N replays of that step with XLA's profiler and prints the program's HLO operations by
-exclusive time per call (nested ``while``/``cond`` bodies counted in their operations; the
-tracer adds a few microseconds per operation, so compare the shares, not the sum, with the
-untraced call).
+exclusive time per call (nested ``while``/``cond`` bodies counted in their operations), then
+the same by class (matrix products, gathers, transposes and copies, ...; with the part run
+inside loops, i.e. the attention's per-token loop). The tracer adds a few microseconds per
+operation, so compare the shares, not the sum, with the untraced call.
 """
 from __future__ import annotations
 
@@ -186,6 +187,25 @@ def _profile_last_step(runner, last, n):
     return [(name, t / n / 1e3, runs[name] / n) for name, t in rows]
 
 
+_CLASSES = (  # (class, fragments of XLA's operation names), first match wins
+    ("matrix products", ("ynn_fusion", "dot", "convolution")),
+    ("gathers", ("gather",)),
+    ("scatters", ("scatter",)),
+    ("transposes and copies", ("transpose", "copy")),
+    ("loops and branches (own time)", ("while", "cond", "call")),
+    ("reductions", ("reduce",)),
+)
+
+
+def _op_class(name: str) -> str:
+    """The class of an HLO operation (or fusion) by the name XLA gave it."""
+    base = name.split(".")[0]
+    for c, frags in _CLASSES:
+        if any(f in base for f in frags):
+            return c
+    return "elementwise and other"
+
+
 def _replay_last_step(llm, runner, last):
     """The floor of a tpu step: the round's largest decode step (one token per request) run again
     through the runner's forward call (its inputs' transfer, its program, its greedy ids
@@ -283,6 +303,16 @@ def main():
             print("|---|---|---|---|")
             for name, t, k in ops[:25]:
                 print(f"| {name} | {t:.0f} | {t / total:.1%} | {k:g} |")
+            classes: dict = collections.defaultdict(lambda: [0.0, 0.0])
+            for name, t, k in ops:
+                classes[_op_class(name)][k > 1] += t
+            print("\nthe same by class (XLA's names; 'in loops': operations run more than once "
+                  "per call, the attention's per-token loop):\n")
+            print("| class | us per call | share | of which in loops |")
+            print("|---|---|---|---|")
+            for c, (once, looped) in sorted(classes.items(), key=lambda kv: -sum(kv[1])):
+                print(f"| {c} | {once + looped:.0f} | {(once + looped) / total:.1%} | "
+                      f"{looped:.0f} |")
     for n in names:
         if "error" in results[n]:
             print(f"\n{n} failed:\n{results[n]['error']}")

@@ -130,3 +130,11 @@ class FusedTransformer(Transformer):
         super().__init__(layers)
         for blk in self.layers:
             blk.attention = FusedAttention(grouped)
+
+
+def beyond_buffers(model, memory: float, fraction: float = 0.9) -> float:
+    """A budget of ``fraction`` x a plan's ``memory`` beyond the model's buffers, which every
+    plan holds whole on every device (TorchTitan's debug model: a 131072-position rotary
+    table per layer, 48 MiB, more than the rest of a short sequence's plan)."""
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return buffers + fraction * (memory - buffers)

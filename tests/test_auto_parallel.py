@@ -13,7 +13,7 @@ import torch
 import dist_launch as dl
 import torchtpu.distributed as td
 from auto_parallel_models import (MLP, VOCAB, FusedTransformer, MixingTransformer, Transformer,
-                                  tiny_llama)
+                                  beyond_buffers, tiny_llama)
 from torchtpu.distributed.auto_parallel import Plan, plan_for
 
 
@@ -163,8 +163,8 @@ def test_verification_compiles_sequence_and_loss_parallel_as_applied():
     layouts (stream sharded on the sequence between the blocks, each block's input gathered,
     the logits sharded on the vocabulary, each block's input gathered again in backward after
     its gradient arrives), and XLA's collectives change accordingly: SP gathers the blocks'
-    inputs (TP only all-reduces), ``sp_regather`` one more all-gather per block call. A plan
-    whose compiled memory exceeds the budget its prediction met is flagged."""
+    inputs (TP only all-reduces), ``sp_regather`` one more all-gather per block call; the
+    predicted memory is near XLA's."""
     from torchtpu.distributed.auto_parallel.devices import device_spec
     from torchtpu.distributed.auto_parallel.verify import compile_plans, judge, trace_step
 
@@ -195,14 +195,52 @@ def test_verification_compiles_sequence_and_loss_parallel_as_applied():
     assert rsg["collectives"]["all-gather"] == rsp["collectives"]["all-gather"] + blocks
     sg.compiled = judge(sg, rsg, device_spec("cpu"), 1e-12)
     assert "as applied: sequence parallel, loss parallel, block inputs regathered" in str(sg)
-    # the search's own verification: XLA's memory of this small model is several times the
-    # cost model's, so the plan that the prediction fits under the budget is flagged
-    budget = 1.001 * sg.predicted["memory_bytes"]
-    plan = td.auto_parallelize(m, 2, (x,), memory_budget=budget, device_spec="cpu", top_k=1,
-                               loss_fn=_token_loss, loss_args=(y,))
-    assert plan.sequence_parallel and "sequence parallel" in plan.compiled["lowered"]
-    assert plan.compiled["memory_bytes"] > budget and plan.compiled["over_budget"] == budget
-    assert "OVER the" in str(plan)
+    # the cost model's memory tracks XLA's: the dense attention's score tiles (the largest
+    # buffers of this model's step at 512 tokens; XLA keeps 3 to 6 of them alive) are counted
+    # (without them XLA's memory was 4 to 7 times the prediction)
+    for p, r in ((tp, rtp), (sp, rsp), (sg, rsg)):
+        assert 0.7 < r["memory_bytes"] / p.predicted["memory_bytes"] < 1.45, \
+            (p.predicted["memory_bytes"], r["memory_bytes"])
+
+
+def test_budget_holds_for_compiled_memory(monkeypatch):
+    """The memory budget is a constraint on XLA's compiled memory: with a cost model that
+    under-estimates it (here: the attention's score tiles left out, as before they were
+    counted), the plans the prediction fits but XLA does not are replaced by the next ones,
+    searched again with the corrected estimate, until one fits by compilation; when none
+    does, the error names the smallest compiled plan."""
+    from torchtpu.distributed.auto_parallel import cost
+    from torchtpu.distributed.auto_parallel.verify import compile_plans
+
+    monkeypatch.setattr(cost, "DENSE_ATTENTION_TILES", 0)
+    torch.manual_seed(0)
+    m, x, y = Transformer(), tokens(4, 512), tokens(4, 512)
+    kw = dict(device_spec="cpu", loss_fn=_token_loss, loss_args=(y,), mesh_shapes=[(2, 2)])
+    plain = plan_for(m, 4, (x,), dp=2, tp=2, device_spec="cpu", loss_fn=_token_loss,
+                     loss_args=(y,))
+    small = plan_for(m, 4, (x,), dp=2, tp=2, sequence_parallel=True, loss_parallel=True,
+                     sp_regather=True, device_spec="cpu", loss_fn=_token_loss, loss_args=(y,))
+    rplain, rsmall = compile_plans(m, (x,), {}, [plain, small], 2, 4, loss_fn=_token_loss,
+                                   loss_args=(y,))
+    # the prediction: a few MiB; XLA: several times that (its 4 MiB score tiles); a budget
+    # that the plain TP plan (the fastest) exceeds by XLA's count and the smallest meets
+    assert rplain["memory_bytes"] > 2 * plain.predicted["memory_bytes"]
+    assert rsmall["memory_bytes"] < rplain["memory_bytes"]
+    budget = (rplain["memory_bytes"] + rsmall["memory_bytes"]) / 2
+    plan = td.auto_parallelize(m, 4, (x,), memory_budget=budget, top_k=1, **kw)
+    rounds = plan.search["verify_rounds"]
+    assert plan.compiled["memory_bytes"] <= budget and len(rounds) >= 2
+    assert "rounds of verification" in str(plan)
+    compiled = plan.search["ranking"]
+    assert len(compiled) == len(rounds) and all(r["plans"] == 1 for r in rounds)
+    assert all(c["compiled_memory"] > budget for c in compiled[:-1])
+    assert all(c["predicted_memory"] <= budget for c in compiled)
+    # a budget every plan meets by the prediction and none by compilation: a clear error
+    tight = 1.2 * small.predicted["memory_bytes"]
+    with pytest.raises(ValueError, match=r"no plan fits memory_budget=.* by XLA's compiled "
+                                         r"memory .*the smallest compiled plan \(dp=2 x tp=2"
+                                         r".*\) needs .* \(predicted"):
+        td.auto_parallelize(m, 4, (x,), memory_budget=tight, top_k=3, **kw)
 
 
 @pytest.mark.slow  # ~30 s: one more compile subprocess
@@ -260,7 +298,8 @@ def test_torchtitan_llama3_debug_plan():
 
     with torch.device("meta"):
         m = model_registry("debugmodel").model.build()
-    # under 0.9 x pure FSDP's memory on 2 devices (dist_scripts' titan_sp trains this plan):
+    # under 0.9 x pure FSDP's memory (beyond the buffers: rotary tables, 48 MiB) on 2
+    # devices (dist_scripts' titan_sp trains this plan):
     # TP with the fused wqkv colwise + SP. (Longer sequences on more devices do not fit: the
     # loss is computed outside the model, so the head's output is the whole logits on every
     # rank, where FSDP holds its batch slice's)
@@ -269,7 +308,7 @@ def test_torchtitan_llama3_debug_plan():
     kw = {"positions": pos, "attention_masks": _titan_masks(pos)}
     fsdp = plan_for(m, 2, (x,), dp=2, tp=1, tp_units=None, device_spec="cpu",
                     example_kwargs=kw)
-    budget = 0.9 * fsdp.predicted["memory_bytes"]
+    budget = beyond_buffers(m, fsdp.predicted["memory_bytes"])
     tight = td.auto_parallelize(m, 2, (x,), memory_budget=budget, device_spec="cpu",
                                 example_kwargs=kw, verify=False, objective="memory")
     assert tight.predicted["memory_bytes"] <= budget
@@ -292,7 +331,8 @@ def test_torchtitan_llama3_debug_plan():
     lkw = dict(example_kwargs=kw, device_spec="cpu", loss_fn=_token_loss, loss_args=(x,))
     fsdp_l = plan_for(m, 2, (x,), dp=2, tp=1, tp_units=None, **lkw)
     assert fsdp_l.predicted["memory_bytes"] > fsdp.predicted["memory_bytes"]
-    lp = td.auto_parallelize(m, 2, (x,), memory_budget=0.9 * fsdp_l.predicted["memory_bytes"],
+    lp = td.auto_parallelize(m, 2, (x,),
+                             memory_budget=beyond_buffers(m, fsdp_l.predicted["memory_bytes"]),
                              verify=False, objective="memory", **lkw)
     assert lp.sequence_parallel and lp.loss_parallel and lp.loss_outside, lp
     assert lp.search["loss_parallel"] == "possible (the loss_fn's cross-entropy)"
@@ -388,8 +428,9 @@ def test_sequence_parallel_chosen_where_it_fits_and_refused_where_not():
     kw = dict(dp=1, tp=2, device_spec="cpu")
     tp_only = plan_for(m, 2, (x,), **kw)
     with_sp = plan_for(m, 2, (x,), sequence_parallel=True, **kw)
-    # the norms' and residuals' activations are halved
-    assert with_sp.predicted["memory_bytes"] < 0.9 * tp_only.predicted["memory_bytes"]
+    # the norms' and residuals' activations are halved (of 1 x 512 x 32 floats each); the
+    # attention's score tiles (most of the step's memory, by XLA's count too) stay
+    assert with_sp.predicted["memory_bytes"] < tp_only.predicted["memory_bytes"] - 2**18
     assert with_sp.predicted["step_time_s"] <= tp_only.predicted["step_time_s"]
     plan = td.auto_parallelize(m, 2, (x,), memory_budget=1.001 * with_sp.predicted["memory_bytes"],
                                device_spec="cpu", verify=False)

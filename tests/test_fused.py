@@ -310,3 +310,38 @@ def test_view_offsets_are_device_scalars_and_do_not_recompile():
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     assert _counters().get("fused_graph_compiles", 0) <= 1
+
+
+def test_threads_recording_at_once_get_their_own_results():
+    """Fused mode's pending graph is one for every thread: recording and cutting own it in
+    turn. Four threads recording at once broke it (a thread's cut returned while another's ran,
+    leaving its value None; nodes of one thread's op interleaved with another's)."""
+    import threading
+
+    errors = []
+
+    def work(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for i in range(60):
+                n = 3 + (i % 5)
+                a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+                ta, tb = a.to("tpu"), b.to("tpu")
+                got = ((ta @ tb).relu() + ta * 2).sum(0)
+                v = ta[1:, ::2].clone()
+                v.add_(1)
+                if not torch.allclose(got.cpu(), ((a @ b).relu() + a * 2).sum(0), atol=1e-5):
+                    errors.append((seed, i, "values"))
+                if not torch.equal(v.cpu(), a[1:, ::2] + 1):
+                    errors.append((seed, i, "view"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((seed, repr(e)))
+
+    with torch.tpu.set_eager_mode(FUSE):
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []

@@ -43,6 +43,33 @@ def test_continuous_distributions():
     assert h.dtype == torch.bfloat16 and h.cpu().max().item() < 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_samplers_draw_each_part_like_cpu(dtype):
+    """PyTorch samples a complex tensor's real and imaginary parts (view_as_real): normal with
+    half the variance in each part, uniform in [from, to) in each part. They raised
+    NotImplementedError on tpu (the real-only check), as randn/rand/randn_like of a complex
+    dtype did."""
+    torch.manual_seed(0)
+    for z, (m_want, s_want) in ((torch.randn(N, dtype=dtype, device=D), (0.0, math.sqrt(0.5))),
+                                (torch.empty(N, dtype=dtype, device=D).normal_(1.0, 2.0),
+                                 (1.0, 2.0 / math.sqrt(2))),
+                                (torch.randn_like(torch.zeros(N, dtype=dtype, device=D)),
+                                 (0.0, math.sqrt(0.5)))):
+        assert z.dtype == dtype
+        for part in (z.real, z.imag):
+            m, s, _, _ = _stats(part)
+            assert abs(m - m_want) < s_want * Z and abs(s - s_want) < 0.02 * s_want
+    for z, lo_want, hi_want in ((torch.rand(N, dtype=dtype, device=D), 0.0, 1.0),
+                                (torch.empty(N, dtype=dtype, device=D).uniform_(-1.0, 3.0),
+                                 -1.0, 3.0)):
+        for part in (z.real, z.imag):
+            m, _, lo, hi = _stats(part)
+            assert lo_want <= lo and hi < hi_want
+            assert abs(m - (lo_want + hi_want) / 2) < (hi_want - lo_want) / math.sqrt(12) * Z
+    z = torch.randn(N, dtype=dtype, device=D).cpu()
+    assert abs(torch.corrcoef(torch.stack([z.real, z.imag]).double())[0, 1].item()) < 6 / math.sqrt(N)
+
+
 def test_discrete_distributions():
     torch.manual_seed(1)
     x = torch.empty(N, device=D)

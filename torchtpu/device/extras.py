@@ -605,7 +605,8 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None,
         return torch.ops.prims.convert_element_type.default(self, dt)
     if dev.type == "tpu" and self.device.type == "cpu" and dt == self.dtype \
             and self.layout == torch.strided and not (self.is_conj() or self.is_neg()) \
-            and (mf is torch.contiguous_format or self.is_contiguous()):
+            and (mf is torch.contiguous_format
+                 or (mf is torch.preserve_format and self.is_contiguous())):
         # host to device: one transfer into a new tensor. Allocating the tpu tensor first
         # and copying into it ran a zeros program per new shape (an XLA compile each: every
         # batch shape a data loader makes)

@@ -36,6 +36,8 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <ctime>
 #include <cstring>
 #include <memory>
@@ -761,6 +763,52 @@ PyObject* new_pending(PyObject* ref, PyObject* aval) {
   return pb;
 }
 
+// The pending Fused graph's owner: the thread recording into or cutting it now (0: none),
+// and how deep (recording may cut, a cut's Python may record). Recording and cutting touch
+// one graph that every thread shares; a thread whose op finds another owner takes the Python
+// path, whose fused.record waits (fused_enter, the GIL released) until the owner is done.
+// Uncontended, taking it is two integer writes under the GIL.
+unsigned long g_fowner = 0;
+long g_fdepth = 0;
+
+bool fused_try_enter() {
+  unsigned long me = PyThread_get_thread_ident();
+  if (g_fowner == me) {
+    g_fdepth++;
+    return true;
+  }
+  if (g_fowner != 0) return false;
+  g_fowner = me;
+  g_fdepth = 1;
+  return true;
+}
+
+void fused_exit() {
+  if (g_fdepth > 0 && g_fowner == PyThread_get_thread_ident() && --g_fdepth == 0) g_fowner = 0;
+}
+
+struct FusedHold {
+  bool held;
+  FusedHold() : held(fused_try_enter()) {}
+  ~FusedHold() {
+    if (held) fused_exit();
+  }
+};
+
+PyObject* m_fused_enter(PyObject*, PyObject*) {
+  while (!fused_try_enter()) {
+    Py_BEGIN_ALLOW_THREADS
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    Py_END_ALLOW_THREADS
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* m_fused_exit(PyObject*, PyObject*) {
+  fused_exit();
+  Py_RETURN_NONE;
+}
+
 enum RecordResult { REC_OK, REC_PYTHON, REC_ERROR };
 
 // Record one call by entry `e` into the pending graph (fused.record's steps for a known key).
@@ -922,7 +970,8 @@ PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs);
 
 PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::string& key,
                         const Tensors& ts, bool* served) {
-  auto it = self->ftable->find(key);
+  FusedHold hold;  // not held: another thread owns the graph, the Python path waits for it
+  auto it = hold.held ? self->ftable->find(key) : self->ftable->end();
   if (it != self->ftable->end()) {
     std::shared_ptr<FEntry> e;  // kept alive while Python code runs (a size-limit flush)
     FIns in;
@@ -1820,6 +1869,9 @@ PyMethodDef module_methods[] = {
     {"pending", m_pending, METH_NOARGS, "the lowering this thread's pending key belongs to"},
     {"install", m_install, METH_VARARGS, "install an entry for this thread's pending key"},
     {"setup_fused", m_setup_fused, METH_VARARGS, "what Fused mode's recording path reads"},
+    {"fused_enter", m_fused_enter, METH_NOARGS,
+     "own the pending Fused graph (re-entrant; waits, the GIL released, for another owner)"},
+    {"fused_exit", m_fused_exit, METH_NOARGS, "give up one level of owning the Fused graph"},
     {"install_fused", m_install_fused, METH_VARARGS,
      "install a recording entry for this thread's pending (Fused) key"},
     {"fused_entries", m_fused_entries, METH_NOARGS, "recording entries in every table"},

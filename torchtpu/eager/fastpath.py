@@ -344,6 +344,17 @@ def setup_fused(fused_mode, fused_globals, pending_type, task_fn) -> bool:
     return True
 
 
+def fused_lock():
+    """(enter, exit) of the pending Fused graph's owner lock the Kernels' recording takes
+    (re-entrant, per thread), or None where the fast path is not bound."""
+    if not wanted():
+        return None
+    ext = _load()
+    if ext is None:
+        return None
+    return ext.fused_enter, ext.fused_exit
+
+
 def offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs, check=None) -> bool:
     """Install the recording entry for this thread's pending Fused key: the node ``record``
     just appended (its recording key ``akey``, traced function and persistent spelling

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 import warnings
 
 import jax
@@ -171,8 +172,22 @@ def _on_device0(args, kwargs) -> bool:
     return executor._device_index(kwargs.get("device")) == 0
 
 
+# The pending graph is one for every thread: recording and cutting own it (re-entrant per
+# thread; another thread waits). The C++ Kernels' lock where they record (install), else this.
+_lock = threading.RLock()
+_enter, _exit = _lock.acquire, _lock.release
+
+
 def record(lowering, kind, args, kwargs):
     """Record one op (the executor hands it over while the mode is DEFER_AND_FUSE)."""
+    _enter()
+    try:
+        return _record(lowering, kind, args, kwargs)
+    finally:
+        _exit()
+
+
+def _record(lowering, kind, args, kwargs):
     dyn = lowering.dynamic_shape
     if dyn and (dyn is True or dyn(args, kwargs)):
         flush("dynamic_shape")
@@ -556,6 +571,14 @@ def _live(pending):
 
 def flush(reason: str = "explicit") -> None:
     """Cut: compile (or fetch) the pending graph's program, run it, fill live pending buffers."""
+    _enter()
+    try:
+        _flush(reason)
+    finally:
+        _exit()
+
+
+def _flush(reason):
     g = _graph[0]
     if not g.nodes or _flushing[0]:
         return
@@ -614,7 +637,10 @@ def _on_switch(old, new):
 
 
 def install() -> None:
+    global _enter, _exit
     executor.fused_run = record
-    _fastpath.setup_fused(modes.EagerMode.DEFER_AND_FUSE, globals(), PendingBuffer, _graph_task)
+    if _fastpath.setup_fused(modes.EagerMode.DEFER_AND_FUSE, globals(), PendingBuffer,
+                             _graph_task):
+        _enter, _exit = _fastpath.fused_lock()
     modes.on_switch(_on_switch)
     _sync.on_synchronize(lambda: flush("synchronize"))

@@ -101,10 +101,38 @@ def _host_tensors_to_device(args):
                  for a in args)
 
 
+_EXPLICIT_FORMATS = (torch.channels_last, torch.channels_last_3d)
+
+
+def _honour_memory_format(run):
+    """``executor.run`` for a functional op with a ``memory_format`` argument (``clone``, the
+    ``*_like`` factories): eager results are contiguous, but an explicit channels_last(_3d)
+    request gets that layout, as on CPU and CUDA (``x.contiguous(memory_format=...)`` must
+    satisfy ``is_contiguous(memory_format=...)``, and code views its permutation). Such a call
+    runs the op again for the contiguous format and copies the result into a tensor of the
+    asked layout; every other call is ``run`` itself. Inside the kernel, so the C++ fast path
+    stays in front of it (it keys on the argument's value: a channels_last call always reaches
+    this Python kernel)."""
+    def with_format(lowering, kind, args, kwargs):
+        mf = kwargs.get("memory_format")
+        if mf not in _EXPLICIT_FORMATS:
+            return run(lowering, kind, args, kwargs)
+        # through the dispatcher: the C++ fast path's entry for this call's key (the asked
+        # format) is never made; the contiguous call's own key gets its entry
+        res = lowering.op(*args, **{**kwargs, "memory_format": torch.contiguous_format})
+        out = _empty(res.shape, res.dtype, device=res.device, memory_format=mf)
+        return out.copy_(res)
+
+    return with_format
+
+
 def _make(lowering, kind, out_names=(), void=False):
     """The PrivateUse1 kernel of one overload. ``void``: its schema returns nothing (the
     in-place foreach ops), so the kernel must return None."""
     run = executor.run
+    if kind == executor.FUNCTIONAL and any(a.name == "memory_format" and a.kwarg_only
+                                           for a in lowering.op._schema.arguments):
+        run = _honour_memory_format(run)
     host = lowering.meta.get("host_tensors", False)
     layout = lowering.meta.get("eager_layout") if kind == executor.FUNCTIONAL else None
     if layout is not None:
@@ -206,9 +234,22 @@ VIEW_OPS = [aten.view.default, aten.as_strided.default, aten._reshape_alias.defa
             aten.set_.source_Tensor, aten.set_.default, aten.view.dtype]
 
 
-def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    from .factories import empty_tensor
+def format_strides(size, memory_format):
+    """The strides PyTorch gives a new tensor of ``size`` in ``memory_format`` (its own rank
+    checks and errors: channels_last needs 4 dims, preserve_format is refused), read from a
+    meta tensor; None for the contiguous layout."""
+    if memory_format is None or memory_format is torch.contiguous_format:
+        return None
+    strides = list(torch.empty(list(size), device="meta", memory_format=memory_format).stride())
+    return None if strides == _buffer._contiguous_strides(list(size)) else strides
 
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    from .factories import empty_strided, empty_tensor
+
+    strides = format_strides(size, memory_format)
+    if strides is not None:  # channels_last(_3d): laid out as asked, as PyTorch's kernels do
+        return empty_strided(list(size), strides, dtype, device)
     return empty_tensor(list(size), dtype, device)
 
 

@@ -41,8 +41,17 @@ def _uniform(key, shape, dt, lo=0.0, hi=1.0):
 
 # ---------------------------------------------------------------- in-place samplers
 
+def _complex_parts(self, draw):
+    """A complex tensor's sample, as PyTorch draws it: its real and imaginary parts
+    (``view_as_real``) each drawn by ``draw`` from a real tensor of the parts' dtype."""
+    parts = draw(jnp.zeros(self.shape + (2,), jnp.real(jnp.zeros((), self.dtype)).dtype))
+    return jax.lax.complex(parts[..., 0], parts[..., 1]).astype(self.dtype)
+
+
 @register(aten.normal_.default, random=True)
 def normal_(key, self, mean=0.0, std=1.0):
+    if jnp.iscomplexobj(self):  # each part with half the variance (PyTorch's normal_impl_)
+        return _complex_parts(self, lambda r: normal_(key, r, mean, std / math.sqrt(2)))
     _check_float(self, "normal_kernel_cpu")
     if std < 0:
         raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
@@ -52,6 +61,8 @@ def normal_(key, self, mean=0.0, std=1.0):
 
 @register(aten.uniform_.default, random=True)
 def uniform_(key, self, from_=0.0, to=1.0):
+    if jnp.iscomplexobj(self):  # each part in [from, to) (PyTorch's uniform_impl_)
+        return _complex_parts(self, lambda r: uniform_(key, r, from_, to))
     _check_float(self, "check_uniform_bounds")
     if from_ > to:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={from_} "

@@ -190,10 +190,8 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
                 loss_args)
     budget = float(memory_budget) if memory_budget is not None else s.spec.hbm_bytes
     t1 = time.perf_counter()
-    found = []
-    for dp, tp in s.shapes(mesh_shapes):
-        for sol in solve(s.costs(dp, tp), budget, objective, top_k):
-            found.append((dp, tp) + sol)
+    key = (lambda f: f[-1].time) if objective == "step_time" else (lambda f: f[-1].memory)
+    found = _candidates(s, mesh_shapes, budget, objective, top_k, key)
     t2 = time.perf_counter()
     if not found:
         best = None
@@ -205,8 +203,6 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
             f"auto_parallelize: no plan fits memory_budget={_size(budget)} per device; the "
             f"smallest plan (dp={best[0]} x tp={best[1]}) needs {_size(best[-1].memory)} per "
             f"device")
-    key = (lambda f: f[-1].time) if objective == "step_time" else (lambda f: f[-1].memory)
-    found.sort(key=key)
     plans = [s.plan(*f) for f in found[:top_k]]
     search = {"analyse_s": t1 - t0, "solve_s": t2 - t1, "candidates": len(found),
               "sequence_parallel": s.an.sp_blocker or (
@@ -217,30 +213,101 @@ def auto_parallelize(model, mesh, example_inputs, memory_budget=None, device_spe
               "not_tp_blocks": s.an.not_blocks,
               "factorisations": [list(x) for x in s.shapes(mesh_shapes)]}
     if verify:
-        from .verify import compile_plans, judge
-
-        t3 = time.perf_counter()
-        res = compile_plans(model, args, kwargs, plans, optimizer_states, s.an.batch,
-                            loss_fn=loss_fn, loss_args=s.loss_args)
-        for p, r in zip(plans, res):
-            p.compiled = judge(p, r, s.spec, s.sec_per_flop())
-        search["verify_s"] = time.perf_counter() - t3
-        fits = [p for p in plans if p.compiled["memory_bytes"] <= budget] or plans
-        metric = "step_time_s" if objective == "step_time" else "memory_bytes"
-        ranked = sorted(fits, key=lambda p: (bool(p.compiled["unpredicted"]),
-                                             p.compiled[metric]))
-        search["ranking"] = [{"dp": p.dp, "tp": p.tp, "predicted": p.predicted[metric],
-                              "compiled": p.compiled[metric],
-                              "unpredicted": p.compiled["unpredicted"]} for p in plans]
-        chosen = ranked[0]
-        if chosen.compiled["memory_bytes"] > budget:  # the prediction met it, XLA does not
-            chosen.compiled["over_budget"] = budget
+        chosen, plans = _verify(s, model, args, kwargs, plans, found, budget, objective, top_k,
+                                mesh_shapes, key, search)
     else:
         chosen = plans[0]
     chosen.search = search
     chosen.why = _why(chosen, plans, budget, objective, verify)
     chosen.why += [f"not a TP block: {g}: {why}" for g, why in s.an.not_blocks.items()]
     return chosen
+
+
+def _candidates(s, mesh_shapes, budget, objective, top_k, key) -> list:
+    """The ``top_k`` best solutions of every factorisation within ``budget`` (predicted),
+    best first."""
+    found = []
+    for dp, tp in s.shapes(mesh_shapes):
+        for sol in solve(s.costs(dp, tp), budget, objective, top_k):
+            found.append((dp, tp) + sol)
+    found.sort(key=key)
+    return found
+
+
+def _decision(f) -> tuple:
+    dp, tp, uc, gc, sp, lp, sg, _ = f
+    return (dp, tp, tuple(sorted(uc.items())), tuple(sorted(gc.items())), sp, lp, sg)
+
+
+# rounds of verification when the compiled plans exceed the budget their predictions met
+VERIFY_ROUNDS = 3
+
+
+def _verify(s, model, args, kwargs, plans, found, budget, objective, top_k, mesh_shapes, key,
+            search):
+    """Compile ``plans`` with XLA and re-rank them by its figures. The budget is a constraint
+    on XLA's compiled memory: while no compiled plan fits, the search is re-run with the
+    corrected estimate (the budget divided by the largest compiled / predicted memory ratio
+    seen, plans already compiled left out) and its next best plans compiled, up to
+    ``VERIFY_ROUNDS`` rounds; then a ValueError names the smallest compiled plan.
+    Returns (chosen plan, every compiled plan)."""
+    from .verify import compile_plans, judge
+
+    t3 = time.perf_counter()
+    done, rounds = {}, []
+    pending = [(f, p) for f, p in zip(found, plans)]
+    target = budget
+    for _ in range(VERIFY_ROUNDS):
+        res = compile_plans(model, args, kwargs, [p for _, p in pending], s.optimizer_states,
+                            s.an.batch, loss_fn=s.loss_fn, loss_args=s.loss_args)
+        for (f, p), r in zip(pending, res):
+            p.compiled = judge(p, r, s.spec, s.sec_per_flop())
+            done[_decision(f)] = p
+        ratio = max(p.compiled["memory_bytes"] / max(p.predicted["memory_bytes"], 1.0)
+                    for _, p in pending)
+        rounds.append({"plans": len(pending), "predicted_budget": target,
+                       "compiled_over_predicted": ratio,
+                       "spent": res[0].get("verify_spent", {})})
+        if any(p.compiled["memory_bytes"] <= budget for p in done.values()):
+            break
+        # the corrected estimate: the prediction must leave room for what XLA added
+        target = min(target, budget / ratio) if ratio > 1 else target
+        nxt = [f for f in _candidates(s, mesh_shapes, target, objective, top_k, key)
+               if _decision(f) not in done]
+        if not nxt:  # nothing new predicted to fit the corrected budget: the next best
+            nxt = [f for f in found if _decision(f) not in done]
+        if not nxt:
+            break
+        pending = [(f, s.plan(*f)) for f in nxt[:top_k]]
+    search["verify_s"] = time.perf_counter() - t3
+    search["verify_rounds"] = rounds
+    plans = list(done.values())
+    fits = [p for p in plans if p.compiled["memory_bytes"] <= budget]
+    metric = "step_time_s" if objective == "step_time" else "memory_bytes"
+    search["ranking"] = [{"dp": p.dp, "tp": p.tp, "predicted": p.predicted[metric],
+                          "compiled": p.compiled[metric],
+                          "predicted_memory": p.predicted["memory_bytes"],
+                          "compiled_memory": p.compiled["memory_bytes"],
+                          "unpredicted": p.compiled["unpredicted"]} for p in plans]
+    if not fits:
+        small = min(plans, key=lambda p: p.compiled["memory_bytes"])
+        raise ValueError(
+            f"auto_parallelize: no plan fits memory_budget={_size(budget)} per device by XLA's "
+            f"compiled memory ({len(plans)} plan(s) compiled in {len(rounds)} round(s), each "
+            f"predicted to fit); the smallest compiled plan ({_tag(small)}) needs "
+            f"{_size(small.compiled['memory_bytes'])} per device (predicted "
+            f"{_size(small.predicted['memory_bytes'])})")
+    ranked = sorted(fits, key=lambda p: (bool(p.compiled["unpredicted"]), p.compiled[metric]))
+    return ranked[0], plans
+
+
+def _tag(p) -> str:
+    extra = [n for n, on in (("sequence parallel", p.sequence_parallel),
+                             ("loss parallel", p.loss_parallel),
+                             ("block inputs saved sharded", p.sp_regather)) if on]
+    tp_units = [u for u, d in p.units.items() if d["choice"] != "none"]
+    return (f"dp={p.dp} x tp={p.tp}" + (f", TP units {tp_units}" if tp_units else "")
+            + (", " + ", ".join(extra) if extra else ""))
 
 
 def _size(b: float) -> str:
@@ -251,6 +318,13 @@ def _why(plan, plans, budget, objective, verified) -> list:
     lines = [f"why: lowest predicted {objective.replace('_', ' ')} of "
              f"{len(plans)} candidate(s) under a budget of {budget / 2**20:.2f} MiB per device"
              + (" after re-ranking by XLA's compiled figures" if verified else "")]
+    rounds = (plan.search or {}).get("verify_rounds", [])
+    if len(rounds) > 1:
+        lines.append(f"  the budget holds for XLA's compiled memory: {len(rounds)} rounds of "
+                     f"verification (the earlier plans compiled over it; the search re-run "
+                     f"with the prediction corrected by the compiled / predicted ratio "
+                     + ", ".join(f"{r['compiled_over_predicted']:.2f}" for r in rounds[:-1])
+                     + ")")
     for p in plans:
         if p is plan:
             continue

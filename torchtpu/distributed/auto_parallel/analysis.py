@@ -109,6 +109,15 @@ class Analysis:
     # RowwiseParallel would hand that code DTensors it does not expect, so they are never
     # tensor-parallel (fqn -> why)
     custom_leaves: dict = field(default_factory=dict)
+    # every attention call of the forward: (innermost module, score elements at the analysed
+    # batch, bytes per score element)
+    attention: list = field(default_factory=list)
+    buffer_bytes: int = 0  # the model's buffers (rotary tables...): replicated on every device
+
+
+_SDPA = ("_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention")
 
 
 class _Flops(TorchDispatchMode):
@@ -127,6 +136,7 @@ class _Flops(TorchDispatchMode):
         self.fwd = defaultdict(float)
         self.bwd = 0.0
         self.backward = False
+        self.attention = []
 
     def _add(self, n):
         if self.backward:
@@ -139,6 +149,13 @@ class _Flops(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if not self.backward and (name == "flex_attention" or name.split(".")[0] in _SDPA):
+            q, k = args[0], args[1]
+            # (module, batch * query heads * queries * keys, bytes of one score): the scores
+            # and probabilities a dense lowering holds (float32 for a 16-bit input)
+            self.attention.append((self.stack[-1] if self.stack else "",
+                                   q.numel() // q.shape[-1] * k.shape[-2],
+                                   max(q.element_size(), 4)))
         if name in ("flex_attention", "flex_attention_backward"):
             q, k = args[0], args[1]
             b, h, lq, d = q.shape
@@ -381,6 +398,8 @@ def analyse(model: nn.Module, args: tuple, kwargs: dict, tp_degrees=None, loss_f
     an = Analysis(gn, params, dict(groups), flops, dict(saved), leaves, keep, batch,
                   sum(_nbytes(t) for t in tensors), out_bytes, leaf_order,
                   tensors[0].shape[1] if tensors[0].dim() >= 2 else 0)
+    an.attention = fc.attention
+    an.buffer_bytes = sum(_nbytes(b) for b in model.buffers())
     an.not_blocks = {gn(k): v for k, v in refused.items()}
     an.custom_leaves = custom
     an.not_blocks.update({gn(k): v for k, v in custom.items()})

@@ -13,7 +13,8 @@ Memory: parameters + gradients + optimizer state (``optimizer_states`` copies of
 parameter) of the local shard, plus for FSDP one instance per group unsharded (its parameters
 and, until their reduce-scatter, its gradients), plus the activations
 autograd saves (split over dp, and over tp inside a sharded unit except the replicated input of
-its colwise layers), plus the inputs.
+its colwise layers), plus the inputs and the model's buffers (replicated), plus the score
+tiles of the largest dense attention (``attention_tiles``).
 """
 from __future__ import annotations
 
@@ -68,6 +69,31 @@ class Term:
                     self.dp_bytes + o.dp_bytes, self.tp_bytes + o.tp_bytes)
 
 
+# the score-sized float tensors a dense attention lowering holds at once: its backward
+# recomputes the scores and probabilities and forms their gradients
+# (``lowering/attention.py``: s, p, dP, dS)
+DENSE_ATTENTION_TILES = 4
+
+
+def attention_tiles(an: Analysis, units: list) -> dict:
+    """The transient memory of the dense attention calls (``DENSE_ATTENTION_TILES`` score
+    tiles of the largest call; the lowering's blockwise kernel, above
+    ``DENSE_MAX_ELEMENTS`` scores, holds only blocks) at the analysed batch, given to the unit
+    whose module runs that call (its heads split with the unit), or to None outside any unit.
+    The tiles live only while one attention runs: one call counts, not one per layer. The
+    choice is the lowering's on the global shapes, as the verification's program makes it."""
+    from ...lowering.attention import DENSE_MAX_ELEMENTS
+
+    best, owner = 0, None
+    for fqn, elements, size in an.attention:
+        if elements > DENSE_MAX_ELEMENTS or elements * size <= best:
+            continue
+        best = elements * size
+        owner = next((u.name for u in units for f in u.instances
+                      if fqn == f or fqn.startswith(f + ".") or not f), None)
+    return {owner: float(DENSE_ATTENTION_TILES * best)} if best else {}
+
+
 def _subtree(d: dict, fqn: str) -> float:
     if not fqn:
         return sum(d.values())
@@ -85,14 +111,16 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     c = Costs(dp, tp)
     unit_flops = 0.0
     unit_saved = 0.0
+    tiles = attention_tiles(an, units)
     for u in units:
         flops = sum(_flops(an, f) for f in u.instances)
         saved = sum(_subtree(an.saved, f) for f in u.instances)
         unit_flops += flops
         unit_saved += saved
-        opts = {"none": Term(flops / dp * sec_per_flop, memory=saved / dp)}
+        tile = tiles.get(u.name, 0.0)
+        opts = {"none": Term(flops / dp * sec_per_flop, memory=(saved + tile) / dp)}
         if tp_ok(u, tp, modules, an):
-            t = Term(0.0)
+            t = Term(0.0, memory=tile / dp / tp)  # its heads split over tp
             if u.kind == "block":
                 for f in u.instances:
                     blk = next(b for b in an.blocks if b.fqn == f)
@@ -144,7 +172,9 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
         c.group_opts[g] = per
     rest_flops = max(_flops(an, "") - unit_flops, 0.0)
     rest_saved = max(sum(an.saved.values()) - unit_saved, 0.0)
-    c.const = Term(rest_flops / dp * sec_per_flop, memory=rest_saved / dp + an.input_bytes)
+    c.const = Term(rest_flops / dp * sec_per_flop,
+                   memory=(rest_saved + tiles.get(None, 0.0)) / dp + an.input_bytes
+                   + an.buffer_bytes)
     if an.loss_outside:
         # the user's loss runs on the outputs gathered over dp: every rank saves the global
         # batch's log-probabilities (unless loss parallelism keeps the logits sharded)

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -132,16 +133,26 @@ def export_step(gm, path: str):
     def program(*arrays):
         return fn(*arrays)[0]
 
-    lowered = jax.jit(program).trace(*shapes)
+    # one trace of the program: the export's (the lowering notes its host fallbacks while
+    # it traces)
+    try:
+        exp = export.export(jax.jit(program), platforms=["cpu"])(*shapes)
+    except Exception as e:
+        if low.fallback_ops:
+            raise _fallback_error(low) from e
+        raise
     if low.fallback_ops:
-        raise RuntimeError(f"auto_parallelize(verify=True): the train step has ops without a "
-                           f"tpu lowering ({sorted(map(str, low.fallback_ops))}), which run on "
-                           f"the host and cannot be compiled as one SPMD program; pass "
-                           f"verify=False")
-    exp = export.export(jax.jit(program), platforms=["cpu"])(*shapes)
+        raise _fallback_error(low)
     with open(path, "wb") as f:
         f.write(exp.serialize())
     return shapes
+
+
+def _fallback_error(low) -> RuntimeError:
+    return RuntimeError(f"auto_parallelize(verify=True): the train step has ops without a "
+                        f"tpu lowering ({sorted(map(str, low.fallback_ops))}), which run on "
+                        f"the host and cannot be compiled as one SPMD program; pass "
+                        f"verify=False")
 
 
 def _jnp_dtype(dt):
@@ -151,16 +162,21 @@ def _jnp_dtype(dt):
 
 
 def param_spec(shape, dp_choice: str, tp_place: str) -> list:
-    """The PartitionSpec (as a JSON list) of a parameter on the ("dp", "tp") mesh."""
+    """The PartitionSpec (as a JSON list) of a parameter on the ("dp", "tp") mesh, as
+    ``apply`` lays it out."""
     dims = [[] for _ in shape]
     if not dims:
         return []
-    if dp_choice == "fsdp":
-        dims[0].append("dp")
     if tp_place.startswith("Shard("):
         d = int(tp_place[6:-1])
         if d < len(dims):
             dims[d].append("tp")
+    if dp_choice == "fsdp":
+        # on a dimension tp also shards, FSDP2 shards each tp rank's slice over dp
+        # (``_StridedShard``): tp is the outer factor, ("tp", "dp"). The other order
+        # (dp outer) is not the layout TP computes in: XLA reorders every such parameter
+        # and gradient with all-to-alls and collective-permutes
+        dims[0].append("dp")
     return [None if not a else (a[0] if len(a) == 1 else a) for a in dims]
 
 
@@ -247,20 +263,32 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
     trunk, layers = _trunk(model)
     depths = [None] if full_depth or measure or layers <= 4 else [1, 2]
     # the plans whose activations the parameters' shardings do not determine (SP, loss
-    # parallelism) are traced with their own layout markers; the others share one program
-    own = [i for i, p in enumerate(plans) if needs_layouts(p)]
-    shared = [i for i in range(len(plans)) if i not in own]
-    groups = ([(None, shared)] if shared else []) + [(plans[i], [i]) for i in own]
+    # parallelism) are traced with their own layout markers;
+    # the others share one program; plans whose markers are the same (they differ only in
+    # the dp choice of their parameters) share one trace
+    own = {}
+    for i, p in enumerate(plans):
+        if needs_layouts(p):
+            own.setdefault(_marker_key(p), []).append(i)
+    shared = [i for i, p in enumerate(plans) if not needs_layouts(p)]
+    groups = ([(None, shared)] if shared else []) + [(plans[idx[0]], idx)
+                                                     for idx in own.values()]
+    spent = {"traces": 0, "trace_s": 0.0, "export_s": 0.0, "xla_s": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         programs = []
         for d in depths:
             with _depth(trunk, d if d is not None else layers):
                 n_b = len(list(model.buffers()))
                 for j, (marked, idx) in enumerate(groups):
+                    t0 = time.perf_counter()
                     gm, names, n_inputs = trace_step(model, args, kwargs, optimizer_states,
                                                      loss_fn, loss_args, plan=marked)
                     path = os.path.join(tmp, f"step{d}_{j}.jaxexport")
+                    t1 = time.perf_counter()
                     shapes = export_step(gm, path)
+                    spent["traces"] += 1
+                    spent["trace_s"] += t1 - t0
+                    spent["export_s"] += time.perf_counter() - t1
                     programs.append({
                         "exported": path, "devices": n,
                         "donate": list(range(len(names) * (1 + optimizer_states))),
@@ -269,21 +297,31 @@ def compile_plans(model, args, kwargs, plans, optimizer_states: int, batch: int,
                                                        optimizer_states, n_b, batch, n_inputs,
                                                        namer(model)) for i in idx]})
         req = {"programs": programs}
+        t0 = time.perf_counter()
         if jax.default_backend() == "cpu" and jax.local_device_count() >= n:
             res = [_worker().compile_candidates(p) for p in programs]
         else:
             res = _run_worker(req, n, timeout, optimise=bool(measure))
+        spent["xla_s"] = time.perf_counter() - t0
     per_depth = []
     for k in range(len(depths)):
         out = [None] * len(plans)
         for (_, idx), r in zip(groups, res[k * len(groups):(k + 1) * len(groups)]):
             for i, ri in zip(idx, r):
                 ri["lowered"] = lowered(plans[i])
+                ri["verify_spent"] = spent  # the whole call's: traces, their time, XLA's
                 out[i] = ri
         per_depth.append(out)
     if len(per_depth) == 1:
         return per_depth[0]
     return [_extrapolate(a, b, layers) for a, b in zip(*per_depth)]
+
+
+def _marker_key(plan) -> tuple:
+    """What ``layouts.markers`` reads of a plan: its mesh, its activation layouts and its
+    tensor-parallel units."""
+    return (plan.dp, plan.tp, plan.sequence_parallel, plan.loss_parallel, plan.sp_regather,
+            plan.loss_head, tuple(sorted((u, d["choice"]) for u, d in plan.units.items())))
 
 
 def _run_worker(req: dict, n: int, timeout: float, optimise: bool = False) -> list:
