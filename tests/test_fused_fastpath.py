@@ -148,6 +148,77 @@ def test_autograd_bitwise():
     both(make, fn)
 
 
+@pytest.mark.parametrize("max_nodes", [None, 3])
+def test_sdpa_restrided_results_bitwise(monkeypatch, max_nodes):
+    """SDPA's fused op lays its output out like the query (registry meta
+    ``eager_layout_like``) and its backward its gradients like q, k, v: the C++ recording
+    restrides them as the Python kernel does with ``record``'s results (the same permuted copy
+    recorded after the node, also when the node's size-limit cut comes first), and the
+    recorded graphs are the Python path's. Queries laid out as transformers makes them
+    (``(B, L, H, E)`` transposed), grouped-query heads, a float mask, no dropout."""
+    if max_nodes is not None:
+        monkeypatch.setattr(fused, "MAX_NODES", max_nodes)
+    g = torch.Generator().manual_seed(7)
+    q0, k0, v0 = (torch.randn(2, 5, h, 8, generator=g) for h in (4, 2, 2))
+    mask0 = torch.randn(2, 1, 5, 5, generator=g)
+
+    def make():
+        return tuple(t.to("tpu").requires_grad_() for t in (q0, k0, v0)) + (mask0.to("tpu"),)
+
+    def fn(q, k, v, mask):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            enable_gqa=True)
+        assert not out.is_contiguous()  # laid out like the transposed query
+        (out * out).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    got = both(make, fn)
+    misses, falls = _c("fused_fastpath_misses"), _c("fused_fastpath_fallbacks")
+    fastpath.set_enabled(True)
+    ins = make()
+    with torch.tpu.set_eager_mode(FUSE):
+        again = fn(*ins)
+    assert (_c("fused_fastpath_misses"), _c("fused_fastpath_fallbacks")) == (misses, falls)
+    _same(got, again)
+    ref = fn(*(t.detach().requires_grad_() if t.dtype.is_floating_point and t is not mask0
+               else t for t in (q0, k0, v0, mask0)))
+    for x, y in zip(got, ref):
+        assert x.stride() == y.stride()
+        assert torch.allclose(x.cpu(), y, atol=1e-5)
+
+
+def test_checked_ops_hand_over_their_flag():
+    """A checked op (registry ``check``: embedding's index bounds) replayed in C++ appends the
+    node with its flag output and hands the flag to the pending checks as ``record`` does: the
+    same graph, results bit for bit, one device check each; an out-of-range index recorded by
+    the C++ entry raises the Python path's error at the sync."""
+    w = _rand(10, 4)
+    ok = torch.tensor([[1, 3, 9]]).to("tpu")
+
+    def fn(w, i):
+        return torch.nn.functional.embedding(i, w) * 2.0
+
+    both(lambda: (w, ok), fn)
+    bad = torch.tensor([[1, 10, 3]]).to("tpu")
+    errors = []
+    for enabled in (False, True, True):
+        fastpath.set_enabled(enabled)
+        checks, falls = _c("device_checks"), _c("fused_fastpath_fallbacks")
+        recs, misses = _c("fused_fastpath_records"), _c("fused_fastpath_misses")
+        with torch.tpu.set_eager_mode(FUSE):
+            out = fn(w, bad)
+            with pytest.raises(IndexError) as e:
+                out.cpu()
+        errors.append(str(e.value))
+        assert _c("device_checks") == checks + 1
+        if enabled:  # the entry installed with `ok` replays this call
+            assert (_c("fused_fastpath_misses"), _c("fused_fastpath_fallbacks")) == (misses, falls)
+            assert _c("fused_fastpath_records") >= recs + 1
+    assert errors[0] == errors[1] == errors[2]
+    assert "index out of range" in errors[0]
+
+
 def test_entries_are_cleared_with_the_fast_path():
     a = _rand(3)
     with torch.tpu.set_eager_mode(FUSE):

@@ -450,13 +450,20 @@ PyObject* wrap(PyObject* arr, const OutMeta& m) {
 // its order (the permuted copy runs through the dispatcher: `clone`'s own kernel, a fast-path
 // hit itself, as `_like_layout`'s `.contiguous()` is in Python); new reference or nullptr
 // with a Python error set.
+PyObject* restride(PyObject* w, const OutMeta& m);
+
 PyObject* wrap_out(PyObject* arr, const Entry& e, const OutMeta& m) {
   if (m.konst >= 0) {
     PyObject* c = e.out_consts[m.konst];
     Py_INCREF(c);
     return c;
   }
-  PyObject* w = wrap(arr, m);
+  return restride(wrap(arr, m), m);
+}
+
+// Output tensor `w` (a new reference, or nullptr: passed on) restrided to `m`'s order, if it
+// has one; steals `w`; new reference or nullptr with a Python error set.
+PyObject* restride(PyObject* w, const OutMeta& m) {
   if (w == nullptr || m.order.empty()) return w;
   try {
     at::Tensor t = THPVariable_Unpack(w).permute(m.order).contiguous().permute(m.inverse);
@@ -565,8 +572,8 @@ HitResult hit(Kernel* self, const Entry& e, InArrays& in, PyObject** result) {
 // builds the node's references (a pending input's `ref`, an array or traced scalar as a
 // graph input, deduplicated by identity as `_Graph.input_ref` does; a view's offset as a new
 // input each time) and makes the outputs. Everything else (a new key, another abstract value,
-// a graph task change with the backward cut on, random, checked, mutating, in-place and
-// layout ops: `record` decides what it offers) runs `record` itself.
+// a graph task change with the backward cut on, random, mutating, in-place and some layout
+// ops: `record` decides what it offers) runs `record` itself.
 
 struct FOut {
   PyObject* aval = nullptr;   // the canonical aval of a pending output (owned), or nullptr
@@ -586,8 +593,15 @@ struct FEntry {
   std::vector<std::vector<int64_t>> in_shapes;  // ... its shape
   mutable std::vector<std::vector<PyObject*>> seen;  // jax avals matched per ordinal (owned)
   bool tuple_out = false;
+  bool restrided = false;  // some output has an order (restrided once the node is recorded)
   std::vector<FOut> outs;
+  // a checked op (registry `check`): the node's last output is its flag, a PendingBuffer of
+  // this aval handed to `check` (checks.add with the op's name, exception and message bound),
+  // as record does (owned; nullptr: no check)
+  PyObject *check_aval = nullptr, *check = nullptr;
   ~FEntry() {
+    Py_XDECREF(check_aval);
+    Py_XDECREF(check);
     Py_XDECREF(akey);
     Py_XDECREF(traced);
     Py_XDECREF(text);
@@ -900,6 +914,17 @@ RecordResult frecord(const FEntry& e, FIns& in, PyObject** result) {
       else res = w;
     }
   }
+  if (e.check != nullptr) {  // the flag: output n_out of the node, to the pending checks
+    PyObject* ref = Py_BuildValue("(Onn)", s_n, node_index,
+                                  static_cast<Py_ssize_t>(e.outs.size()));
+    PyObject* pb = ref == nullptr ? nullptr : new_pending(ref, e.check_aval);
+    Py_XDECREF(ref);
+    PyObject* r = pb == nullptr || PyList_Append(pending, pb) < 0
+                      ? nullptr : PyObject_CallOneArg(e.check, pb);
+    Py_XDECREF(pb);
+    if (r == nullptr) { Py_CLEAR(res); goto done; }
+    Py_DECREF(r);
+  }
   if (node_index + 1 >= PyLong_AsSsize_t(max_nodes)) {
     PyObject* flush = PyDict_GetItemWithError(g_fused_globals, s_flush);  // borrowed
     PyObject* r = flush == nullptr ? nullptr : PyObject_CallOneArg(flush, s_size_limit);
@@ -909,6 +934,22 @@ RecordResult frecord(const FEntry& e, FIns& in, PyObject** result) {
       goto done;
     }
     Py_DECREF(r);
+  }
+  if (e.restrided) {  // as the Python kernel's eager_layout runs on record's results
+    for (size_t i = 0; i < e.outs.size(); i++) {
+      if (e.outs[i].meta.order.empty() || e.outs[i].aval == nullptr) continue;
+      if (!e.tuple_out) {
+        res = restride(res, e.outs[i].meta);
+        if (res == nullptr) goto done;
+        continue;
+      }
+      PyObject* was = PyTuple_GET_ITEM(res, i);
+      Py_INCREF(was);
+      PyObject* w = restride(was, e.outs[i].meta);  // (takes the reference to `was`)
+      if (w == nullptr) { Py_CLEAR(res); goto done; }
+      PyTuple_SET_ITEM(res, i, w);  // res is new: the tuple's own reference goes
+      Py_DECREF(was);
+    }
   }
   *result = res;
   rc = REC_OK;
@@ -1272,6 +1313,21 @@ PyObject* m_pending(PyObject*, PyObject*) {
 }
 
 // An output's metadata from its (shape tuple, torch dtype): contiguous strides, byte size.
+// An output's restriding order (a tuple of `nd` dimensions) into m.order and m.inverse: 1, 0
+// where it is not a permutation of the dimensions, -1 with a Python error set.
+int out_order(PyObject* order, Py_ssize_t nd, OutMeta& m) {
+  if (PyTuple_GET_SIZE(order) != nd) return 0;
+  m.inverse.assign(nd, -1);
+  for (Py_ssize_t j = 0; j < nd; j++) {
+    long d = PyLong_AsLong(PyTuple_GET_ITEM(order, j));
+    if (d == -1 && PyErr_Occurred()) return -1;
+    if (d < 0 || d >= nd || m.inverse[d] != -1) return 0;  // not a permutation
+    m.order.push_back(d);
+    m.inverse[d] = j;
+  }
+  return 1;
+}
+
 bool out_meta(PyObject* shape, PyObject* dt, OutMeta& m) {
   if (!PyTuple_Check(shape) || Py_TYPE(dt) != &THPDtypeType) {
     PyErr_SetString(PyExc_TypeError, "an output's (shape tuple, torch dtype)");
@@ -1373,16 +1429,8 @@ PyObject* m_install(PyObject*, PyObject* args) {
                           &PyTuple_Type, &order))
       return nullptr;
     if (order != nullptr) {
-      Py_ssize_t nd = PyTuple_GET_SIZE(order);
-      if (nd != PyTuple_GET_SIZE(shape)) Py_RETURN_FALSE;
-      m.inverse.assign(nd, -1);
-      for (Py_ssize_t j = 0; j < nd; j++) {
-        long d = PyLong_AsLong(PyTuple_GET_ITEM(order, j));
-        if (d == -1 && PyErr_Occurred()) return nullptr;
-        if (d < 0 || d >= nd || m.inverse[d] != -1) Py_RETURN_FALSE;  // not a permutation
-        m.order.push_back(d);
-        m.inverse[d] = j;
-      }
+      int ok = out_order(order, PyTuple_GET_SIZE(shape), m);
+      if (ok <= 0) return ok < 0 ? nullptr : Py_NewRef(Py_False);
     }
     if (!out_meta(shape, dt, m)) return nullptr;
     e->outs.push_back(std::move(m));
@@ -1666,17 +1714,20 @@ PyObject* m_setup_fused(PyObject*, PyObject* args) {
 }
 
 
-// install_fused(lowering, akey, traced, text, plan, inputs, tuple_out, outs): the node `record`
-// just made for this thread's pending (Fused) key. plan: per reference, a tensor ordinal,
-// ("c", value) a deduplicated graph input or ("o", value) a view offset's input; inputs: per
-// tensor ordinal (canonical aval, shape, numpy dtype); outs: per result None, ("s", value) a
-// constant, or (canonical aval, shape, torch dtype) a pending output.
+// install_fused(lowering, akey, traced, text, plan, inputs, tuple_out, outs, check=None): the
+// node `record` just made for this thread's pending (Fused) key. plan: per reference, a tensor
+// ordinal, ("c", value) a deduplicated graph input or ("o", value) a view offset's input;
+// inputs: per tensor ordinal (canonical aval, shape, numpy dtype); outs: per result None,
+// ("s", value) a constant, or (canonical aval, shape, torch dtype[, order]) a pending output
+// (restrided to order); check: None, or (flag aval, what the flag goes to) for a checked op.
 PyObject* m_install_fused(PyObject*, PyObject* args) {
-  PyObject *lowering, *akey, *traced, *text, *plan, *ins, *outs;
+  PyObject *lowering, *akey, *traced, *text, *plan, *ins, *outs, *check = Py_None;
   int tuple_out = 0;
-  if (!PyArg_ParseTuple(args, "OOOOO!O!pO!", &lowering, &akey, &traced, &text, &PyList_Type,
-                        &plan, &PyList_Type, &ins, &tuple_out, &PyList_Type, &outs))
+  if (!PyArg_ParseTuple(args, "OOOOO!O!pO!|O", &lowering, &akey, &traced, &text, &PyList_Type,
+                        &plan, &PyList_Type, &ins, &tuple_out, &PyList_Type, &outs, &check))
     return nullptr;
+  if (check != Py_None && (!PyTuple_Check(check) || PyTuple_GET_SIZE(check) != 2))
+    Py_RETURN_FALSE;
   Pending* p = tl_pending;
   if (p == nullptr || p->kernel == nullptr || p->kernel->lowering != lowering || !p->fused ||
       g_fused == nullptr)
@@ -1686,6 +1737,10 @@ PyObject* m_install_fused(PyObject*, PyObject* args) {
       (!tuple_out && PyList_GET_SIZE(outs) != 1))
     Py_RETURN_FALSE;
   auto e = std::make_shared<FEntry>();
+  if (check != Py_None) {
+    e->check_aval = Py_NewRef(PyTuple_GET_ITEM(check, 0));
+    e->check = Py_NewRef(PyTuple_GET_ITEM(check, 1));
+  }
   PyObject** fixed[] = {&e->akey, &e->traced, &e->text};
   PyObject* fvals[] = {akey, traced, text};
   for (int i = 0; i < 3; i++) {
@@ -1744,8 +1799,16 @@ PyObject* m_install_fused(PyObject*, PyObject* args) {
     } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 2) {  // ("s", value)
       fo.konst = PyTuple_GET_ITEM(o, 1);
       Py_INCREF(fo.konst);
-    } else if (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 3) {
-      if (!out_meta(PyTuple_GET_ITEM(o, 1), PyTuple_GET_ITEM(o, 2), fo.meta)) return nullptr;
+    } else if (PyTuple_Check(o) && (PyTuple_GET_SIZE(o) == 3 || PyTuple_GET_SIZE(o) == 4)) {
+      PyObject* shape = PyTuple_GET_ITEM(o, 1);
+      if (!PyTuple_Check(shape)) Py_RETURN_FALSE;
+      if (PyTuple_GET_SIZE(o) == 4) {  // restrided like an argument (eager_layout_like)
+        PyObject* order = PyTuple_GET_ITEM(o, 3);
+        int ok = PyTuple_Check(order) ? out_order(order, PyTuple_GET_SIZE(shape), fo.meta) : 0;
+        if (ok <= 0) return ok < 0 ? nullptr : Py_NewRef(Py_False);
+        e->restrided = true;
+      }
+      if (!out_meta(shape, PyTuple_GET_ITEM(o, 2), fo.meta)) return nullptr;
       fo.aval = PyTuple_GET_ITEM(o, 0);
       Py_INCREF(fo.aval);
     } else {

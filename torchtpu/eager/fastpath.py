@@ -355,19 +355,20 @@ def fused_lock():
     return ext.fused_enter, ext.fused_exit
 
 
-def offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs) -> bool:
+def offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs, check=None) -> bool:
     """Install the recording entry for this thread's pending Fused key: the node ``record``
     just appended (its recording key ``akey``, traced function and persistent spelling
     ``text``), how its references are made (``plan``: per reference a tensor ordinal,
     ``("c", value)`` a graph input deduplicated by identity, ``("o", value)`` a view offset's
     input), per tensor ordinal ``(canonical aval, shape, numpy dtype)`` and per result None,
-    ``("s", value)`` or ``(canonical aval, shape, torch dtype)``. The caller (fused.record)
+    ``("s", value)`` or ``(canonical aval, shape, torch dtype[, dimension order])``; ``check``:
+    None, or a checked op's (flag aval, what the flag goes to). The caller (fused.record)
     offers only calls whose recording is a function of the key and the inputs' abstract
     values; True if installed."""
     ext = _state["ext"]
     if ext is None:
         return False
-    return ext.install_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs)
+    return ext.install_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs, check)
 
 
 def fused_entries() -> int:

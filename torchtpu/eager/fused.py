@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import torch
 
+from ..lowering.attention import layout_order as _layout_order
 from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import disk_cache as _disk
@@ -342,9 +343,10 @@ def _record(lowering, kind, args, kwargs):
             pending.append(pb)
             tensors[slot].untyped_storage()._tpu_buffer = pb
         res = args[0] if args else kwargs["self"]
-    if plan is not None and kind == FUNCTIONAL and not draws and check_aval is None \
+    if plan is not None and kind == FUNCTIONAL and not draws and gen is None \
             and nest is None and _replayable(lowering):
-        _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals)
+        _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals, orig[0],
+               None if check_aval is None else (check_aval, executor._check_adder(lowering)))
     if check_aval is not None:
         n_out = len(out_avals) if isinstance(out_avals, (tuple, list)) else 1
         pb = PendingBuffer(("n", node_index, n_out), check_aval)
@@ -360,23 +362,35 @@ _REPLAYABLE: dict = {}  # lowering -> whether the C++ path may replay its record
 
 def _replayable(lowering) -> bool:
     """Whether recording ``lowering`` is, past its key, a function of the inputs' abstract
-    values alone (what the C++ recording path checks): no data-dependent shape, random state,
-    mutated arguments, layout read from the arguments or restrided results, host tensors, and
-    one device (ops on tpu:N>0 run strict)."""
+    values alone (what the C++ recording path checks): no data-dependent shape, random state
+    drawn whatever the scalars (``random=True``; a call that draws is never offered: whether it
+    draws is a function of its scalars, which the key holds by value, as for Strict's entries,
+    unless the lowering traces some: then it is not replayed), mutated
+    arguments, layout read from the arguments, restrided results other than ``eager_layout_like``
+    ones (the entry restrides them as the Python kernel does), host tensors, and one device
+    (ops on tpu:N>0 run strict)."""
     ok = _REPLAYABLE.get(lowering)
     if ok is None:
         ok = _REPLAYABLE[lowering] = not (
-            lowering.dynamic_shape or lowering.random or lowering.mutates
-            or lowering.reads_layout or lowering.check is not None
-            or lowering.meta.get("eager_layout") is not None
+            lowering.dynamic_shape or lowering.random is True or lowering.mutates
+            or (lowering.random and lowering.scalar_args)
+            or lowering.reads_layout
+            or (lowering.meta.get("eager_layout") is not None
+                and lowering.meta.get("eager_layout_like") is None)
             or lowering.meta.get("host_tensors"))
     return ok and not executor._multi_device()
 
 
-def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals) -> None:
+def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals, args,
+           check=None) -> None:
     """Hand this call's recording to the C++ path (eager/fastpath.py ``offer_fused``): the next
     call with the same Kernel key and inputs' abstract values appends the same node and makes
-    the same outputs without this function."""
+    the same outputs without this function. A result of an ``eager_layout_like`` op carries
+    its order (lowering/attention.py ``layout_order`` of the positional argument it is laid out
+    like, read from metadata the key holds): the entry restrides it as the kernel's
+    ``eager_layout`` does with ``record``'s result. ``check``: a checked op's (flag aval, what
+    the flag goes to: ``checks.add`` with the op's name, exception and message bound)."""
+    like = lowering.meta.get("eager_layout_like")
     if type(out_avals) is tuple:
         results, tuple_out = out_avals, True
     elif type(out_avals) is _ShapeDtype:
@@ -390,7 +404,13 @@ def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals) -
         elif type(a) is executor._Static:
             outs.append(("s", a.value))
         elif type(a) is _ShapeDtype:
-            outs.append((a, tuple(a.shape), _buffer._meta(tuple(a.shape), a.dtype)[1]))
+            out = (a, tuple(a.shape), _buffer._meta(tuple(a.shape), a.dtype)[1])
+            p = like[len(outs)] if like is not None and len(outs) < len(like) else None
+            if p is not None and p < len(args) and isinstance(args[p], Tensor):
+                order = _layout_order(len(a.shape), args[p])
+                if order is not None:
+                    out = out + (order,)
+            outs.append(out)
         else:
             return
     ins = []
@@ -400,7 +420,7 @@ def _offer(lowering, akey, traced, text, plan, tensors, flat_avals, out_avals) -
             a = flat_avals[i]
             ins.append((a, tuple(a.shape), a.dtype))
     try:
-        _fastpath.offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs)
+        _fastpath.offer_fused(lowering, akey, traced, text, plan, ins, tuple_out, outs, check)
     except Exception as e:  # noqa: BLE001 - an entry not installed: record runs each time
         count("fused_fastpath_offer_errors")
         _fastpath._log.debug("torchtpu: fused recording entry not installed: %r", e)
@@ -503,7 +523,13 @@ def _unreferenced(inputs):
 
 
 def _fingerprint(g, live, donate):
-    return (tuple([(n[0], n[2]) for n in g.nodes]), tuple([pb.ref for pb in live]), donate)
+    """What the graph's program computes: per node its traced function and references (the
+    program is made of nothing else), the live outputs and the donated inputs. A node's traced
+    function is the one ``_AVALS`` holds for its recording key (the C++ entries replay that
+    same object), so it stands for the key; it hashes and compares by identity (hashing the
+    nested keys cost ~75 us per cut of a 200-node graph), and the key held in ``_PROGRAMS``
+    keeps it alive (its id is not reused)."""
+    return (tuple([(n[1], n[2]) for n in g.nodes]), tuple([pb.ref for pb in live]), donate)
 
 
 def _make_program(g, out_refs, donate=()):
