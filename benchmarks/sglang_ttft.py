@@ -22,8 +22,7 @@ requests of:
 
 and the scheduler's counters over the round (torchtpu.sglang.metrics_file): extend steps, XLA
 compiles, eager programs compiled (per op), host syncs, Dynamo traces of deferred buckets
-(``idle_warmed``: counted when one finishes; ``beside warm-up``: forwards run while one
-warmed on the worker thread). Timestamps are wall clocks of one host. The load average is printed.
+(``idle_warmed``). Timestamps are wall clocks of one host. The load average is printed.
 On a loaded host a first start warming every prefill bucket up to SGLang's chunked-prefill
 size takes very long: ``TORCHTPU_SGLANG_PREFILL_WARMUP_TOKENS=64`` warms fewer, the first
 round then compiles the larger buckets the requests meet (and the warm start warms them:
@@ -94,8 +93,7 @@ def _delta(m0, m1):
             "served on host": grow.get("eager_deferred_calls", 0),
             "eager compiles": grow.get("eager_compiles", 0), "eager ops": ops,
             "host syncs": grow.get("host_syncs", 0),
-            "idle warmed": d1.get("idle_warmed", 0) - d0.get("idle_warmed", 0),
-            "beside warm-up": f1.get("beside_warm_up", 0) - f0.get("beside_warm_up", 0)}
+            "idle warmed": d1.get("idle_warmed", 0) - d0.get("idle_warmed", 0)}
 
 
 def run_start(path, streams, rounds, out_tokens):
@@ -143,14 +141,14 @@ def main():
           f"load {os.getloadavg()[0]:.1f}\n")
     print("| start | ready s | round | " + " | ".join(f"{p} ms" for p in PARTS)
           + " | ttft max ms | extend steps | XLA compiles (in the path) | eager compiles "
-          "| served on host | host syncs | idle-warmed buckets | forwards beside a warm-up |")
-    print("|---|---|---|" + "---|" * (len(PARTS) + 8))
+          "| served on host | host syncs | idle-warmed buckets |")
+    print("|---|---|---|" + "---|" * (len(PARTS) + 7))
     for start, start_s, i, r in rows:
         print(f"| {start} | {start_s:.1f} | {i} | "
               + " | ".join(f"{1000 * r[p]:.0f}" for p in PARTS)
               + f" | {1000 * r['ttft max']:.0f} | {r['extend steps']} | {r['xla compiles']} "
               f"({r['xla compiles in path']}) | {r['eager compiles']} | {r['served on host']} | "
-              f"{r['host syncs']} | {r['idle warmed']} | {r['beside warm-up']} |")
+              f"{r['host syncs']} | {r['idle warmed']} |")
     for start, _, i, r in rows:
         if r["eager ops"]:
             print(f"eager programs compiled, {start} round {i}: {r['eager ops']}")

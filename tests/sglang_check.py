@@ -100,8 +100,6 @@ def engine(args) -> dict:
                   "ignore_eos": True}
         out = llm.generate(input_ids=ids, sampling_params=sample)
         res["sampled"] = [o["output_ids"] for o in out]
-        if args.idle_warm:
-            res["idle"] = _idle_warm_ups(llm, ids[:1], greedy, args.timeout)
     finally:
         llm.shutdown()
     import torch
@@ -109,36 +107,6 @@ def engine(args) -> dict:
     res["hf"] = hf_greedy(path, ids, n, getattr(torch, kw["dtype"]))
     res["budget"] = _kv_budget()
     return res
-
-
-def _idle_warm_ups(llm, one, greedy, timeout) -> dict:
-    """The deferred buckets of a warm start, warmed on the worker thread while the scheduler
-    idles (torchtpu/sglang/working_set.py): one prompt sent once a warm-up runs (served
-    meanwhile: its forwards beside it counted), then, every deferred bucket warmed, the same
-    prompt again (it must trace and compile nothing)."""
-    deadline = time.time() + timeout
-    m = _worker_metrics()
-    out = {"pending_before": list(m["deferred"]["pending"])}
-    while m["deferred"]["pending"] and not m["deferred"]["warming"] and time.time() < deadline:
-        time.sleep(0.05)
-        m = _worker_metrics()
-    out["warming_when_sent"] = m["deferred"]["warming"]
-    f0 = m["forwards"].get("beside_warm_up", 0)
-    out["one"] = llm.generate(input_ids=one, sampling_params=greedy)[0]["output_ids"]
-    m = _worker_metrics()
-    out["beside_warm_up"] = m["forwards"].get("beside_warm_up", 0) - f0
-    while m["deferred"]["pending"] and time.time() < deadline:
-        time.sleep(0.2)
-        m = _worker_metrics()
-    out["pending_after"] = list(m["deferred"]["pending"])
-    c0 = m["counters"]
-    out["one_again"] = llm.generate(input_ids=one, sampling_params=greedy)[0]["output_ids"]
-    m = _worker_metrics()
-    out["again"] = {k: m["counters"].get(k, 0) - c0.get(k, 0)
-                    for k in ("compile_graphs", "xla_compiles", "compile_traces")}
-    out["graph_dynamo"] = m["graph_dynamo"]
-    out["prefill_dynamo"] = m["prefill_dynamo"]
-    return out
 
 
 def _kv_budget() -> dict:
@@ -568,8 +536,6 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--engine-args", default="{}")
-    ap.add_argument("--idle-warm", action="store_true",
-                    help="engine: then wait for the deferred buckets' idle warm-ups")
     ap.add_argument("--server-args", default="[]")
     ap.add_argument("--load-tokens", type=int, default=48)
     ap.add_argument("--timeout", type=float, default=600)

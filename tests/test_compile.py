@@ -147,49 +147,6 @@ def test_donated_input_buffer_is_reused_and_other_holders_are_safe():
     _close(torch.full((4,), 6.0), out)
 
 
-def test_dry_run_on_a_thread_traces_and_builds_but_runs_nothing():
-    """compile.backend.dry_run (SGLang's deferred buckets warm this way beside the scheduler):
-    on another thread, a compiled call traces, makes Dynamo's cache entry and builds the
-    executable, but writes no input and donates nothing; the real call afterwards traces and
-    compiles nothing and is exact."""
-    import threading
-
-    from torch._dynamo.utils import counters
-
-    from torchtpu.compile.backend import dry_run
-
-    kv = torch.zeros(8, 4, device=TPU)
-
-    def step(x, idx):
-        kv.index_copy_(0, idx, x * 2)
-        return (kv.sum(0) + x.sum(0)).relu()
-
-    prog = torch.compile(step, backend="tpu", dynamic=False)
-    x, idx = torch.arange(8.).view(2, 4), torch.tensor([3, 5])
-    c0 = dict(COUNTERS)
-
-    def warm():
-        with dry_run():
-            prog(torch.ones(2, 4, device=TPU), torch.tensor([0, 1], device=TPU))
-            raise AssertionError("dry_run ran the program")
-
-    t = threading.Thread(target=warm)
-    t.start()
-    t.join(300)
-    grew = lambda k: COUNTERS.get(k, 0) - c0.get(k, 0)  # noqa: E731
-    assert grew("compile_graphs") == 1 and grew("compile_cache_misses") == 1
-    assert grew("compile_donated_buffers") == 0
-    assert torch.equal(kv.cpu(), torch.zeros(8, 4))  # nothing written
-    graphs, c1 = counters["stats"]["unique_graphs"], dict(COUNTERS)
-    out = prog(x.to(TPU), idx.to(TPU))
-    assert counters["stats"]["unique_graphs"] == graphs  # traced nothing
-    assert COUNTERS.get("compile_cache_misses", 0) == c1.get("compile_cache_misses", 0)
-    assert COUNTERS["compile_donated_buffers"] == c1.get("compile_donated_buffers", 0) + 1
-    want = torch.zeros(8, 4).index_copy_(0, idx, x * 2)
-    assert torch.equal(kv.cpu(), want)
-    assert torch.equal(out.cpu(), (want.sum(0) + x.sum(0)).relu())
-
-
 def test_graph_break_and_fullgraph_error():
     def f(x):
         y = x.sin() * 2

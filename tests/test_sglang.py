@@ -175,10 +175,8 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     first = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
                          "--engine-args", BUCKETS, env=env)
     assert any(cache.iterdir()), "the first process wrote no compile cache entry"
-    # then the deferred buckets warm on the worker thread while the scheduler idles
     second = sglang_check("engine", "--arch", "qwen2", "--out", str(tmp_path),
-                          "--engine-args", BUCKETS, "--idle-warm",
-                          env={**env, "TORCHTPU_SGLANG_IDLE_WARM_AFTER_S": "0.2"})
+                         "--engine-args", BUCKETS, env=env)
     _check_engine(first)
     _check_engine(second)
     assert first["sampled"] == second["sampled"]
@@ -189,12 +187,6 @@ def test_engine_qwen_seeded_twice_from_compile_cache(tmp_path):
     assert second["worker"]["xla_compiles"] == 0, second["worker"]
     deferred = second["worker"]["deferred"]
     assert deferred["decode"] and deferred["prefill"], deferred
-    # warmed as dry runs on the worker thread (working_set.py): a prompt sent meanwhile is
-    # served (equal to HF); once all are warmed, their programs trace and compile nothing
-    idle = second["idle"]
-    assert idle["pending_after"] == [], idle
-    assert idle["one"] == idle["one_again"] == second["hf"][0], idle
-    assert idle["again"] == {"compile_graphs": 0, "xla_compiles": 0, "compile_traces": 0}, idle
 
 
 @pytest.mark.slow
@@ -466,9 +458,6 @@ def test_deferred_buckets_wait_for_the_scheduler_to_stay_idle(monkeypatch):
     monkeypatch.setattr(ws, "_PENDING", __import__("collections").deque())
     monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
     monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
-    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None,
-                                        "published": None})
-
     def run_one():
         warmed.append(ws._PENDING.popleft()[0])
         return True
@@ -491,63 +480,8 @@ def test_deferred_buckets_wait_for_the_scheduler_to_stay_idle(monkeypatch):
     for _ in range(19):
         assert not ws.warm_if_idle(s, now=t)
         t += 0.1
-    assert ws.warm_if_idle(s, now=t + 0.2) and ws.join(30) and warmed == ["a"]
+    assert ws.warm_if_idle(s, now=t + 0.2) and warmed == ["a"]
     assert ws.pending() == ["b"]
-
-
-def test_a_request_never_waits_for_a_deferred_warm_up(monkeypatch):
-    """working_set.warm_if_idle starts a deferred bucket's warm-up on the worker thread and
-    returns while it runs: the scheduler's loop goes on (a request arriving meanwhile is
-    received and served: here, polls that see it busy), no second warm-up starts beside it,
-    and the bucket stays pending until its warm-up is done. (Before: the hook ran the bucket's
-    trace itself, and a request arriving during it waited for it: ~1.9 s TTFT on a warm
-    start.)"""
-    import collections
-    import contextlib
-    import threading
-
-    from torchtpu.sglang import working_set as ws
-
-    class Sched:
-        idle = True
-
-        def is_fully_idle(self):
-            return self.idle
-
-    monkeypatch.setattr(ws, "_PENDING", collections.deque())
-    monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
-    monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
-    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None,
-                                        "published": None})
-    monkeypatch.setattr(ws, "_grad_mode", contextlib.nullcontext)
-    started, release, events = threading.Event(), threading.Event(), []
-
-    def slow_trace():
-        started.set()
-        release.wait(5)
-        events.append("decode 4 warmed")
-
-    ws.defer("decode 4", slow_trace)
-    ws.defer("decode 8", lambda: events.append("decode 8 warmed"))
-    s, t = Sched(), 100.0
-    for k in range(20):  # polled every 0.1 s while idle: the first warm-up starts at 2 s
-        assert not ws.warm_if_idle(s, now=t + 0.1 * k)
-    assert ws.warm_if_idle(s, now=t + 2.0)
-    # the hook returned while the warm-up runs on the worker
-    assert started.wait(30) and events == [] and ws.warming("decode 4")
-    s.idle = False  # a request arrives: the scheduler serves it meanwhile
-    assert not ws.warm_if_idle(s, now=t + 2.1)
-    events.append("request served")
-    s.idle = True
-    for k in range(30):  # idle again for 3 s: no second warm-up beside the running one
-        assert not ws.warm_if_idle(s, now=t + 2.2 + 0.1 * k)
-    assert ws.pending() == ["decode 4", "decode 8"] and ws.take_finished() == 0
-    release.set()
-    assert ws.join(30) and events == ["request served", "decode 4 warmed"]
-    assert ws.pending() == ["decode 8"] and ws.take_finished() == 1
-    assert ws.warm_if_idle(s, now=t + 5.2) and ws.join(30)
-    assert events[-1] == "decode 8 warmed" and ws.pending() == []
-    assert not ws.warm_if_idle(s, now=t + 5.3)  # nothing left
 
 
 def test_held_eager_builds_run_once_the_scheduler_idles(monkeypatch):
@@ -568,8 +502,6 @@ def test_held_eager_builds_run_once_the_scheduler_idles(monkeypatch):
     monkeypatch.setattr(ws, "_PENDING", collections.deque())
     monkeypatch.setattr(ws, "_IDLE", {"since": None, "last": 0.0})
     monkeypatch.setattr(ws, "IDLE_AFTER_S", 2.0)
-    monkeypatch.setattr(ws, "_WORKER", {"thread": None, "finished": 0, "context": None,
-                                        "published": None})
     old = deferred.enabled()
     deferred.enable(True, hold=True)
     try:
@@ -586,7 +518,7 @@ def test_held_eager_builds_run_once_the_scheduler_idles(monkeypatch):
             assert not ws.warm_if_idle(s, now=t)
             t += 0.1
         assert deferred.held() == 1
-        assert ws.warm_if_idle(s, now=t + 0.1) and ws.join(300) and deferred.held() == 0
+        assert ws.warm_if_idle(s, now=t + 0.1) and deferred.held() == 0
         c1 = calls()
         assert torch.equal(torch.cat([x, x[:5]]).cpu(), y.cpu()) and calls() == c1
     finally:

@@ -66,32 +66,6 @@ def _baseline_refcount():
 
 _BASE_REFS: list = []
 
-# ``dry_run``: this thread's calls compile (or load) their programs and run none of them
-_DRY = threading.local()
-
-
-class DryRun(Exception):
-    """Raised by a compiled graph called inside ``dry_run`` instead of running its program."""
-
-
-class dry_run:
-    """Within it, a compiled graph called on this thread builds its XLA executable (compiled,
-    or loaded from the compile cache) and raises ``DryRun`` instead of running it: nothing it
-    would read or write is touched. Around a ``torch.compile`` call, Dynamo's trace and its
-    cache entry are made as by a real call (Dynamo installs the entry before the graph runs),
-    so a later call on any thread traces nothing and finds the executable built. The
-    exception is swallowed at the end of the block; a graph break's later graphs are not
-    reached."""
-
-    def __enter__(self):
-        self._prev = getattr(_DRY, "on", False)
-        _DRY.on = True
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        _DRY.on = self._prev
-        return kind is not None and issubclass(kind, DryRun)
-
 
 class CompiledGraph:
     """One aten graph: a callable taking aot_autograd's boxed list of inputs."""
@@ -178,6 +152,8 @@ class CompiledGraph:
                 sig.append(((), arr.dtype))
         arr = None
         donate = self._donatable(args, arrays, slots, whole) if self.mutated else ()
+        if donate:
+            COUNTERS["compile_donated_buffers"] += len(donate)
         # the matmul precision lowerings read at trace time (it is part of the graph key too)
         key = (tuple(sig) + (("precision", _registry.matmul_precision()),), tuple(donate))
         entry = self.entries.get(key)
@@ -192,10 +168,6 @@ class CompiledGraph:
                     COUNTERS["compile_cache_hits"] += 1
         else:
             COUNTERS["compile_cache_hits"] += 1
-        if getattr(_DRY, "on", False):
-            raise DryRun(self.name)
-        if donate:
-            COUNTERS["compile_donated_buffers"] += len(donate)
         flat = arrays
         if self.n_random:
             words = np.stack([_rng.next_state(None) for _ in range(self.n_random)])

@@ -123,15 +123,12 @@ def plugin() -> None:
 
 
 def _idle_warm_up(result, scheduler, *args, **kwargs):
-    """After ``Scheduler.on_idle``: a deferred bucket's warm-up started on the worker thread
-    (working_set.py); once one has finished, the counters since the last forward are charged
-    to ``idle_warm_up`` in the metrics file, not to the next step (a step that ran beside the
-    worker keeps what it was charged)."""
+    """After ``Scheduler.on_idle``: one deferred bucket (working_set.py), its counters charged
+    to ``idle_warm_up`` in the metrics file, not to the next step."""
     from . import metrics_file, working_set
 
-    if working_set.take_finished():
+    if working_set.warm_if_idle(scheduler):
         metrics_file.set_aside("idle_warm_up")
-    working_set.warm_if_idle(scheduler)
     return None
 
 

@@ -34,9 +34,6 @@ from sglang.srt.model_executor.forward_context import ForwardContext, forward_co
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.utils.common import DynamicGradMode
 
-from torchtpu.compile.backend import dry_run
-
-from . import working_set
 from .attention import kv_width
 from .working_set import WorkingSet, defer
 
@@ -140,13 +137,8 @@ class TpuGraphRunner:
         self.warm_up_s = time.perf_counter() - t0
         self.working_set.started()
         self.deferred = [bs for bs in reversed(self.capture_bs) if _key_name(bs, w0) in later]
-        if self.deferred:
-            # warmed on the worker thread while the scheduler serves (working_set.py): a dry
-            # run, which reads the forward context the scheduler's thread publishes
-            working_set.set_context(lambda: ForwardContext(
-                attn_backend=self.model_runner.attn_backend))
         for bs in self.deferred:
-            defer(f"decode {bs}", lambda bs=bs: self._warm(bs, again=True, dry=True))
+            defer(f"decode {bs}", lambda bs=bs: self._warm(bs, again=True))
         breaks = {bs: d["graph_breaks"] for bs, d in self.dynamo.items() if d["graph_breaks"]}
         if breaks:
             logger.warning("torchtpu: decode programs with graph breaks (bucket: count) %s; "
@@ -154,26 +146,23 @@ class TpuGraphRunner:
         logger.info("torchtpu: compiled decode buckets %s in %.1f s (deferred: %s)", warm,
                     self.warm_up_s, self.deferred)
 
-    def _warm(self, bs: int, again: bool = False, dry: bool = False) -> None:
+    def _warm(self, bs: int, again: bool = False) -> None:
         """Trace bucket ``bs`` (its program compiled, or loaded from the compile cache) and
-        keep Dynamo's counts for it; ``again``: then call it once more (it must trace
-        nothing), the check the start-up warm-up makes for all its buckets at once. ``dry``:
-        on the worker thread (working_set.py): run no program, set no forward context."""
+        keep Dynamo's counts for it; ``again``: then run it once more (it must trace
+        nothing), the check the start-up warm-up makes for all its buckets at once."""
         if bs in self.dynamo:  # a step met it first
             return
         fb = self.batches[(bs, self.w0)]
-        run = self._dry if dry else self._run
         before = _dynamo_counts()
-        run(fb)
-        counts = {k: v - before[k] for k, v in _dynamo_counts().items()}
+        self._run(fb)
+        self.dynamo[bs] = {k: v - before[k] for k, v in _dynamo_counts().items()}
         if again:
             before = _dynamo_counts()
-            run(fb)
+            self._run(fb)
             grew = {k: v - before[k] for k, v in _dynamo_counts().items()}
             rerun = self.dynamo.setdefault("rerun", dict.fromkeys(grew, 0))
             for k, v in grew.items():
                 rerun[k] = rerun.get(k, 0) + v
-        self.dynamo[bs] = counts  # last: a deferred bucket is warmed once it is here
 
     def _step_eager(self, fb):
         with forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend),
@@ -190,10 +179,6 @@ class TpuGraphRunner:
         with forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend),
                              forward_batch=fb):
             return self._program(fb.input_ids, fb.positions, fb)
-
-    def _dry(self, fb):
-        with dry_run():
-            self._program(fb.input_ids, fb.positions, fb)
 
     def _batch(self, bs: int, width) -> ForwardBatch:
         """The bucket's forward batch (its tensors are replaced each step)."""
@@ -236,9 +221,6 @@ class TpuGraphRunner:
         if fb is None:
             fb = self.batches[key] = self._batch(*key)
         first = key[1] == self.w0 and bs not in self.dynamo  # deferred, not warmed yet
-        if first and working_set.warming(f"decode {bs}"):
-            working_set.join()  # its trace is under way: done sooner than a second one
-            first = bs not in self.dynamo
         self.working_set.served(_key_name(*key))  # every KV width: warmed at the next start
         pad = bs - raw
         fb.input_ids = _pad(forward_batch.input_ids, pad, 0)

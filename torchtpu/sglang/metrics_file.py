@@ -10,9 +10,7 @@ answers from a hook after the scheduler's ``on_idle`` (it is idle once the reque
 reader waited for are done), or after its next forward.
 
 The file holds: ``forwards`` (decode / extend / other forwards; ``graph``: those the decode
-graph runner served; ``prefill_graph``: extend steps through compiled buckets;
-``beside_warm_up``: forwards run while a deferred bucket warmed on working_set.py's worker
-thread), ``counters``
+graph runner served; ``prefill_graph``: extend steps through compiled buckets), ``counters``
 (``torch.tpu.metrics()``), ``per_kind`` (the counters' growth since the previous forward
 ended: the previous step's sampling and bookkeeping, then this forward, charged to ``decode``
 when both forwards are decode steps, else to ``<previous>-><this>``, e.g. ``extend->decode``;
@@ -63,10 +61,6 @@ def after_forward(result, runner, forward_batch, *args, **kwargs):
     _state["prev_t"] = now
     if getattr(result, "can_run_graph", False):
         _forwards["graph"] = _forwards.get("graph", 0) + 1
-    from . import working_set
-
-    if working_set.warming():  # served while a deferred bucket warmed on the worker
-        _forwards["beside_warm_up"] = _forwards.get("beside_warm_up", 0) + 1
     _state["runner"] = runner
     _answer()
     return None
@@ -142,8 +136,7 @@ def snapshot() -> dict:
             "decode_warm_up_s": getattr(graphs, "warm_up_s", None),
             "deferred": {"decode": list(getattr(graphs, "deferred", None) or []),
                          "prefill": list(getattr(prefill, "deferred", None) or []),
-                         "pending": working_set.pending(), "warming": working_set.warming(),
-                         **working_set._STATS},
+                         "pending": working_set.pending(), **working_set._STATS},
             "graph_bs": list(getattr(graphs, "capture_bs", None) or [])})
     return out
 

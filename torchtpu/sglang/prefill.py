@@ -52,12 +52,9 @@ from sglang.srt.model_executor.forward_context import (
 
 from sglang.srt.utils.common import DynamicGradMode
 
-from torchtpu.compile.backend import dry_run
-
-from . import working_set
 from .attention import MIN_KV_WIDTH, kv_width
-from .graph_runner import _dynamo_counts, _raise_recompile_limit, inactive_reason
 from .positions import pad_on_host, remember_host
+from .graph_runner import _dynamo_counts, _raise_recompile_limit, inactive_reason
 from .working_set import WorkingSet, defer
 
 logger = logging.getLogger(__name__)
@@ -196,28 +193,22 @@ class TpuPrefillRunner:
         self.warm_up_s = time.perf_counter() - t0
         self.working_set.started()
         self.deferred = [_name(k) for k in keys if _name(k) in later]
-        if self.deferred:
-            # warmed on the worker thread while the scheduler serves (working_set.py): a dry
-            # run over a batch made here, reading the forward context the scheduler publishes
-            working_set.set_context(lambda: self.ctx)
         for key in keys:
             if _name(key) in later:
-                self.batches.setdefault(key, self._batch(*key))
-                defer(f"prefill {_name(key)}", lambda key=key: self._warm(key, dry=True))
+                defer(f"prefill {_name(key)}", lambda key=key: self._warm(key))
         logger.info("torchtpu: compiled %d prefill buckets (tokens x requests x KV width) "
                     "in %.1f s (deferred: %d)", len(keys) - len(later), self.warm_up_s,
                     len(later))
 
-    def _warm(self, key, dry: bool = False) -> None:
+    def _warm(self, key) -> None:
         """Trace (compile, or load from the compile cache) bucket ``key`` with an extend step
-        of padding only, unless a step met it first. ``dry``: on the worker thread
-        (working_set.py): run no program, set no forward context."""
+        of padding only, unless a step met it first."""
         if _name(key) in self.dynamo:
             return
         fb = self.batches.get(key)
         if fb is None:
             fb = self.batches[key] = self._batch(*key)
-        self._call(fb, key, None if dry else self.ctx)
+        self._call(fb, key, self.ctx)
         self.warmed.append(_name(key))
 
     # ---- the program ----
@@ -286,22 +277,12 @@ class TpuPrefillRunner:
 
 
     def _call(self, fb, key, ctx):
-        """Bucket ``key``'s program on ``fb`` in ``ctx``; ctx None: a dry run (no program
-        runs, the forward context is the one published: working_set.py), None returned."""
         name = _name(key)
         first = name not in self.dynamo
-        if first and ctx is not None and working_set.warming(f"prefill {name}"):
-            working_set.join()  # its trace is under way: done sooner than a second one
-            first = name not in self.dynamo
         if first:
             before, t0 = _dynamo_counts(), time.perf_counter()
-        if ctx is None:
-            out = None
-            with dry_run():
-                self._program(fb.input_ids, fb.positions, fb)
-        else:
-            with forward_context(ctx, forward_batch=fb):
-                out = self._program(fb.input_ids, fb.positions, fb)
+        with forward_context(ctx, forward_batch=fb):
+            out = self._program(fb.input_ids, fb.positions, fb)
         if first:
             self.dynamo[name] = {k: v - before[k] for k, v in _dynamo_counts().items()}
             self.compile_s[name] = time.perf_counter() - t0
