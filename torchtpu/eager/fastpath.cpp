@@ -1312,7 +1312,6 @@ PyObject* m_pending(PyObject*, PyObject*) {
   return l;
 }
 
-// An output's metadata from its (shape tuple, torch dtype): contiguous strides, byte size.
 // An output's restriding order (a tuple of `nd` dimensions) into m.order and m.inverse: 1, 0
 // where it is not a permutation of the dimensions, -1 with a Python error set.
 int out_order(PyObject* order, Py_ssize_t nd, OutMeta& m) {
@@ -1328,6 +1327,7 @@ int out_order(PyObject* order, Py_ssize_t nd, OutMeta& m) {
   return 1;
 }
 
+// An output's metadata from its (shape tuple, torch dtype): contiguous strides, byte size.
 bool out_meta(PyObject* shape, PyObject* dt, OutMeta& m) {
   if (!PyTuple_Check(shape) || Py_TYPE(dt) != &THPDtypeType) {
     PyErr_SetString(PyExc_TypeError, "an output's (shape tuple, torch dtype)");

@@ -93,6 +93,17 @@ def cast(x, dtype: torch.dtype):
     return jnp.asarray(x, dtype=jd)
 
 
+def real_dtype(jd):
+    """The dtype of a complex JAX dtype's parts (float32 for complex64, float64 for
+    complex128); any other dtype as it is."""
+    jd = np.dtype(jd)
+    if jd == np.complex64:
+        return jnp.float32
+    if jd == np.complex128:
+        return jnp.float64
+    return jd
+
+
 def canonical_dim(dim: int, ndim: int) -> int:
     n = max(ndim, 1)
     if not -n <= dim < n:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ._util import jdtype, to_jax
+from ._util import jdtype, real_dtype, to_jax
 from .registry import aten, register
 
 
@@ -44,7 +44,7 @@ def _uniform(key, shape, dt, lo=0.0, hi=1.0):
 def _complex_parts(self, draw):
     """A complex tensor's sample, as PyTorch draws it: its real and imaginary parts
     (``view_as_real``) each drawn by ``draw`` from a real tensor of the parts' dtype."""
-    parts = draw(jnp.zeros(self.shape + (2,), jnp.real(jnp.zeros((), self.dtype)).dtype))
+    parts = draw(jnp.zeros(self.shape + (2,), real_dtype(self.dtype)))
     return jax.lax.complex(parts[..., 0], parts[..., 1]).astype(self.dtype)
 
 

@@ -19,6 +19,7 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim, jdtype, to_jax, to_torch
+from ._util import real_dtype as _real_dtype
 from .registry import aten, register
 
 
@@ -65,15 +66,6 @@ def _is_complex(x):
 
 def _is_intlike(x):
     return not (_is_float(x) or _is_complex(x))
-
-
-def _real_dtype(jd):
-    jd = np.dtype(jd)
-    if jd == np.complex64:
-        return jnp.float32
-    if jd == np.complex128:
-        return jnp.float64
-    return jd
 
 
 def _tname(jd) -> str:
