@@ -86,7 +86,7 @@ def test_grouped_mm_every_layout_forward_backward_matches_cpu(layout, dtype):
 @pytest.mark.parametrize("how", ["fused", "compiled"])
 def test_grouped_mm_fused_and_compiled_match_cpu(how):
     """TorchTitan's call (2d x 3d, bfloat16, B_t a transposed view) in Fused eager and in a
-    compiled graph (PyTorch's meta admits only bfloat16 there, as on CUDA)."""
+    compiled graph."""
     want = _grouped_mm_run("2d3d", torch.bfloat16, "cpu")
     before = torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0)
     got = _grouped_mm_run("2d3d", torch.bfloat16, "tpu", mode=FUSED if how == "fused" else STRICT,
@@ -94,6 +94,25 @@ def test_grouped_mm_fused_and_compiled_match_cpu(how):
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, rtol=1.6e-2, atol=1e-2)
     assert torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_grouped_mm_compiled_takes_every_dtype_eager_takes(layout, dtype):
+    """Eager "tpu" (like CPU) takes float32 and float16; PyTorch's meta kernel asks for bfloat16
+    (CUDA's limit) whatever the device, so the same call compiled failed in Dynamo's fake run
+    (transformers' MoE layers compile it on "tpu" in float32). "tpu"'s fake kernel follows CPU's
+    checks; other devices keep PyTorch's."""
+    torch._dynamo.reset()  # one code object compiled for every case: keep under the limit
+    want = _grouped_mm_run(layout, torch.float32, "cpu")
+    got = _grouped_mm_run(layout, dtype, "tpu", compiled=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for x, y in zip(got, want):
+        assert x.dtype == dtype and x.shape == y.shape
+        torch.testing.assert_close(x.float(), y, **tol)
+    a, b, offs = _layout_inputs("2d3d", torch.float32, (8, 0, 24))
+    with pytest.raises(RuntimeError, match="BF16"):  # the meta device: PyTorch's kernel
+        torch._grouped_mm(a.to("meta"), b.to("meta"), offs=offs.to("meta"))
 
 
 def test_grouped_mm_rows_past_the_last_offset_are_zero_and_large_offsets_clamp():

@@ -54,7 +54,17 @@ def t5():
         eos_token_id=1))
 
 
-MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5}
+def mixtral():
+    # a mixture of experts with its router's auxiliary loss: transformers counts tokens per
+    # expert with an int32 torch.histc off CPU (float on CPU), as it does on CUDA
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=16, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0))
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "mixtral": mixtral}
 
 
 def make_pair(name):
@@ -130,7 +140,7 @@ def test_forward_and_training(name, mode):
     assert_params_close(cpu_model, tpu_model)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
 def test_greedy_generate(name):
     cpu_model, tpu_model = make_pair(name)
     ids = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(5))

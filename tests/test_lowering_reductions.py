@@ -6,7 +6,6 @@ integer/bool promotion, error types and messages, gradients through the LAPACK-s
 """
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -246,6 +245,32 @@ SEQ = torch.sort(torch.randn(10)).values
 ])
 def test_search_hist_misc(fn, args):
     check(fn, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.int64])
+def test_histc_of_integers_counts_like_cuda(dtype):
+    # CPU raises for integer inputs; CUDA counts them, and transformers' MoE layers call histc on
+    # int32 expert ids on every non-CPU device. CUDA's rule (SummaryOps.cu): int64 bounds (the
+    # data's extremes when min == max, widened by one when equal), x in [lo, hi] lands in bin
+    # (x - lo) * bins // (hi - lo), the top edge in the last bin; counts in the input's dtype.
+    def cuda_rule(vals, bins, lo, hi):
+        if lo == hi and vals:
+            lo, hi = min(vals), max(vals)
+        if lo == hi:
+            lo, hi = lo - 1, hi + 1
+        out = [0] * bins
+        for v in vals:
+            if lo <= v <= hi:
+                out[min((v - lo) * bins // (hi - lo), bins - 1)] += 1
+        return out
+    vals = [0, 1, 2, 3, 3, 7, 5, 9, 4] + ([-2, -7] if dtype.is_signed else [200])
+    x = torch.tensor(vals, dtype=dtype).to("tpu")
+    for bins, lo, hi in ((4, 0, 4), (3, 0, 0), (5, 1, 6), (7, 0, 7), (2, 3, 3)):
+        got = torch.histc(x, bins=bins, min=lo, max=hi)
+        assert got.dtype == dtype
+        assert got.cpu().tolist() == cuda_rule(vals, bins, lo, hi), (bins, lo, hi)
+    with pytest.raises(NotImplementedError):
+        torch.histc(torch.ones(3, dtype=torch.bool, device="tpu"))
 
 
 def test_bincount_dynamic_shape():

@@ -84,4 +84,7 @@ def register() -> None:
     module_apply.install()  # module.to("tpu") keeps Parameter objects (weight tying)
     from . import set_data
 
-    set_data.install()  # param.data = t between "cpu" and "tpu"
+    set_data.install()
+    from . import meta_overrides
+
+    meta_overrides.install()  # fake kernels that state CUDA's limits for every device  # param.data = t between "cpu" and "tpu"

@@ -970,12 +970,14 @@ def isin_scalar_tensor(element, test_elements, *, assume_unique=False, invert=Fa
 
 @register(aten.histc.default)
 def histc(self, bins=100, min=0, max=0):
-    if not _is_float(self):
+    if self.dtype == jnp.bool_ or not (_is_float(self) or jnp.issubdtype(self.dtype, jnp.integer)):
         raise NotImplementedError(f"\"histogram_cpu\" not implemented for '{_tname(self.dtype)}'")
     if bins <= 0:
         raise RuntimeError(f"torch.histc(): bins must be > 0, but got {bins} for dimension 0")
     if min > max:
-        raise RuntimeError(f"torch.histc(): max must be larger than min")
+        raise RuntimeError("torch.histc(): max must be larger than min")
+    if not _is_float(self):
+        return _histc_integer(self, bins, min, max)
     od = self.dtype
     x = self.reshape(-1)
     ct = jnp.float64 if od == jnp.float64 else jnp.float32
@@ -1004,6 +1006,25 @@ def histc(self, bins=100, min=0, max=0):
     pos = jnp.clip(pos, 0, bins - 1)
     out = jnp.zeros((bins,), ct).at[pos].add(inside.astype(ct))
     return out.astype(od)
+
+
+def _histc_integer(self, bins, min, max):
+    # CPU refuses integer inputs; CUDA counts them (transformers' MoE layers call histc on int32
+    # expert ids off CPU): bounds and bin arithmetic in int64, bin = (x - lo) * bins // (hi - lo),
+    # values outside [lo, hi] dropped, counts in the input's dtype (SummaryOps.cu)
+    od = self.dtype
+    x = self.reshape(-1).astype(_I64)
+    lo = jnp.asarray(int(min), _I64)
+    hi = jnp.asarray(int(max), _I64)
+    if int(min) == int(max) and x.size:
+        lo, hi = jnp.min(x), jnp.max(x)
+    eq = lo == hi
+    lo = jnp.where(eq, lo - 1, lo)
+    hi = jnp.where(eq, hi + 1, hi)
+    inside = (x >= lo) & (x <= hi)
+    pos = jnp.where(inside, (x - lo) * bins // (hi - lo), 0)
+    pos = jnp.clip(pos, 0, bins - 1)
+    return jnp.zeros((bins,), _I64).at[pos].add(inside.astype(_I64)).astype(od)
 
 
 def _bincount_concrete(self, weights=None, minlength=0):
