@@ -97,6 +97,27 @@ def test_flex_attention_eager_and_compiled_match_cpu():
     assert torch.tpu.metrics()["counters"].get("compile_cpu_fallbacks", 0) == before
 
 
+@pytest.mark.parametrize("score_mod", [None, "rel_bias"])
+def test_eager_flex_attention_without_a_block_mask(score_mod):
+    """The tutorial call, ``flex_attention(q, k, v)`` (optionally with a score_mod) and no
+    block mask, eagerly on "tpu": its default mask_mod came as a Dynamo graph of one
+    ``new_ones`` method call and raised "FX node kind call_method in a subgraph"."""
+    mod = rel_bias if score_mod else None
+    q, k, v = inputs(seed=4)
+    qt, kt, vt = (x.to("tpu").requires_grad_() for x in (q, k, v))
+    out = flex_attention(qt, kt, vt, score_mod=mod)
+    out.square().sum().backward()
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    s = qr @ kr.transpose(-2, -1) / E ** 0.5
+    if mod is not None:
+        i = torch.arange(L)
+        s = s + 0.01 * (i.view(-1, 1) - i.view(1, -1)) - 0.1 * torch.arange(H).view(1, -1, 1, 1)
+    ref = torch.softmax(s, -1) @ vr
+    ref.square().sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), ref.detach(), **TOL)
+    for got, want in zip((qt, kt, vt), (qr, kr, vr)):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-4)
+
 
 @pytest.mark.slow
 def test_flex_attention_gqa_and_captured_mask_match_cpu():

@@ -627,6 +627,12 @@ class _LazyDecompositions(Mapping):
         return len(self._table())
 
 
+def decompositions() -> Mapping:
+    """{op: PyTorch's decomposition} for the ops the lowering table does not cover (what
+    aot_autograd decomposes for the "tpu" backend; also used to trace subgraphs to aten)."""
+    return _LazyDecompositions()
+
+
 def _is_view(op) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
@@ -670,7 +676,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=Non
             bw_compiler=_compiler("backward", opts, serializable),
             inference_compiler=_compiler("inference", opts, serializable),
             partition_fn=min_cut_rematerialization_partition,
-            decompositions=_LazyDecompositions(),
+            decompositions=decompositions(),
             keep_inference_input_mutations=True,
         )
         return backend(gm, example_inputs)

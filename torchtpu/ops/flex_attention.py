@@ -58,7 +58,8 @@ def aten_graph(fn, examples) -> str:
     """The key of ``fn`` traced to an aten graph on ``examples`` (cached per callable and
     example signature). A GraphModule of aten ops is filed as it is."""
     if isinstance(fn, torch.fx.GraphModule) and all(
-            isinstance(n.target, torch._ops.OpOverload) or n.op != "call_function"
+            n.op in ("placeholder", "output", "get_attr")
+            or (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload))
             for n in fn.graph.nodes) and any(n.op == "placeholder" for n in fn.graph.nodes):
         return file_graph(fn)
     sig = tuple((tuple(e.shape), e.dtype) if isinstance(e, torch.Tensor) else e
@@ -71,8 +72,12 @@ def aten_graph(fn, examples) -> str:
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        from ..compile.backend import decompositions
+
+        # decomposed as a compiled graph is: eager flex_attention's default mask_mod is
+        # `new_ones`, which has no lowering of its own
         with TransformGetItemToIndex():
-            gm = make_fx(fn, tracing_mode="fake")(*examples)
+            gm = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*examples)
         key = per_fn[sig] = file_graph(gm)
     return key
 
