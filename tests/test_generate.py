@@ -429,3 +429,43 @@ def test_logits_processor_list_reads_signatures_once():
         tpu(ids.to(TPU), scores.to(TPU))
     with pytest.raises(ValueError, match="required parameters"):
         procs("cpu")(ids, scores)
+
+
+def test_sdpa_mask_positions_made_once():
+    """A static-cache decode step's causal mask (``masking_utils.sdpa_mask``, built outside the
+    compiled step every token) takes its key and query positions from tensors made once on
+    "tpu" (integrations/generate_steps.py): the mask equals transformers' own on CPU for a
+    tensor or int query offset, key offsets, several queries and a left-padded batch, and a
+    later token runs two programs (the offset add and the comparison)."""
+    from transformers import masking_utils as mu
+
+    from torchtpu.integrations import STATUS
+
+    assert STATUS["transformers.masking_utils.sdpa_mask"] == "applied"
+    assert mu.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is mu.sdpa_mask
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, :3] = False  # a left-padded row
+    cases = [dict(batch_size=1, q_length=1, kv_length=16, q_offset=torch.tensor(5)),
+             dict(batch_size=1, q_length=1, kv_length=16, q_offset=7),
+             dict(batch_size=1, q_length=3, kv_length=12, q_offset=4, kv_offset=2),
+             dict(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(8),
+                  attention_mask=pad),
+             dict(batch_size=2, q_length=2, kv_length=8, q_offset=3, kv_offset=1,
+                  attention_mask=pad)]
+    for kw in cases:
+        expect = mu.sdpa_mask(allow_is_causal_skip=False, device="cpu", **kw)
+        on_tpu = {k: v.to(TPU) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        for _ in range(2):
+            got = mu.sdpa_mask(allow_is_causal_skip=False, device=torch.device(TPU), **on_tpu)
+            assert got.device.type == "tpu" and got.shape == expect.shape
+            assert torch.equal(got.cpu(), expect), kw
+    # a later decode token: the offset add and the comparison only
+    q_offset = torch.tensor(6, device=TPU)
+    mu.sdpa_mask(1, 1, 16, q_offset=q_offset, allow_is_causal_skip=False, device=TPU)
+    torch.tpu.reset_metrics()
+    got = mu.sdpa_mask(1, 1, 16, q_offset=q_offset, allow_is_causal_skip=False, device=TPU)
+    c = torch.tpu.metrics()["counters"]
+    assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 2
+    assert torch.equal(got.cpu(), mu.sdpa_mask(1, 1, 16, q_offset=6, allow_is_causal_skip=False))
+    # what it does not take stays transformers' (a skip is allowed: no mask at all)
+    assert mu.sdpa_mask(1, 4, 4, device=TPU) is None

@@ -23,6 +23,14 @@ them are left out here, with the same results bit for bit:
   static-cache compiled token): on "tpu" the parameter names are read once per ``__call__``
   function (a bound method of the processor; anything else is read every call, as there).
 
+- ``masking_utils.sdpa_mask`` builds a static-cache decode step's causal mask (outside the
+  compiled step: ``prepare_inputs_for_generation`` makes it every token) from four ``arange``,
+  two offset ``add`` and twelve ``unsqueeze``, then ``kv <= q``. On "tpu" (eager, the plain
+  causal mask function, no skip allowed) the key positions ``arange(kv_length) + kv_offset``
+  and ``arange(q_length)`` are made once per length, offset and device (constants, never
+  handed out), so a token runs ``q + q_offset`` and ``<=`` only; a 2D padding mask is ANDed in
+  as the original's ``padding_mask[batch, kv]`` reads it, a slice of the same values.
+
 Counted: ``generate_programs_saved`` (per patch, in ``per_op``). Applied when the tensors are on
 "tpu" only; ``TORCHTPU_GENERATE_STEPS=0`` turns it off.
 """
@@ -197,8 +205,89 @@ def _patch_stopping(mod) -> None:
     patch(mod, "StoppingCriteriaList.__call__", _criteria, params=("input_ids", "scores"))
 
 
+_POSITIONS: dict = {}  # (length, offset, device) -> arange(length) + offset, 4-d views of it
+
+
+def _positions(length: int, offset: int, device):
+    """``(arange(length) + offset)`` on ``device`` as the key ``[None, None, None, :]`` and
+    query ``[None, None, :, None]`` views ``sdpa_mask`` indexes with, made once; and whether
+    it was made before."""
+    import torch
+
+    key = (length, offset, device)
+    got = _POSITIONS.get(key)
+    if got is not None:
+        return got, True
+    if len(_POSITIONS) > 256:
+        _POSITIONS.clear()
+    r = torch.arange(length, device=device) + offset
+    got = _POSITIONS[key] = (r[None, None, None, :], r[None, None, :, None])
+    return got, False
+
+
+def _sdpa_mask(orig, causal):
+    @functools.wraps(orig)
+    def sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                  mask_function=causal, attention_mask=None, local_size=None,
+                  allow_is_causal_skip=True, allow_is_bidirectional_skip=False, use_vmap=False,
+                  device="cpu", **kwargs):
+        import torch
+
+        if (not ENABLED or getattr(device, "type", device) != "tpu" or use_vmap
+                or mask_function is not causal or allow_is_causal_skip
+                or allow_is_bidirectional_skip or type(kv_offset) is not int
+                or torch.compiler.is_compiling()
+                or (attention_mask is not None and (attention_mask.dim() != 2
+                                                    or attention_mask.shape[0] != batch_size))):
+            return orig(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                        mask_function=mask_function, attention_mask=attention_mask,
+                        local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                        allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+                        use_vmap=use_vmap, device=device, **kwargs)
+        # transformers: and_masks(causal, padding)(b, h, q, kv) over broadcast aranges, i.e.
+        # (kv <= q + q_offset) & padding_mask[b, kv] (a padding mask covers kv_offset + kv_length
+        # positions once prepare_padding_mask padded it)
+        padding_mask = _KNOWN["prepare_padding_mask"](attention_mask, kv_length, kv_offset)
+        (kv, _), kv_made = _positions(kv_length, kv_offset, device)
+        (_, q), q_made = _positions(q_length, 0, device)
+        mask = kv <= q + q_offset
+        # programs left out: the batch and head aranges, and those made once
+        saved = 2 + 2 * kv_made + q_made
+        if padding_mask is not None:
+            # and_masks' new_ones and its AND with the causal part, the index
+            mask = mask & padding_mask[:, None, None, kv_offset:kv_offset + kv_length]
+            saved += 3
+        _saved("sdpa_mask", saved)
+        return mask.expand(batch_size, -1, q_length, kv_length)
+
+    return sdpa_mask
+
+
+def _patch_masks(mod) -> None:
+    causal = getattr(mod, "causal_mask_function", None)
+    interface = getattr(mod, "AttentionMaskInterface", None)
+    if causal is None or interface is None or getattr(mod, "prepare_padding_mask", None) is None:
+        from .hooks import skipped
+
+        skipped(f"{mod.__name__}.sdpa_mask", "no causal_mask_function, AttentionMaskInterface "
+                "or prepare_padding_mask")
+        return
+    _KNOWN["prepare_padding_mask"] = mod.prepare_padding_mask
+    orig = mod.sdpa_mask
+    if not patch(mod, "sdpa_mask", functools.partial(_sdpa_mask, causal=causal),
+                 params=("batch_size", "q_length", "kv_length", "q_offset", "kv_offset",
+                         "mask_function", "attention_mask", "allow_is_causal_skip",
+                         "allow_is_bidirectional_skip", "use_vmap", "device"),
+                 rebind=("transformers",)):
+        return
+    mapping = getattr(interface, "_global_mapping", None)
+    if isinstance(mapping, dict) and mapping.get("sdpa") is orig:  # not a user's own
+        mapping["sdpa"] = mod.sdpa_mask
+
+
 def install() -> None:
     from .hooks import when_imported
 
+    when_imported("transformers.masking_utils", _patch_masks)
     when_imported("transformers.generation.logits_process", _patch_logits)
     when_imported("transformers.generation.stopping_criteria", _patch_stopping)
