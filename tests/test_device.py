@@ -668,3 +668,65 @@ def test_an_error_in_a_saved_tensor_hook_raises_in_backward(fastpath):
     out = run_json(_UNPACK_RAISES, env, timeout=300)
     assert out["caught"] is not None and "unpack hook failed" in out["caught"]
     assert out["grad"] == [[3.0] * 4] * 4
+
+
+_FORK_SCRIPT = r'''
+import json, multiprocessing as mp, os, sys
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+def child_sum(q):
+    q.put((torch.arange(4, device="tpu") * 2).sum().item())
+
+out = {}
+# forked before the backend exists: a clean process that makes its own
+ctx = mp.get_context("fork")
+assert not torch.tpu._is_in_bad_fork()
+q = ctx.Queue(); p = ctx.Process(target=child_sum, args=(q,)); p.start()
+out["clean_fork"] = q.get(timeout=120); p.join(30)
+
+x = torch.ones(3, device="tpu") + 1  # the backend exists from here on
+class Host(Dataset):  # a worker that seeds torch (tpu's generators left alone) and uses the CPU
+    def __len__(self): return 4
+    def __getitem__(self, i): return torch.ones(2) * i + torch.rand(1) * 0
+class Device(Dataset):
+    def __init__(self, what): self.what = what
+    def __len__(self): return 2
+    def __getitem__(self, i):
+        assert torch.tpu._is_in_bad_fork() and not torch.tpu.is_initialized()
+        if self.what == "factory": return torch.ones(2, device="tpu")
+        if self.what == "op": return (x + x).cpu()
+        if self.what == "read": return x.cpu()
+        if self.what == "sync": torch.tpu.synchronize()
+        return torch.compile(lambda a: a * 2, backend="tpu")(x)
+out["host_workers"] = [b.tolist() for b in DataLoader(Host(), batch_size=2, num_workers=2)]
+for what in ("factory", "op", "read", "sync", "compiled"):
+    try:
+        list(DataLoader(Device(what), batch_size=1, num_workers=1))
+        out[what] = "ran"
+    except RuntimeError as e:
+        out[what] = [l for l in str(e).splitlines() if "forked" in l][-1:]
+out["parent"] = (x + x).tolist()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("fastpath", ["1", "0"])
+def test_forked_child_raises_like_cuda(fastpath, tmp_path):
+    """A process forked after the backend exists (a DataLoader worker) has the PJRT client
+    without its threads, where a program or transfer used to wait forever: as CUDA, any use of
+    the device there raises RuntimeError naming the 'spawn' start method, while the worker may
+    still seed torch and compute on the CPU; a fork before the backend exists is a clean
+    process (an empty compile cache: with a warm one, ``import torch`` starts loading its
+    programs ahead, which makes the backend); the parent is unaffected."""
+    from helpers import run_json
+
+    env = dict(os.environ, TORCHTPU_FASTPATH=fastpath, TORCHTPU_CACHE_DIR=str(tmp_path))
+    out = run_json(_FORK_SCRIPT, env, timeout=400)
+    assert out["clean_fork"] == 12
+    assert out["host_workers"] == [[[0.0, 0.0], [1.0, 1.0]], [[2.0, 2.0], [3.0, 3.0]]]
+    msg = ("RuntimeError: Cannot re-initialize TPU in forked subprocess. To use TPU with "
+           "multiprocessing, you must use the 'spawn' start method")
+    for what in ("factory", "op", "read", "sync", "compiled"):
+        assert out[what] == [msg], (what, out[what])
+    assert out["parent"] == [4.0, 4.0, 4.0]

@@ -98,6 +98,7 @@ class CompiledGraph:
         return devs
 
     def __call__(self, args):
+        _devices.check_fork()
         bucketed = None
         if self._plan is False:
             self._plan = self._analyse()

@@ -39,7 +39,7 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    return not _devices.in_bad_fork()
 
 
 # torch.utils.checkpoint saves and restores a device's RNG state only when its module says it
@@ -48,11 +48,13 @@ _initialized = True
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    """Forked from a process whose backend existed: the device cannot be used here (as CUDA;
+    ``torch.manual_seed`` then leaves its generators alone)."""
+    return _devices.in_bad_fork()
 
 
 def _lazy_init() -> None:
-    pass
+    _devices.check_fork()
 
 
 def device_count() -> int:

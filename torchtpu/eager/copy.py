@@ -217,6 +217,7 @@ def device_to_host(value) -> torch.Tensor:
     """A CPU tensor holding a jax array's value (blocks: a host sync). Raises for a failed
     pending input check (eager/checks.py) first: the value may depend on the bad op. An
     allocation that failed while the value was computed raises ``torch.OutOfMemoryError``."""
+    _devices.check_fork()
     try:
         host = np.asarray(value)
     except (RuntimeError, ValueError) as e:

@@ -48,6 +48,7 @@ import threading
 from ..lowering import registry as _registry
 from ..lowering.attention import layout_order as _layout_order
 from ..runtime import buffer as _buffer
+from ..runtime import devices as _devices
 from ..runtime import inflight as _inflight
 from ..runtime import metrics as _metrics
 from ..runtime import native_build as _nb
@@ -62,6 +63,16 @@ _AVOID = "or set TORCHTPU_FASTPATH=0 (the Python path; same results, slower per 
 _lock = threading.Lock()
 _state: dict = {"ext": None, "tried": False, "error": None, "module": None}
 _kernels: list = []  # every Kernel made (they live as long as the op bindings)
+
+
+def _after_fork_in_child() -> None:
+    # a child forked after the backend existed runs nothing on it (runtime/devices.py,
+    # check_fork): every call takes the Python kernel, which raises CUDA's error
+    if _devices.in_bad_fork() and _state["ext"] is not None:
+        _state["ext"].set_enabled(False)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def wanted() -> bool:

@@ -78,9 +78,40 @@ def backend_created() -> bool:
     return bool(_devs)
 
 
+# A process forked after its backend exists (a DataLoader worker, ``multiprocessing``'s default
+# start method on Linux) inherits the PJRT client without the threads that run and complete
+# its work: a program or transfer there waits forever. As CUDA does, the child may import and
+# seed torch but any use of the device raises (``check_fork``); a fork before the backend
+# exists is a clean process that makes its own.
+_bad_fork = [False]
+BAD_FORK_MESSAGE = ("Cannot re-initialize TPU in forked subprocess. To use TPU with "
+                    "multiprocessing, you must use the 'spawn' start method")
+
+
+def _after_fork_in_child() -> None:
+    if _devs:
+        _bad_fork[0] = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def in_bad_fork() -> bool:
+    """This process was forked from one whose backend existed (``torch.tpu._is_in_bad_fork``)."""
+    return _bad_fork[0]
+
+
+def check_fork() -> None:
+    """Raise CUDA's RuntimeError in a bad fork (see ``in_bad_fork``)."""
+    if _bad_fork[0]:
+        raise RuntimeError(BAD_FORK_MESSAGE)
+
+
 def devices() -> tuple:
     """The local PJRT devices that tpu:0, tpu:1, ... name (creates the backend once)."""
     if _devs:
+        if _bad_fork[0]:
+            check_fork()
         return _devs[0]
     for hook in list(before_backend):
         hook()

@@ -53,6 +53,7 @@ from jax.core import ShapedArray
 
 from . import custom_calls as _custom_calls
 from . import devices as _devices
+from .devices import _bad_fork
 from . import disk_cache as _disk
 from . import first_run as _first_run
 from .inflight import note as _inflight_note
@@ -456,6 +457,8 @@ class Program:
         # a growing KV cache, prefill and decode shapes) every call is a keyed lookup: the
         # signature (~0.2 us per argument) into ``by_sig``, a dict, whatever the number of
         # signatures. Several local devices: the signature names the device, so keyed always.
+        if _bad_fork[0]:  # a forked child: CUDA's error, not a wait forever
+            _devices.check_fork()
         c = self._last
         if c is not None:
             try:
@@ -529,6 +532,8 @@ class Program:
         ``prefetch.run_held`` instead, and queued for a worker when the same arguments' shapes
         come again before it ran (a recurring shape, e.g. a steady decode batch). Without workers, or where the build would only be taken
         from the working set loaded ahead, it is built here as ``__call__`` would."""
+        if _bad_fork[0]:  # a forked child: CUDA's error, not a wait forever
+            _devices.check_fork()
         c = self._last
         if c is not None:
             try:

@@ -26,7 +26,7 @@ import weakref
 import jax
 import torch
 
-from . import inflight
+from . import devices, inflight
 from .metrics import count
 
 # PyTorch's own classes (torchtpu.device.extras later puts device-dispatching ones in their place)
@@ -134,6 +134,7 @@ def _index_of(device):
 
 def synchronize(device=None) -> None:
     """Block until all queued work on ``device`` (all devices when None) is done."""
+    devices.check_fork()
     _flush()
     count("synchronize_calls")
     idx = _index_of(device)
