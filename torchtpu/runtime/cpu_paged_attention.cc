@@ -18,8 +18,9 @@
 // Each real token attends to positions [max(0, pos - window + 1), pos] of its sequence, pos =
 // kv_len - q_len + (index in its sequence). Work is split into groups of up to kQGroup
 // consecutive tokens of one sequence (a decode token is a group of one); a group walks its
-// sequence's pages once, a page at a time (its rows of all heads stay in L1), keeping an online
-// softmax per (token, query head). Page indices are clipped into the cache and positions past
+// sequence's positions once, kChunk at a time (their cache rows, whatever the page size, stay in
+// L1 while every head and token of the group reads them), keeping an online softmax per
+// (token, query head). Page indices are clipped into the cache and positions past
 // the page table are not read, so malformed metadata never reads outside the buffers.
 #include <algorithm>
 #include <cmath>
@@ -35,6 +36,7 @@ namespace {
 
 constexpr float kNeg = -0.7f * 3.4028234663852886e38f;  // the lowering's mask value
 constexpr int kQGroup = 8;
+constexpr int kChunk = 16;  // KV positions a step of the walk (their rows of every head in L1)
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -86,7 +88,8 @@ inline __attribute__((always_inline)) void attend(const Shape& sh, const T* q, c
   const int64_t cap_pos = pps * page;  // positions the page table can hold
   const int64_t HG = Hq;
   std::vector<float> qf(kQGroup * Hq * D), m(kQGroup * HG), l(kQGroup * HG),
-      acc(kQGroup * Hq * D), sc(kQGroup * HG * page);
+      acc(kQGroup * Hq * D), sc(kQGroup * HG * kChunk);
+  const T* rows[kChunk];
   int64_t seq = 0;
   for (int64_t t0 = 0; t0 < end;) {
     // the sequence of token t0: searchsorted(cu[1:], t0, side="right"), clipped
@@ -105,10 +108,12 @@ inline __attribute__((always_inline)) void attend(const Shape& sh, const T* q, c
     std::fill(l.begin(), l.end(), 0.0f);
     std::fill(acc.begin(), acc.end(), 0.0f);
     const int32_t* prow = pages + seq * pps;
-    for (int64_t pg = lo / page; pg * page <= last; ++pg) {
-      const int64_t pid = std::clamp<int64_t>(prow[pg], 0, P - 1);
-      const T* base = kv + pid * page * row;
-      const int64_t j0 = std::max(lo, pg * page), j1 = std::min(last, pg * page + page - 1);
+    for (int64_t j0 = lo; j0 <= last; j0 += kChunk) {
+      const int64_t j1 = std::min(last, j0 + kChunk - 1);
+      for (int64_t j = j0; j <= j1; ++j) {
+        const int64_t pid = std::clamp<int64_t>(prow[j / page], 0, P - 1);
+        rows[j - j0] = kv + (pid * page + j % page) * row;
+      }
       for (int64_t g = 0; g < ng; ++g) {
         const int64_t pos = pos0 + g;
         const int64_t a = std::max(j0, window > 0 ? pos - window + 1 : int64_t(0));
@@ -118,10 +123,10 @@ inline __attribute__((always_inline)) void attend(const Shape& sh, const T* q, c
           for (int64_t gg = 0; gg < G; ++gg) {
             const int64_t qh = h * G + gg;
             const float* qv = &qf[(g * Hq + qh) * D];
-            float* s = &sc[(g * HG + qh) * page];
+            float* s = &sc[(g * HG + qh) * kChunk];
             float mx = kNeg;
             for (int64_t j = a; j <= b; ++j) {
-              float x = dot(qv, base + (j - pg * page) * row + 2 * h * D, D) * scale;
+              float x = dot(qv, rows[j - j0] + 2 * h * D, D) * scale;
               if (cap > 0) x = cap * std::tanh(x / cap);
               s[j - a] = x;
               mx = std::max(mx, x);
@@ -137,7 +142,7 @@ inline __attribute__((always_inline)) void attend(const Shape& sh, const T* q, c
             for (int64_t j = a; j <= b; ++j) {
               const float p = std::exp(s[j - a] - mnew);
               sum += p;
-              axpy(ac, p, base + (j - pg * page) * row + (2 * h + 1) * D, D);
+              axpy(ac, p, rows[j - j0] + (2 * h + 1) * D, D);
             }
             l[g * HG + qh] = l[g * HG + qh] * alpha + sum;
             mi = mnew;
