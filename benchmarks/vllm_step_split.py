@@ -190,6 +190,7 @@ def _profile_last_step(runner, last, n):
 
 
 _CLASSES = (  # (class, fragments of XLA's operation names), first match wins
+    ("custom calls (the CPU attention kernel)", ("ffi_call", "custom-call")),
     ("matrix products", ("ynn_fusion", "dot", "convolution")),
     ("gathers", ("gather",)),
     ("scatters", ("scatter",)),

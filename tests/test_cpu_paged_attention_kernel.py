@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import run_json
+from test_vllm_paged_attention import _case as _paged_case
 
 from torchtpu.lowering import paged_attention as pa
 from torchtpu.runtime import cpu_kernels
@@ -24,21 +25,11 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available("paged_attention"),
 
 def _case(seed, q_lens, kv_lens, Hq=4, Hkv=2, D=16, page=4, pps=None, S=None, T=None,
           dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    n = len(q_lens)
-    S = S or n + 2
+    """test_vllm_paged_attention's case, sized to the lengths; T past the tokens: padding."""
+    S = S or len(q_lens) + 2
     pps = pps or -(-max(kv_lens) // page)
-    P = S * pps + 3
-    kv = rng.standard_normal((P, page, 2 * Hkv, D)).astype(dtype)
-    cu = np.zeros(S + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
-    kvl = np.zeros(S, np.int32)
-    kvl[:n] = kv_lens
-    pi = rng.permutation(P)[:S * pps].reshape(S, pps).astype(np.int32)
-    T = T or int(cu[n]) + 5  # bucket padding: zeros
-    q = rng.standard_normal((T, Hq, D)).astype(dtype)
-    return q, kv, kvl, pi, cu, np.array([n], np.int32)
+    return _paged_case(seed=seed, P=S * pps + 3, page=page, Hkv=Hkv, D=D, Hq=Hq, S=S, pps=pps,
+                       T=T or sum(q_lens) + 5, q_lens=q_lens, kv_lens=kv_lens, dtype=dtype)
 
 
 def _both(case, **kw):
@@ -74,7 +65,7 @@ def test_ragged_prefill_and_decode_mixed():
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_lengths_at_page_boundaries(page):
     lens = tuple(k * page + d for k in (1, 2, 7) for d in (-1, 0, 1) if k * page + d > 0)
-    q_lens = tuple(1 + (i % 3 == 0) * min(L, 5) - (i % 3 == 0) for i, L in enumerate(lens))
+    q_lens = tuple(min(L, 5) if i % 3 == 0 else 1 for i, L in enumerate(lens))
     _check(_case(3, q_lens, lens, page=page, D=8), sm_scale=0.3)
 
 
