@@ -276,7 +276,7 @@ def main():
                     help="offline rows' sampling temperature (0: greedy)")
     ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
                     help="comma list of the server rows (tpu-compiled, tpu-async, vllm-cpu, "
-                    "tf-serve-tpu)")
+                    "tf-serve-tpu, tpu-portable-attn)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
@@ -327,7 +327,7 @@ def main():
             r = _run_child(["decode", path, str(kv), "24" if a.quick else "48"], tpu)
             results[f"decode-{kv >> 20}MiB"] = r
             print("decode", json.dumps(r), flush=True)
-    servers = [n for n in ("tpu-compiled", "tpu-async", "vllm-cpu", "tf-serve-tpu")
+    servers = [n for n in ("tpu-compiled", "tpu-async", *VARIANTS, "vllm-cpu", "tf-serve-tpu")
                if n in a.servers.split(",")]
     if "server" not in skip:
         for streams in stream_counts:
