@@ -51,6 +51,9 @@ DTYPE = os.environ.get("BENCH_VLLM_DTYPE", "float32")
 # the offline rows' sampling temperature (--temperature): 0 greedy; > 0 random sampling (the
 # OpenAI API's default is 1.0), seeded by the engine's seed
 TEMPERATURE = float(os.environ.get("BENCH_VLLM_TEMPERATURE", "0"))
+# contenders that are "tpu-compiled" with an environment switch (an A/B in one run):
+# tpu-portable-attn: the portable paged-attention lowering instead of the CPU kernel
+VARIANTS = {"tpu-portable-attn": {"TORCHTPU_CPU_ATTENTION_KERNEL": "0"}}
 
 
 def _requests(n, seed=0, lo=16, hi=200):
@@ -267,12 +270,13 @@ def main():
     ap.add_argument("--decode", action="store_true", help="also the decode-step KV-size rows")
     ap.add_argument("--offline", default="tpu-compiled,vllm-cpu",
                     help="comma list of the offline rows (tpu-compiled, tpu-async: async "
-                    "scheduling on, tpu-eager, vllm-cpu)")
+                    "scheduling on, tpu-eager, vllm-cpu, tpu-portable-attn: compiled, the "
+                    "portable paged attention instead of the CPU kernel)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="offline rows' sampling temperature (0: greedy)")
     ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
                     help="comma list of the server rows (tpu-compiled, tpu-async, vllm-cpu, "
-                    "tf-serve-tpu)")
+                    "tf-serve-tpu, tpu-portable-attn)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
@@ -298,6 +302,7 @@ def main():
     tpu = {"VLLM_TARGET_DEVICE": "tpu"}
     cpu = {"VLLM_TARGET_DEVICE": "cpu"}
     env_of = {"tpu-compiled": tpu, "tpu-async": tpu, "tpu-eager": tpu, "vllm-cpu": cpu}
+    env_of.update({name: dict(tpu, **extra) for name, extra in VARIANTS.items()})
     results = {}
     print(f"model: tiny {MODEL}, {DTYPE}; load: {os.getloadavg()}", flush=True)
     if "offline" not in skip:
@@ -322,7 +327,7 @@ def main():
             r = _run_child(["decode", path, str(kv), "24" if a.quick else "48"], tpu)
             results[f"decode-{kv >> 20}MiB"] = r
             print("decode", json.dumps(r), flush=True)
-    servers = [n for n in ("tpu-compiled", "tpu-async", "vllm-cpu", "tf-serve-tpu")
+    servers = [n for n in ("tpu-compiled", "tpu-async", *VARIANTS, "vllm-cpu", "tf-serve-tpu")
                if n in a.servers.split(",")]
     if "server" not in skip:
         for streams in stream_counts:

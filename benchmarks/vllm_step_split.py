@@ -35,6 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
 sys.path.insert(0, HERE)
 
+from vllm_serving import VARIANTS  # noqa: E402
+
 PARTS = [  # (label, owner, method)
     ("scheduler: schedule", "scheduler", "schedule"),
     ("runner: update states", "runner", "_update_states"),
@@ -188,6 +190,7 @@ def _profile_last_step(runner, last, n):
 
 
 _CLASSES = (  # (class, fragments of XLA's operation names), first match wins
+    ("custom calls (the CPU attention kernel)", ("ffi_call", "custom-call")),
     ("matrix products", ("ynn_fusion", "dot", "convolution")),
     ("gathers", ("gather",)),
     ("scatters", ("scatter",)),
@@ -245,7 +248,9 @@ def main():
     ap.add_argument("--child", nargs=5)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu")
+    ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu",
+                    help="comma list: tpu-compiled, vllm-cpu and vllm_serving.py's VARIANTS "
+                    "(tpu-portable-attn)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of tpu's largest decode step per HLO operation")
     ap.add_argument("--model", choices=("vllm", "sglang"), default="vllm",
@@ -261,6 +266,7 @@ def main():
     print(f"load: {os.getloadavg()}", flush=True)
     for name in names:
         env = dict(os.environ, VLLM_TARGET_DEVICE="tpu" if name.startswith("tpu") else "cpu")
+        env.update(VARIANTS.get(name, {}))
         env.pop("XLA_FLAGS", None)
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
                             str(a.requests), str(a.rounds), str(a.profile), a.model],

@@ -30,13 +30,15 @@ def _env_fingerprint() -> str:
 
     from .._version import __version__
 
+    from ..runtime import cpu_kernels as _cpu_kernels
     from ..runtime import devices as _devices
 
     # an executable is bound to its device: ranks sharing a cache folder must not share entries
     dev = _devices.jax_device(0)
     return "|".join([jax.__version__, getattr(jaxlib, "__version__", "?"), dev.platform,
                      getattr(dev, "device_kind", "?"), __version__,
-                     f"device {dev.id} of {jax.device_count(dev.platform)}"])
+                     f"device {dev.id} of {jax.device_count(dev.platform)}",
+                     _cpu_kernels.switches()])
 
 
 _fp = []

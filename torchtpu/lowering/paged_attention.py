@@ -27,8 +27,14 @@ Tokens past ``cu_q_lens[num_seqs]`` (padding up to a compiled bucket) get zeros.
 - ``"pallas_gpu"``: JAX's Pallas GPU decode kernel (``pallas.ops.gpu.paged_attention``)
   where every sequence has one query (a decode step), the portable path otherwise (chosen on
   the device with ``lax.cond``);
-- ``"auto"``: the Pallas kernel of the platform the arrays live on where it applies, else
-  ``"xla"``.
+- ``"cpu"``: torchtpu's C++ kernel for XLA:CPU (``runtime/cpu_paged_attention.cc``, an XLA
+  FFI custom call): each token reads its pages in place with an online softmax, where the
+  portable path gathers and reorders them (the decode step's largest cost on XLA:CPU). The
+  portable path is its reference; float32 and bfloat16 (other dtypes, a non-positive sliding
+  window or a zero soft cap take the portable path);
+- ``"auto"``: the Pallas kernel of the platform the arrays live on where it applies, on the CPU
+  ``"cpu"`` when the kernel can be built and is not switched off
+  (``TORCHTPU_CPU_ATTENTION_KERNEL=0``), else ``"xla"``.
 ``interpret=True`` runs a Pallas path in interpret mode (CPU tests of the TPU/GPU paths).
 """
 from __future__ import annotations
@@ -41,10 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..runtime import cpu_kernels
 from . import registry
 
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # JAX's kernels' DEFAULT_MASK_VALUE
-IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "cpu")
 
 
 def _precision(dtype):
@@ -427,6 +434,27 @@ def ragged_paged_attention_pallas_gpu(q, kv_pages, kv_lens, page_indices, cu_q_l
     return lax.cond(decode, dec, ragged, None)
 
 
+def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale=1.0, sliding_window=None, soft_cap=None):
+    """The C++ kernel (an FFI custom call, XLA:CPU only) where it applies, else the portable
+    path. Raises if the kernel cannot be built in this process."""
+    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_pages.dtype != q.dtype or \
+            (sliding_window is not None and sliding_window <= 0) or \
+            (soft_cap is not None and soft_cap == 0):
+        return ragged_paged_attention_xla(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=sm_scale,
+                                          sliding_window=sliding_window, soft_cap=soft_cap)
+    cpu_kernels.prepare("paged_attention")
+    call = jax.ffi.ffi_call(cpu_kernels.target("paged_attention"),
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    out = call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+               i32(num_seqs.reshape(1)), sm_scale=np.float32(sm_scale),
+               sliding_window=np.int32(sliding_window or 0),
+               soft_cap=np.float32(abs(soft_cap or 0.0)))  # c * tanh(x / c) is even in c
+    return out.astype(q.dtype)
+
+
 def _platform_of(x) -> str:
     sh = getattr(x, "sharding", None)
     if sh is not None:
@@ -457,6 +485,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
             impl = "pallas_tpu"
         elif plat in ("gpu", "cuda", "rocm"):
             impl = "pallas_gpu"
+        elif plat == "cpu" and cpu_kernels.available("paged_attention"):
+            impl = "cpu"
         else:
             impl = "xla"
     if impl == "pallas_tpu":
@@ -465,6 +495,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     if impl == "pallas_gpu":
         return ragged_paged_attention_pallas_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens,
                                                  num_seqs, interpret=interpret, **kw)
+    if impl == "cpu":
+        return ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, **kw)
     return ragged_paged_attention_xla(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                                       **kw)
 

@@ -17,9 +17,12 @@ handlers need a table filled at lowering get it filled (the same call JAX's lowe
 idempotent and cheap); any other target, or a host callback, makes ``ready`` answer the reason
 and the entry is a counted miss, rebuilt by lowering (which sets up whatever it needs), never
 run. Entries with a target that can never be made ready are not written at all (``storable``).
+torchtpu's own CPU kernels (``cpu_kernels.py``) are made ready by building (once) and
+registering them.
 """
 from __future__ import annotations
 
+import functools
 import re
 
 # Built into XLA (or into the PJRT plugin) on some platform: nothing to set up.
@@ -79,6 +82,10 @@ def _known():
     def init_hybrid():
         gpu_solver.initialize_hybrid_kernels()
 
+    from . import cpu_kernels
+
+    for target, kernel in cpu_kernels.TARGETS.items():
+        _preparers.append(({target}, functools.partial(cpu_kernels.prepare, kernel)))
     _preparers.append((names(lapack), init_lapack))
     _preparers.append((names(gpu_solver), init_hybrid))
     for mod in (gpu_linalg, gpu_sparse, gpu_prng):

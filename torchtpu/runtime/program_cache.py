@@ -51,6 +51,7 @@ import numpy as np
 from jax._src.array import ArrayImpl as _ArrayImpl
 from jax.core import ShapedArray
 
+from . import cpu_kernels as _cpu_kernels
 from . import custom_calls as _custom_calls
 from . import devices as _devices
 from .devices import _bad_fork
@@ -304,7 +305,7 @@ def fingerprint() -> str:
         cfg = jax.config
         parts = [jax.__version__, getattr(jaxlib, "__version__", "?"), torch.__version__,
                  __version__, dev.platform, getattr(dev, "device_kind", "?"),
-                 os.environ.get("XLA_FLAGS", "")]
+                 os.environ.get("XLA_FLAGS", ""), _cpu_kernels.switches()]
         for name in ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
                      "jax_numpy_dtype_promotion", "jax_default_prng_impl",
                      "jax_threefry_partitionable", "jax_enable_custom_prng"):
