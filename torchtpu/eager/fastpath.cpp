@@ -355,7 +355,13 @@ bool gather(const Tensors& ts, InArrays& in) {
     InArray& a = in[i];
     PyObject* buf = storage_buffer(ts[i]);
     if (buf == nullptr) return false;
-    a.arr = PyObject_GetAttr(buf, s_array);
+    if (g_array_slot >= 0 && reinterpret_cast<PyObject*>(Py_TYPE(buf)) == g_buffer_type) {
+      // a Buffer's `array` slot, read as its member descriptor would (no attribute lookup;
+      // an unset slot, or a subclass such as Fused's PendingBuffer, takes the lookup)
+      a.arr = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(buf) + g_array_slot);
+      Py_XINCREF(a.arr);
+    }
+    if (a.arr == nullptr) a.arr = PyObject_GetAttr(buf, s_array);
     Py_DECREF(buf);
     if (a.arr == nullptr) { PyErr_Clear(); return false; }
     if (reinterpret_cast<PyObject*>(Py_TYPE(a.arr)) != g_array_type) return false;
