@@ -126,6 +126,7 @@ PyObject* g_jax_precision = nullptr;  // jax's default_matmul_precision config s
 PyObject* g_counters = nullptr;    // runtime.metrics.COUNTERS
 PyObject* g_empty = nullptr;       // ()
 PyObject* g_is_ready = nullptr;    // ArrayImpl.is_ready (called with the array: no method lookup)
+PyObject* g_aval_get = nullptr;    // ArrayImpl.aval's getter (the property's fget; or null)
 Py_ssize_t g_array_slot = -1;      // the offset of Buffer's `array` slot (-1: set as an attribute)
 bool g_enabled = true;
 constexpr int64_t kAlign = 512;    // buffer._ALIGN
@@ -336,6 +337,13 @@ struct InArray {
 // has none that is a jax Array (a storage that lost its buffer: the Python path decides).
 using InArrays = c10::SmallVector<InArray, 6>;
 
+// An ArrayImpl's (exact type) `aval`: its property's getter called with the array, as the
+// property would (no attribute lookup); new reference or nullptr with a Python error set.
+inline PyObject* array_aval(PyObject* arr) {
+  if (g_aval_get != nullptr) return PyObject_Vectorcall(g_aval_get, &arr, 1, nullptr);
+  return PyObject_GetAttr(arr, s_aval);
+}
+
 // A tensor's storage's `_tpu_buffer`: a new reference, or nullptr with no Python error set.
 PyObject* storage_buffer(const at::Tensor& t) {
   PyObject* st = THPStorage_Wrap(t.storage());
@@ -355,11 +363,17 @@ bool gather(const Tensors& ts, InArrays& in) {
     InArray& a = in[i];
     PyObject* buf = storage_buffer(ts[i]);
     if (buf == nullptr) return false;
-    a.arr = PyObject_GetAttr(buf, s_array);
+    if (g_array_slot >= 0 && reinterpret_cast<PyObject*>(Py_TYPE(buf)) == g_buffer_type) {
+      // a Buffer's `array` slot, read as its member descriptor would (no attribute lookup;
+      // an unset slot, or a subclass such as Fused's PendingBuffer, takes the lookup)
+      a.arr = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(buf) + g_array_slot);
+      Py_XINCREF(a.arr);
+    }
+    if (a.arr == nullptr) a.arr = PyObject_GetAttr(buf, s_array);
     Py_DECREF(buf);
     if (a.arr == nullptr) { PyErr_Clear(); return false; }
     if (reinterpret_cast<PyObject*>(Py_TYPE(a.arr)) != g_array_type) return false;
-    a.aval = PyObject_GetAttr(a.arr, s_aval);
+    a.aval = array_aval(a.arr);
     if (a.aval == nullptr) { PyErr_Clear(); return false; }
   }
   return true;
@@ -682,7 +696,7 @@ bool fgather(const Tensors& ts, FIns& in) {
     }
     Py_DECREF(buf);
     if (reinterpret_cast<PyObject*>(Py_TYPE(a.arr)) != g_array_type) return false;
-    a.aval = PyObject_GetAttr(a.arr, s_aval);
+    a.aval = array_aval(a.arr);
     if (a.aval == nullptr) { PyErr_Clear(); return false; }
   }
   return true;
@@ -1056,6 +1070,7 @@ bool key_precision(std::string& key) {
 }
 
 PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* served);
+thread_local std::string tl_key_spare;  // Kernel_serve's key buffer between calls
 
 PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<Kernel*>(obj);
@@ -1096,8 +1111,18 @@ PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* ser
     }
     fused = true;  // DEFER_AND_FUSE: the op is recorded (Kernel_record)
   }
+  // the key's buffer: this thread's spare one (its capacity kept between calls; a nested call
+  // finds none and allocates its own), handed back on return unless moved on (a miss)
   std::string key;
-  key.reserve(128);
+  key.swap(tl_key_spare);
+  key.clear();
+  if (key.capacity() < 128) key.reserve(128);
+  struct KeyBack {
+    std::string& k;
+    ~KeyBack() {
+      if (k.capacity() > tl_key_spare.capacity()) tl_key_spare.swap(k);
+    }
+  } key_back{key};
   Tensors ts;
   bool ok = true;
   try {
@@ -1253,6 +1278,20 @@ PyObject* m_setup(PyObject*, PyObject* args) {
   }
   Py_XSETREF(g_is_ready, PyObject_GetAttr(array_type, s_is_ready));
   if (g_is_ready == nullptr) PyErr_Clear();
+  // ArrayImpl's `aval` (a property: a data descriptor, so the instance never overrides it)
+  Py_CLEAR(g_aval_get);
+  PyObject* prop = PyObject_GetAttr(array_type, s_aval);  // the property itself, from the type
+  if (prop == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (Py_TYPE(prop) == &PyProperty_Type) {
+      PyObject* fget = PyObject_GetAttrString(prop, "fget");
+      if (fget == nullptr) PyErr_Clear();
+      if (fget == Py_None) Py_CLEAR(fget);
+      g_aval_get = fget;
+    }
+    Py_DECREF(prop);
+  }
   // Buffer's `array` (a __slots__ member: an object slot at a fixed offset)
   g_array_slot = -1;
   PyObject* d = PyObject_GetAttr(buffer_type, s_array);
