@@ -486,15 +486,31 @@ def test_mixed_hf_and_meta_plans_train_on_two_processes_like_one():
     dl.ok(*dl.torchrun("auto_parallel_check.py", "mixed", "hf", "hf_fsdp", "meta", timeout=600))
 
 
-@pytest.mark.slow  # ~1.5 min, 2 processes
+@pytest.mark.slow  # ~1.5 min (2 processes) + ~2.5 min (4 processes)
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                     reason="torchtitan is not installed")
 def test_torchtitan_debug_model_tp_sp_under_fsdp_budget_trains_like_one():
     """TorchTitan's llama3 debug model, its loss computed outside (as TorchTitan's loss_fn),
     under 0.9 x pure FSDP's memory on 2 processes: the fused wqkv colwise with wo rowwise, the
     MLP, the head colwise, sequence parallelism entered at the first layer; 5 steps with
-    losses, every step's gradients and the final parameters equal to one CPU process."""
+    losses, every step's gradients and the final parameters equal to one CPU process. On
+    dp=2 x tp=2 (4 processes) under a budget pure FSDP exceeds: TP + SP with the blocks'
+    inputs saved sharded."""
     dl.ok(*dl.torchrun("auto_parallel_check.py", "titan_sp", timeout=600))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_titan_sp", nproc=4, timeout=900))
+
+
+@pytest.mark.slow  # ~3 min (2 processes) + ~3 min (4 processes)
+def test_hf_models_written_elsewhere_train_like_one_under_tight_budgets():
+    """HF Qwen2 (biased q/k/v, grouped KV heads) and a ViT image classifier, built from
+    configs, each computing its own loss, under a budget pure FSDP exceeds (tp-only on 2
+    processes; dp=2 x tp=2 on 4), and GPT-2 (Conv1D layers, head tied to the embedding)
+    under pure FSDP's memory (dp-only) and its smallest tp-only plan: 5 steps with losses,
+    gradients and final parameters equal to one CPU process."""
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "ext_qwen2", "ext_gpt2", "ext_gpt2_tp",
+                       "ext_vit", timeout=900))
+    dl.ok(*dl.torchrun("auto_parallel_check.py", "2d_ext_qwen2", "2d_ext_vit", nproc=4,
+                       timeout=900))
 
 
 @pytest.mark.slow  # ~5 min (2 processes) + ~2.5 min (4 processes)
