@@ -431,7 +431,9 @@ def test_sequence_parallel_chosen_where_it_fits_and_refused_where_not():
     # the norms' and residuals' activations are halved (of 1 x 512 x 32 floats each); the
     # attention's score tiles (most of the step's memory, by XLA's count too) stay
     assert with_sp.predicted["memory_bytes"] < tp_only.predicted["memory_bytes"] - 2**18
-    assert with_sp.predicted["step_time_s"] <= tp_only.predicted["step_time_s"]
+    # it saves memory, not time: each block's output gradient, sequence-sharded, is
+    # all-gathered in backward (DTensor's SP and XLA's compiled program both do)
+    assert with_sp.predicted["tp_bytes"] > tp_only.predicted["tp_bytes"]
     plan = td.auto_parallelize(m, 2, (x,), memory_budget=1.001 * with_sp.predicted["memory_bytes"],
                                device_spec="cpu", verify=False)
     assert plan.search["factorisations"] == [[1, 2]]  # a batch of 1 cannot be split

@@ -127,7 +127,11 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
                     repl = sum(_subtree(an.saved, x) for x in blk.ins)
                     sh = _subtree(an.saved, f) - repl
                     t.memory += (repl + sh / tp) / dp
-                    for nbytes in (blk.out_act_bytes, blk.in_act_bytes):
+                    # forward: one all-reduce of the rowwise output; backward: one of the
+                    # input's gradient per colwise layer reading it (q, k, v: three), as
+                    # DTensor's ColwiseParallel (each its own Replicate input) and XLA's
+                    # partitioner (each dot's partial sum) both reduce them
+                    for nbytes in (blk.out_act_bytes, *[blk.in_act_bytes] * len(blk.ins)):
                         b, s = ring("all_reduce", nbytes / dp, tp, spec)
                         t.tp_bytes += b
                         t.comm += s
@@ -207,8 +211,10 @@ def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
              sec_per_flop: float) -> Term:
     """What sequence parallelism (every unit sharded) changes: what runs on the stream between
     the blocks -- the norms and the repeated layers' own ops (residual adds) -- runs on seq / tp
-    tokens and keeps 1 / tp of its saved activations; each block's all-reduces become an
-    all-gather of its input and a reduce-scatter of its output (the same bytes), the head
+    tokens and keeps 1 / tp of its saved activations; each block's forward all-reduce becomes
+    an all-gather of its input and a reduce-scatter of its output (the same bytes), and its
+    output's gradient, sequence-sharded, is all-gathered in backward for the rowwise layer
+    (its input's gradient still all-reduced per colwise layer, then sliced); the head
     gathers its input instead of all-reducing its input gradient (the same). Entered at the
     embedding (TorchTitan's), the embedding's all-reduce becomes a reduce-scatter; entered at
     the first repeated layer (``an.sp_entry``: the prologue stays replicated), the embedding
@@ -227,6 +233,9 @@ def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
     keep = 1 - 1 / tp
     if an.sp_entry is None:
         b, t = -b, -t
+    for blk in an.blocks:
+        gb, gt = ring("all_gather", blk.out_act_bytes / dp, tp, spec)
+        b, t = b + gb, t + gt
     return Term(-keep * flops / dp * sec_per_flop, t, -keep * saved / dp, tp_bytes=b)
 
 
