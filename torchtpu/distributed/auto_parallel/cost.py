@@ -5,8 +5,8 @@ and, inside a sharded unit, over tp, against the device's peak times its efficie
 Communication: ring collectives per mesh axis, alpha-beta: an all-gather or reduce-scatter of
 ``S`` bytes over ``n`` devices sends ``(n-1)/n * S`` bytes in ``n-1`` steps, an all-reduce twice
 that. FSDP: all-gather in forward and again in backward, reduce-scatter of the gradients; DDP:
-one all-reduce of the gradients; a TP block: an all-reduce of its output in forward and of its
-input's gradient in backward; a colwise head: an all-gather of its output and an all-reduce of
+one all-reduce of the gradients; a TP block: an all-reduce of its output in forward and, in
+backward, one of its input's gradient per colwise layer reading that input; a colwise head: an all-gather of its output and an all-reduce of
 its input's gradient; a rowwise embedding: an all-reduce of its output. No overlap of
 communication with compute is assumed (an upper bound).
 Memory: parameters + gradients + optimizer state (``optimizer_states`` copies of each
