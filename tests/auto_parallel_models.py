@@ -88,6 +88,40 @@ def tiny_llama(vocab=VOCAB):
     return LlamaForCausalLM(cfg)
 
 
+def tiny_gpt2(vocab=VOCAB):
+    """HF GPT-2 (its Conv1D layers, learned positions, the head tied to the embedding),
+    without dropout (its random masks are not one process's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=DIM, n_layer=2, n_head=HEADS,
+                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # one process's losses
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_qwen2(vocab=VOCAB):
+    """HF Qwen2 (biased q/k/v projections, grouped KV heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=DIM, intermediate_size=HIDDEN,
+                      num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=2,
+                      max_position_embeddings=64, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(cfg)
+
+
+VIT_IMAGE, VIT_LABELS = 16, 10
+
+
+def tiny_vit():
+    """HF ViT image classifier (a patch-embedding convolution, a CLS token, its own loss)."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=VIT_IMAGE, patch_size=4, num_channels=3, hidden_size=DIM,
+                    num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=HIDDEN,
+                    num_labels=VIT_LABELS, attn_implementation="sdpa")
+    return ViTForImageClassification(cfg)
+
+
 class MixingTransformer(Transformer):
     """Transformer whose stream between the blocks is mixed over the sequence (a running mean):
     right on one device, wrong on a rank's half of the tokens, so never sequence parallel."""

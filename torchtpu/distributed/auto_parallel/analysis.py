@@ -110,7 +110,7 @@ class Analysis:
     # tensor-parallel (fqn -> why)
     custom_leaves: dict = field(default_factory=dict)
     # every attention call of the forward: (innermost module, score elements at the analysed
-    # batch, bytes per score element)
+    # batch, bytes per score element, batch, query heads)
     attention: list = field(default_factory=list)
     buffer_bytes: int = 0  # the model's buffers (rotary tables...): replicated on every device
 
@@ -151,11 +151,14 @@ class _Flops(TorchDispatchMode):
         name = getattr(func, "__name__", "")
         if not self.backward and (name == "flex_attention" or name.split(".")[0] in _SDPA):
             q, k = args[0], args[1]
-            # (module, batch * query heads * queries * keys, bytes of one score): the scores
-            # and probabilities a dense lowering holds (float32 for a 16-bit input)
+            # (module, batch * query heads * queries * keys, bytes of one score, batch, query
+            # heads): the scores and probabilities a dense lowering holds (float32 for a 16-bit
+            # input)
             self.attention.append((self.stack[-1] if self.stack else "",
                                    q.numel() // q.shape[-1] * k.shape[-2],
-                                   max(q.element_size(), 4)))
+                                   max(q.element_size(), 4),
+                                   q.shape[0] if q.dim() == 4 else 1,
+                                   q.shape[-3] if q.dim() >= 3 else 1))
         if name in ("flex_attention", "flex_attention_backward"):
             q, k = args[0], args[1]
             b, h, lq, d = q.shape

@@ -184,7 +184,12 @@ def _tp_plan(plan, model: nn.Module, gn) -> dict:
 def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
-    gn = namer(model)
+    first = _first_names(model)
+    gn0 = namer(model)
+
+    def gn(fqn):  # a tied parameter's other names take its first name's decision
+        return gn0(first.get(fqn, fqn))
+
     names = {n for n, _ in model.named_parameters()}
     missing = sorted(n for n in names if gn(n) not in plan.groups)
     if missing:
@@ -223,6 +228,7 @@ def apply_plan(plan, model: nn.Module, mesh=None, device="tpu") -> nn.Module:
         tp_plan = _tp_plan(plan, model, gn)
         if tp_plan:
             parallelize_module(model, full["tp"], tp_plan)
+            _retie(model, first)
         if plan.sequence_parallel and plan.sp_regather:
             from .regather import install as save_sharded
 
@@ -269,26 +275,87 @@ def _replicate_rest(model: nn.Module, mesh, plan, gn) -> None:
     from torch.distributed.tensor import DTensor, Replicate
 
     fsdp_owned = plan.tp == 1  # on a dp-only mesh FSDP turns its groups into DTensors itself
+    made = {}  # a tied parameter becomes one DTensor parameter in each of its modules
+
+    def plain(fqn, mod, recurse):
+        """(module, name, parameter) of what ``mod`` (its subtree with ``recurse``) holds
+        that neither tensor parallelism nor FSDP turns into DTensors; None if something in
+        the subtree is theirs."""
+        res = []
+        for n_, p in mod.named_parameters(recurse=recurse, remove_duplicate=False):
+            full_name = f"{fqn}.{n_}" if fqn else n_
+            if isinstance(p, DTensor) or (fsdp_owned and plan.groups[gn(full_name)]["dp"]
+                                          == "fsdp"):
+                if recurse:
+                    return None
+                continue
+            owner, _, attr = n_.rpartition(".")
+            res.append((mod.get_submodule(owner) if owner else mod, attr, p))
+        return res
+
+    done = set()  # subtrees made replicated whole
     for fqn, mod in list(model.named_modules()):
-        own = [(n_, p) for n_, p in mod.named_parameters(recurse=False)
-               if not isinstance(p, DTensor)
-               and not (fsdp_owned and plan.groups[gn(f"{fqn}.{n_}" if fqn else n_)]
-                        ["dp"] == "fsdp")]
+        if any(fqn.startswith(d + ".") or (not d and fqn) for d in done):
+            continue
+        own = plain(fqn, mod, recurse=False)
         if not own:
             continue
         if any(True for c in mod.children() for _ in c.parameters()):
-            raise NotImplementedError(
-                f"Plan.apply: module {fqn or '<root>'} ({type(mod).__name__}) holds replicated "
-                f"parameters directly and has parametrised submodules: not supported yet")
-        for n_, p in own:
-            mod.register_parameter(n_, nn.Parameter(
-                DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
-                requires_grad=p.requires_grad))
+            # its own parameters and its submodules' meet inside its forward (a ViT's
+            # embeddings: CLS token and positions beside the patch convolution): the whole
+            # subtree replicated, hooks on this module only
+            own = plain(fqn, mod, recurse=True)
+            if own is None:
+                raise NotImplementedError(
+                    f"Plan.apply: module {fqn or '<root>'} ({type(mod).__name__}) holds "
+                    f"replicated parameters directly and has submodules that tensor "
+                    f"parallelism or FSDP shards: not supported yet")
+            done.add(fqn)
+        for owner, n_, p in own:
+            if p not in made:
+                made[p] = nn.Parameter(
+                    DTensor.from_local(p.data, mesh, [Replicate()], run_check=False),
+                    requires_grad=p.requires_grad)
+            owner.register_parameter(n_, made[p])
         if not _own_forward(mod):
             mod.register_forward_pre_hook(_to_replicated(mesh), with_kwargs=True)
         # else a Linear / Embedding with its own forward (TorchTitan's Embedding unwraps a
         # DTensor weight with ``to_local()`` and takes plain inputs): its inputs stay local
         mod.register_forward_hook(_to_local)
+
+
+def _first_names(model: nn.Module) -> dict:
+    """``fqn -> first fqn`` of every parameter registered under more than one name (a head
+    tied to the embedding: ``lm_head.weight`` -> ``transformer.wte.weight``), the first name
+    being the one ``named_parameters()`` (and so the plan) keeps."""
+    first, res = {}, {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p in first:
+            res[n] = first[p]
+        else:
+            first[p] = n
+    return res
+
+
+def _retie(model: nn.Module, first: dict) -> None:
+    """``parallelize_module`` distributes each module's parameter apart: a tied parameter's
+    modules get one DTensor each. Tie them again (the first name's) where tensor parallelism
+    placed them alike; different placements of one tied parameter are refused."""
+    from torch.distributed.tensor import DTensor
+
+    for n, f in first.items():
+        p, q = model.get_parameter(f), model.get_parameter(n)
+        if p is q:
+            continue
+        lay = [(x.device_mesh, tuple(x.placements)) if isinstance(x, DTensor) else None
+               for x in (p, q)]
+        if lay[0] != lay[1]:
+            raise NotImplementedError(
+                f"Plan.apply: {n} is tied to {f} but the plan places them differently "
+                f"({lay[1][1] if lay[1] else 'plain'} vs {lay[0][1] if lay[0] else 'plain'}): "
+                f"untie them or keep both modules replicated")
+        mod, _, attr = n.rpartition(".")
+        model.get_submodule(mod).register_parameter(attr, p)
 
 
 def _own_forward(mod) -> bool:

@@ -5,8 +5,8 @@ and, inside a sharded unit, over tp, against the device's peak times its efficie
 Communication: ring collectives per mesh axis, alpha-beta: an all-gather or reduce-scatter of
 ``S`` bytes over ``n`` devices sends ``(n-1)/n * S`` bytes in ``n-1`` steps, an all-reduce twice
 that. FSDP: all-gather in forward and again in backward, reduce-scatter of the gradients; DDP:
-one all-reduce of the gradients; a TP block: an all-reduce of its output in forward and of its
-input's gradient in backward; a colwise head: an all-gather of its output and an all-reduce of
+one all-reduce of the gradients; a TP block: an all-reduce of its output in forward and, in
+backward, one of its input's gradient per colwise layer reading that input; a colwise head: an all-gather of its output and an all-reduce of
 its input's gradient; a rowwise embedding: an all-reduce of its output. No overlap of
 communication with compute is assumed (an upper bound).
 Memory: parameters + gradients + optimizer state (``optimizer_states`` copies of each
@@ -14,7 +14,8 @@ parameter) of the local shard, plus for FSDP one instance per group unsharded (i
 and, until their reduce-scatter, its gradients), plus the activations
 autograd saves (split over dp, and over tp inside a sharded unit except the replicated input of
 its colwise layers), plus the inputs and the model's buffers (replicated), plus the score
-tiles of the largest dense attention (``attention_tiles``).
+tiles of the dense attention calls (``attention_tiles``: kept from forward to backward by
+the one-program train step XLA compiles).
 """
 from __future__ import annotations
 
@@ -69,29 +70,52 @@ class Term:
                     self.dp_bytes + o.dp_bytes, self.tp_bytes + o.tp_bytes)
 
 
-# the score-sized float tensors a dense attention lowering holds at once: its backward
-# recomputes the scores and probabilities and forms their gradients
-# (``lowering/attention.py``: s, p, dP, dS)
-DENSE_ATTENTION_TILES = 4
+# The score-sized float tensors of the dense attention calls in the compiled train step. The
+# lowering's backward recomputes the scores and probabilities and forms their gradients
+# (``lowering/attention.py``: s, p, dP, dS), but forward and backward are one XLA program here
+# and XLA merges the recomputed scores with the forward's (CSE): each call keeps
+# ``DENSE_TILES_KEPT`` score tensors alive from its forward to its backward, two
+# (``DENSE_TILES_KEPT_UNIT_DIM``) where the call's local batch or local heads is 1 (XLA:CPU
+# then emits the batched dots on 3-D shapes and keeps a 3-D and a 4-D copy of the
+# probabilities); one more (``DENSE_TILES_TRANSIENT``, the largest call's) lives while a
+# backward runs. Measured (the test Transformer, 512 tokens, XLA:CPU's buffer assignment,
+# 2026-12-07): 1, 2 and 4 layers on dp=2 x tp=2 (local batch 2, heads 2) hold 2, 3 and 5
+# tiles at the peak; on dp=4 (local batch 1) 3, 5 and 9; one device at batch 2 and 4, 3 (two
+# layers); tp=4 (local heads 1) and dp=2 x tp=2 at batch 2 (local batch 1) 5.
+DENSE_TILES_KEPT = 1
+DENSE_TILES_KEPT_UNIT_DIM = 2
+DENSE_TILES_TRANSIENT = 1
 
 
-def attention_tiles(an: Analysis, units: list) -> dict:
-    """The transient memory of the dense attention calls (``DENSE_ATTENTION_TILES`` score
-    tiles of the largest call; the lowering's blockwise kernel, above
-    ``DENSE_MAX_ELEMENTS`` scores, holds only blocks) at the analysed batch, given to the unit
-    whose module runs that call (its heads split with the unit), or to None outside any unit.
-    The tiles live only while one attention runs: one call counts, not one per layer. The
-    choice is the lowering's on the global shapes, as the verification's program makes it."""
+def attention_tiles(an: Analysis, units: list, dp: int, tp: int) -> dict:
+    """The memory of the dense attention calls' score tiles per device (see
+    ``DENSE_TILES_KEPT``): ``{owner: {False: bytes, True: bytes}}``, the owner the unit whose
+    module runs the call (None outside any unit), True where that unit is sharded over tp
+    (its heads split). Calls above ``DENSE_MAX_ELEMENTS`` take the lowering's blockwise kernel,
+    which holds only blocks: none counted. The choice is the lowering's on the global shapes, as
+    the verification's program makes it."""
     from ...lowering.attention import DENSE_MAX_ELEMENTS
 
-    best, owner = 0, None
-    for fqn, elements, size in an.attention:
-        if elements > DENSE_MAX_ELEMENTS or elements * size <= best:
-            continue
-        best = elements * size
-        owner = next((u.name for u in units for f in u.instances
-                      if fqn == f or fqn.startswith(f + ".") or not f), None)
-    return {owner: float(DENSE_ATTENTION_TILES * best)} if best else {}
+    dense = [c for c in an.attention if c[1] <= DENSE_MAX_ELEMENTS]
+    if not dense:
+        return {}
+
+    def owner(fqn):
+        return next((u.name for u in units for f in u.instances
+                     if fqn == f or fqn.startswith(f + ".") or not f), None)
+
+    out = {}
+    largest = max(dense, key=lambda c: c[1] * c[2])
+    for sharded in (False, True):
+        split = dp * (tp if sharded else 1)
+        for fqn, elements, size, batch, heads in dense:
+            unit_dim = batch // dp <= 1 or (heads // tp if sharded else heads) <= 1
+            k = DENSE_TILES_KEPT_UNIT_DIM if unit_dim else DENSE_TILES_KEPT
+            per = out.setdefault(owner(fqn), {False: 0.0, True: 0.0})
+            per[sharded] += k * elements * size / split
+        per = out.setdefault(owner(largest[0]), {False: 0.0, True: 0.0})
+        per[sharded] += DENSE_TILES_TRANSIENT * largest[1] * largest[2] / split
+    return out
 
 
 def _subtree(d: dict, fqn: str) -> float:
@@ -111,23 +135,28 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     c = Costs(dp, tp)
     unit_flops = 0.0
     unit_saved = 0.0
-    tiles = attention_tiles(an, units)
+    tiles = attention_tiles(an, units, dp, tp)
+    no_tiles = {False: 0.0, True: 0.0}
     for u in units:
         flops = sum(_flops(an, f) for f in u.instances)
         saved = sum(_subtree(an.saved, f) for f in u.instances)
         unit_flops += flops
         unit_saved += saved
-        tile = tiles.get(u.name, 0.0)
-        opts = {"none": Term(flops / dp * sec_per_flop, memory=(saved + tile) / dp)}
+        tile = tiles.get(u.name, no_tiles)
+        opts = {"none": Term(flops / dp * sec_per_flop, memory=saved / dp + tile[False])}
         if tp_ok(u, tp, modules, an):
-            t = Term(0.0, memory=tile / dp / tp)  # its heads split over tp
+            t = Term(0.0, memory=tile[True])  # its heads split over tp
             if u.kind == "block":
                 for f in u.instances:
                     blk = next(b for b in an.blocks if b.fqn == f)
                     repl = sum(_subtree(an.saved, x) for x in blk.ins)
                     sh = _subtree(an.saved, f) - repl
                     t.memory += (repl + sh / tp) / dp
-                    for nbytes in (blk.out_act_bytes, blk.in_act_bytes):
+                    # forward: one all-reduce of the rowwise output; backward: one of the
+                    # input's gradient per colwise layer reading it (q, k, v: three), as
+                    # DTensor's ColwiseParallel (each its own Replicate input) and XLA's
+                    # partitioner (each dot's partial sum) both reduce them
+                    for nbytes in (blk.out_act_bytes, *[blk.in_act_bytes] * len(blk.ins)):
                         b, s = ring("all_reduce", nbytes / dp, tp, spec)
                         t.tp_bytes += b
                         t.comm += s
@@ -173,7 +202,7 @@ def costs(an: Analysis, units: list, modules: dict, dp: int, tp: int, spec: Devi
     rest_flops = max(_flops(an, "") - unit_flops, 0.0)
     rest_saved = max(sum(an.saved.values()) - unit_saved, 0.0)
     c.const = Term(rest_flops / dp * sec_per_flop,
-                   memory=(rest_saved + tiles.get(None, 0.0)) / dp + an.input_bytes
+                   memory=rest_saved / dp + tiles.get(None, no_tiles)[False] + an.input_bytes
                    + an.buffer_bytes)
     if an.loss_outside:
         # the user's loss runs on the outputs gathered over dp: every rank saves the global
@@ -207,8 +236,10 @@ def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
              sec_per_flop: float) -> Term:
     """What sequence parallelism (every unit sharded) changes: what runs on the stream between
     the blocks -- the norms and the repeated layers' own ops (residual adds) -- runs on seq / tp
-    tokens and keeps 1 / tp of its saved activations; each block's all-reduces become an
-    all-gather of its input and a reduce-scatter of its output (the same bytes), the head
+    tokens and keeps 1 / tp of its saved activations; each block's forward all-reduce becomes
+    an all-gather of its input and a reduce-scatter of its output (the same bytes), and its
+    output's gradient, sequence-sharded, is all-gathered in backward for the rowwise layer
+    (its input's gradient still all-reduced per colwise layer, then sliced); the head
     gathers its input instead of all-reducing its input gradient (the same). Entered at the
     embedding (TorchTitan's), the embedding's all-reduce becomes a reduce-scatter; entered at
     the first repeated layer (``an.sp_entry``: the prologue stays replicated), the embedding
@@ -227,6 +258,9 @@ def _sp_term(an: Analysis, modules: dict, dp: int, tp: int, spec: DeviceSpec,
     keep = 1 - 1 / tp
     if an.sp_entry is None:
         b, t = -b, -t
+    for blk in an.blocks:
+        gb, gt = ring("all_gather", blk.out_act_bytes / dp, tp, spec)
+        b, t = b + gb, t + gt
     return Term(-keep * flops / dp * sec_per_flop, t, -keep * saved / dp, tp_bytes=b)
 
 
