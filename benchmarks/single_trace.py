@@ -15,6 +15,11 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
   own shape (trainer.py's ``_materialized``, off by default: the backward's batched matmuls then
   read them row-major, on YNNPACK, as in the compiled step, where XLA otherwise folds the
   transposes into Eigen dots);
+- ``trainer+savedout``: the same, with the values the backward reads from the forward
+  returned as extra outputs of the one program and dropped (trainer.py's ``SAVED_AS_OUTPUTS``,
+  the default on XLA:CPU; the other ``trainer`` contenders turn it off): each then has an output buffer of its own, which the heap reuses step after
+  step, rather than room in the one temporary block XLA:CPU allocates, and glibc maps afresh,
+  every run (the page faults and system CPU rows);
 - ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
   ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
 - ``trainer+clip`` / ``compiled+clip``: the same with gradient clipping
@@ -55,8 +60,8 @@ import compile_step as cs  # noqa: E402  (the shared benchmark models)
 from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
-CONTENDERS = ("trainer", "trainer+joint", "trainer+rowmajor", "compiled", "trainer+clip",
-              "compiled+clip", "fused", "fused+opt", "strict", "strict+opt")
+CONTENDERS = ("trainer", "trainer+joint", "trainer+rowmajor", "trainer+savedout", "compiled",
+              "trainer+clip", "compiled+clip", "fused", "fused+opt", "strict", "strict+opt")
 MAX_NORM = 1.0
 
 
@@ -82,6 +87,9 @@ def build(name):
         trainer = torch.tpu.optimizers.SingleTraceTrainer(model, cs.gpt_loss, opt, **kw)
         trainer._partition = name != "trainer+joint"  # the A/B of the min-cut partition
         trainer._materialize = name == "trainer+rowmajor"  # the A/B of the saved transposes
+        # the A/B of the saved values' buffers (on by default on XLA:CPU): trainer+savedout
+        # returns them, the other trainers keep them in the temporary block
+        trainer._saved_out = name == "trainer+savedout"
         return lambda: trainer.step(idx, tgt)
     step = cs.make_step(cs.gpt_loss)
     if name.endswith("+clip"):
@@ -201,6 +209,8 @@ def main(argv=None):
     table.notes.append(environment())
     table.print([(a, b) for a, b in [("trainer", "compiled"), ("trainer", "trainer+joint"),
                                      ("trainer+rowmajor", "trainer"),
+                                     ("trainer+savedout", "trainer"),
+                                     ("trainer+savedout", "compiled"),
                                      ("trainer+joint", "compiled"), ("trainer+clip", "compiled+clip"),
                                      ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]

@@ -104,13 +104,30 @@ def _stitch(gm, fw, bw, orig_names, n_fwd, loss_pos, seed_meta):
     out.output(tuple(fwd_vals + grads))
     res = fx.GraphModule(gm, out)
     res.meta[SAVED_TRANSPOSES] = transposed
+    res.meta[SAVED_VALUES] = [v for v in saved.values() if not _of_input(v)]
     return res
 
 
 # ``GraphModule.meta`` key: the saved values (forward results the backward reads) that are
 # transposes of activations (see _transposed_activation)
 SAVED_TRANSPOSES = "torchtpu_saved_transposes"
+# ``GraphModule.meta`` key: the saved values computed by the forward (not an input or a view
+# of one)
+SAVED_VALUES = "torchtpu_saved_values"
 _TRANSPOSES = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+_VIEWS = _TRANSPOSES + (torch.ops.aten.t.default, torch.ops.aten.view.default,
+                        torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+                        torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+                        torch.ops.aten.expand.default, torch.ops.aten.alias.default)
+
+
+def _of_input(n) -> bool:
+    """``n`` is a graph input or a view (a chain of view ops) of one: returning it from the
+    program would copy an input (a weight's transpose) rather than keep a computed value."""
+    while (n.op == "call_function" and n.target in _VIEWS and n.args
+           and isinstance(n.args[0], fx.Node)):
+        n = n.args[0]
+    return n.op == "placeholder"
 
 
 def _transposed_activation(n) -> bool:

@@ -34,6 +34,7 @@ from ..eager import checks as _checks
 from ..eager import copy as _copy
 from ..eager import rng as _rng
 from ..runtime import buffer as _buffer
+from ..runtime import devices
 from ..runtime import program_cache
 from ..runtime.metrics import count
 from . import partition as _partition
@@ -48,6 +49,20 @@ PARTITION = True
 # program returns them (``_materialized``). Off: measured no faster on the GPT step (see
 # docs/ARCHITECTURE.md, Optimizers); benchmarks/single_trace.py's trainer+rowmajor turns it on
 MATERIALIZE_SAVED_TRANSPOSES = False
+# the values the backward reads from the forward (the partition's saved values, less inputs
+# and views of inputs) returned as extra outputs of the one program and dropped after the step
+# (``_Traced.captured``): XLA:CPU gives each output a buffer of its own, which the heap reuses
+# step after step, where a value kept inside the program takes room in the one temporary block
+# XLA:CPU allocates per run, which glibc maps afresh (and the kernel zeroes page by page) every
+# step when it is over its 32 MB mmap threshold. GPT step: the block 184 -> 97 MB, page faults
+# per step 44,900 -> 24,800, system CPU 105 -> 82 ms, process CPU 0.98x, wall 0.98x (loaded
+# host); results identical. The price: XLA duplicates a cheap producer that reads a weight
+# (``mm + bias``) into the returned value's own fusion and copies that weight (the GPT step:
+# six 3-4 KB biases). None (the default): on when the platform is XLA:CPU, whose allocator
+# this is about, off elsewhere (a TPU's HBM temporaries are not mapped per run, and the
+# outputs would only pin XLA's layout and rematerialization choices); True / False force it.
+# benchmarks/single_trace.py's trainer+savedout forces it on, trainer forces it off
+SAVED_AS_OUTPUTS = None
 
 
 class _Loss(nn.Module):
@@ -63,7 +78,7 @@ class _Loss(nn.Module):
 class _Traced:
     """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
 
-    def __init__(self, module, batch, partition=True, materialize=False):
+    def __init__(self, module, batch, partition=True, materialize=False, saved_out=False):
         # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
         from torch._functorch.aot_autograd import aot_export_module
 
@@ -83,6 +98,12 @@ class _Traced:
         if partition and materialize:
             for n in gm.meta.get(_partition.SAVED_TRANSPOSES, ()):
                 self.low.node_hooks[n] = _materialized
+        self._captured = None  # while tracing with saved_out: the saved values, in order
+        self.captured = []  # the saved values of the latest trace (extra program outputs)
+        if partition and saved_out:
+            for n in gm.meta.get(_partition.SAVED_VALUES, ()):
+                prev = self.low.node_hooks.get(n)
+                self.low.node_hooks[n] = self._capture_hook(prev)
         if self.low.mutated:
             raise RuntimeError("SingleTraceTrainer: the exported training graph writes its "
                                "inputs in place, which a functional graph should not")
@@ -112,10 +133,26 @@ class _Traced:
         self.fn = self.low.trace_fn(list(range(len(self.low.placeholders))), {}, None)
         self.n_random = len(self.low.random_nodes)
 
+    def _capture_hook(self, prev):
+        """A node hook that records the node's value (after ``prev``, another hook) while
+        ``outputs`` traces, for the program to return (SAVED_AS_OUTPUTS)."""
+        def hook(x):
+            if prev is not None:
+                x = prev(x)
+            if self._captured is not None and hasattr(x, "shape"):
+                self._captured.append(x)
+            return x
+        return hook
+
     def outputs(self, ph_arrays, rng):
         """The graph's outputs, every position filled (None where PyTorch returns None)."""
         args = list(ph_arrays) + ([rng] if self.n_random else [])
-        flat, _news, flags = self.fn(*args)
+        self._captured = []
+        try:
+            flat, _news, flags = self.fn(*args)
+            self.captured = self._captured
+        finally:
+            self._captured = None
         consts, _seq = self.low.const_outputs
         full = []
         for kind, v in consts:
@@ -159,6 +196,8 @@ class SingleTraceTrainer:
         self._programs: dict = {}
         self._partition = PARTITION  # benchmarks/single_trace.py's trainer+joint sets False
         self._materialize = MATERIALIZE_SAVED_TRANSPOSES  # trainer+rowmajor sets True
+        self._saved_out = (devices.platform() == "cpu" if SAVED_AS_OUTPUTS is None
+                           else SAVED_AS_OUTPUTS)  # benchmarks/single_trace.py sets it
 
     # ---- one step ----
 
@@ -191,7 +230,7 @@ class SingleTraceTrainer:
         traced = self._traced.get(key)
         if traced is None:
             traced = self._traced[key] = _Traced(self._module, batch, self._partition,
-                                                       self._materialize)
+                                                       self._materialize, self._saved_out)
         plan = self._plan(traced)
         for t in [*traced.inputs, *(v for e in plan.entries for v in e.state.values())]:
             why = _program.fallback_reason(t)
@@ -240,7 +279,6 @@ class SingleTraceTrainer:
             flat.extend(_buffer.buffer_of(t).array for t in e.state.values())
         lr_slot = len(flat)
         flat.extend(plan.scalar_values())
-        batch_slot = len(flat)
         flat.extend(_copy.value_of(t) for t in batch)  # a view's value, not its storage
         if traced.n_random:
             flat.append(np.stack([_rng.next_state(None) for _ in range(traced.n_random)]))
@@ -260,7 +298,8 @@ class SingleTraceTrainer:
             count("trainer_donated_buffers", len(donate))
         out = prog(*flat)
         del flat
-        loss, flags, new_inputs, new_states, grads, norm = out
+        loss, flags, new_inputs, new_states, grads, norm, _saved = out
+        del _saved  # the saved values' buffers go back to the heap (SAVED_AS_OUTPUTS)
         for ok, info in zip(flags, traced.low.check_info):
             _checks.add(ok, *info)
         for j, t in enumerate(tensors):
@@ -288,7 +327,6 @@ class SingleTraceTrainer:
         t_shapes = [tuple(t.shape) for t in tensors]
         ph_src = [slot[id(t)] for t in traced.inputs]
         entry_slot = [slot[id(e.param)] for e in plan.entries]
-        entry_grads = [traced.grad_pos[id(e.param)] for e in plan.entries]
         buffer_out = {slot[id(b)]: j for j, b in traced.buffer_pos}
         grad_index = {id(p): k for k, p in enumerate(traced.grad_params)}
         entry_index = [grad_index[id(e.param)] for e in plan.entries]
@@ -333,7 +371,7 @@ class SingleTraceTrainer:
                 out_states.append({n: v.reshape(olds[n].shape) if n in olds else v
                                    for n, v in st.items()})
             return (outs[traced.loss_pos], tuple(flags), new_inputs, out_states,
-                    tuple(all_grads) if write_grads else (), norm)
+                    tuple(all_grads) if write_grads else (), norm, tuple(traced.captured))
 
         return program_cache.Program("trainer", train_step, program_cache.BY_TEXT,
                                      donate_argnums=donate)
