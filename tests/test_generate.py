@@ -435,8 +435,9 @@ def test_sdpa_mask_positions_made_once():
     """A static-cache decode step's causal mask (``masking_utils.sdpa_mask``, built outside the
     compiled step every token) takes its key and query positions from tensors made once on
     "tpu" (integrations/generate_steps.py): the mask equals transformers' own on CPU for a
-    tensor or int query offset, key offsets, several queries and a left-padded batch, and a
-    later token runs two programs (the offset add and the comparison)."""
+    tensor (int64 or int32) or int query offset, key offsets, several queries and a
+    left-padded batch, and a later token (one query at a 0-d tensor offset, a static cache's
+    ``cumulative_length``) runs one program: the comparison, the offset add left out."""
     from transformers import masking_utils as mu
 
     from torchtpu.integrations import STATUS
@@ -446,6 +447,8 @@ def test_sdpa_mask_positions_made_once():
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[1, :3] = False  # a left-padded row
     cases = [dict(batch_size=1, q_length=1, kv_length=16, q_offset=torch.tensor(5)),
+             dict(batch_size=1, q_length=1, kv_length=16,
+                  q_offset=torch.tensor(9, dtype=torch.int32), kv_offset=3),
              dict(batch_size=1, q_length=1, kv_length=16, q_offset=7),
              dict(batch_size=1, q_length=3, kv_length=12, q_offset=4, kv_offset=2),
              dict(batch_size=2, q_length=1, kv_length=16, q_offset=torch.tensor(8),
@@ -459,13 +462,62 @@ def test_sdpa_mask_positions_made_once():
             got = mu.sdpa_mask(allow_is_causal_skip=False, device=torch.device(TPU), **on_tpu)
             assert got.device.type == "tpu" and got.shape == expect.shape
             assert torch.equal(got.cpu(), expect), kw
-    # a later decode token: the offset add and the comparison only
+    # a later decode token: the comparison only (arange(1) + q_offset is q_offset)
     q_offset = torch.tensor(6, device=TPU)
     mu.sdpa_mask(1, 1, 16, q_offset=q_offset, allow_is_causal_skip=False, device=TPU)
     torch.tpu.reset_metrics()
     got = mu.sdpa_mask(1, 1, 16, q_offset=q_offset, allow_is_causal_skip=False, device=TPU)
-    c = torch.tpu.metrics()["counters"]
-    assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 2
+    m = torch.tpu.metrics()
+    c = m["counters"]
+    assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 1
+    assert m["per_op"]["generate_programs_saved"]["sdpa_mask"] == 6
     assert torch.equal(got.cpu(), mu.sdpa_mask(1, 1, 16, q_offset=6, allow_is_causal_skip=False))
+    q_offset.add_(1)  # the cache's in-place step: the next mask reads the new offset
+    got = mu.sdpa_mask(1, 1, 16, q_offset=q_offset, allow_is_causal_skip=False, device=TPU)
+    assert torch.equal(got.cpu(), mu.sdpa_mask(1, 1, 16, q_offset=7, allow_is_causal_skip=False))
     # what it does not take stays transformers' (a skip is allowed: no mask at all)
     assert mu.sdpa_mask(1, 4, 4, device=TPU) is None
+
+
+def test_update_model_kwargs_positions_one_add():
+    """On "tpu" ``_update_model_kwargs_for_generation`` makes the next position ids as
+    ``position_ids[..., -1:] + (arange(n) + 1)``, the second term made once
+    (integrations/generate_steps.py): the kwargs equal transformers' own on CPU for 2D and 3D,
+    int64 and int32 (wrapping past the int32 maximum) position ids and several new tokens, the
+    keys keep their order, and a later token runs two programs (the add and the cat) for the
+    position ids, where transformers runs four."""
+    from transformers.generation.utils import GenerationMixin
+
+    from torchtpu.integrations import STATUS
+
+    assert STATUS["transformers.generation.utils.GenerationMixin._update_model_kwargs_for_"
+                  "generation"] == "applied"
+    update = GenerationMixin._update_model_kwargs_for_generation
+    big = 2 ** 31 - 2
+    cases = [(torch.arange(6).view(1, 6).repeat(2, 1), 1),
+             (torch.arange(6).view(1, 6).repeat(2, 1) + 3, 3),
+             (torch.arange(5, dtype=torch.int32).view(1, 1, 5).repeat(3, 2, 1) + big, 2)]
+    for pos, n in cases:
+        def kwargs(device):
+            return {"attention_mask": torch.ones(2, pos.shape[-1], dtype=torch.long,
+                                                 device=device),
+                    "position_ids": pos.to(device), "use_cache": True}
+        expect = update(None, {}, kwargs("cpu"), num_new_tokens=n)
+        for _ in range(2):
+            got = update(None, {}, kwargs(TPU), num_new_tokens=n)
+            assert list(got) == list(expect)
+            for k, v in expect.items():
+                if isinstance(v, torch.Tensor):
+                    assert got[k].device.type == "tpu" and got[k].dtype == v.dtype, k
+                    assert torch.equal(got[k].cpu(), v), (k, got[k], v)
+                else:
+                    assert got[k] == v
+    pos = torch.arange(6, device=TPU).view(1, 6)
+    update(None, {}, {"position_ids": pos}, num_new_tokens=1)
+    torch.tpu.reset_metrics()
+    got = update(None, {}, {"position_ids": pos}, num_new_tokens=1)
+    m = torch.tpu.metrics()
+    c = m["counters"]
+    assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 2  # add, cat
+    assert m["per_op"]["generate_programs_saved"] == {"position_ids": 2}
+    assert got["position_ids"].cpu().tolist() == [[0, 1, 2, 3, 4, 5, 6]]

@@ -29,7 +29,15 @@ them are left out here, with the same results bit for bit:
   causal mask function, no skip allowed) the key positions ``arange(kv_length) + kv_offset``
   and ``arange(q_length)`` are made once per length, offset and device (constants, never
   handed out), so a token runs ``q + q_offset`` and ``<=`` only; a 2D padding mask is ANDed in
-  as the original's ``padding_mask[batch, kv]`` reads it, a slice of the same values.
+  as the original's ``padding_mask[batch, kv]`` reads it, a slice of the same values. One
+  query (a decode token) at a 0-d integer tensor offset (a static cache's
+  ``cumulative_length``) compares ``kv <= q_offset`` directly: ``arange(1) + q_offset`` holds
+  ``q_offset`` and broadcasts to the same shape, so one program per token.
+- ``GenerationMixin._update_model_kwargs_for_generation`` makes the next position ids as
+  ``arange(n).view(1, ..., n) + position_ids[..., -1:] + 1`` (three programs); for integer
+  position ids on "tpu" it is ``position_ids[..., -1:] + (arange(n) + 1)``, the second term
+  made once per length, rank, dtype and device (integer addition wraps alike in any order),
+  then transformers' ``cat``; the rest of the update is transformers' own.
 
 Counted: ``generate_programs_saved`` (per patch, in ``per_op``). Applied when the tensors are on
 "tpu" only; ``TORCHTPU_GENERATE_STEPS=0`` turns it off.
@@ -249,10 +257,20 @@ def _sdpa_mask(orig, causal):
         # positions once prepare_padding_mask padded it)
         padding_mask = _KNOWN["prepare_padding_mask"](attention_mask, kv_length, kv_offset)
         (kv, _), kv_made = _positions(kv_length, kv_offset, device)
-        (_, q), q_made = _positions(q_length, 0, device)
-        mask = kv <= q + q_offset
-        # programs left out: the batch and head aranges, and those made once
-        saved = 2 + 2 * kv_made + q_made
+        if (q_length == 1 and isinstance(q_offset, torch.Tensor) and q_offset.dim() == 0
+                and not q_offset.dtype.is_floating_point and not q_offset.is_complex()
+                and q_offset.dtype != torch.bool):
+            # one query (a decode token) at a 0-d integer offset (a static cache's
+            # cumulative_length): arange(1) + q_offset holds q_offset, its [1, 1, 1, 1]
+            # broadcast against kv's [1, 1, 1, kv] gives kv's shape, and the integer types
+            # promote alike, so the offset add is left out too
+            mask = kv <= q_offset
+            saved = 4 + 2 * kv_made  # batch, head and query aranges, the query offset add
+        else:
+            (_, q), q_made = _positions(q_length, 0, device)
+            mask = kv <= q + q_offset
+            # programs left out: the batch and head aranges, and those made once
+            saved = 2 + 2 * kv_made + q_made
         if padding_mask is not None:
             # and_masks' new_ones and its AND with the causal part, the index
             mask = mask & padding_mask[:, None, None, kv_offset:kv_offset + kv_length]
@@ -285,9 +303,70 @@ def _patch_masks(mod) -> None:
         mapping["sdpa"] = mod.sdpa_mask
 
 
+_STEPS: dict = {}  # (n, rank, dtype, device) -> arange(n, dtype).view(1, ..., n) + 1
+
+
+def _next_positions(position_ids, n: int):
+    """``arange(n).view(1, ..., n) + position_ids[..., -1:] + 1`` as transformers computes it,
+    for an integer ``position_ids``: ``position_ids[..., -1:] + (arange(n) + 1)``, the second
+    term made once per length, rank, dtype and device (integer addition is associative and
+    commutative, wrap-around included, so the values are the same bit for bit; the shape and
+    dtype are the broadcast's). One program instead of three (arange and two adds)."""
+    import torch
+
+    key = (n, position_ids.dim(), position_ids.dtype, position_ids.device)
+    step = _STEPS.get(key)
+    made = step is not None
+    if not made:
+        if len(_STEPS) > 256:
+            _STEPS.clear()
+        required_dim = [1] * (position_ids.dim() - 1) + [-1]
+        step = _STEPS[key] = torch.arange(
+            n, dtype=position_ids.dtype, device=position_ids.device).view(*required_dim) + 1
+    if made:
+        _saved("position_ids", 2)
+    return position_ids[..., -1:] + step
+
+
+def _update_kwargs(orig):
+    @functools.wraps(orig)
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs,
+                                            is_encoder_decoder=False, num_new_tokens=1):
+        import torch
+
+        key = "position_ids" if not is_encoder_decoder else "decoder_position_ids"
+        position_ids = model_kwargs.get(key)
+        if (not _on_tpu(position_ids) or type(num_new_tokens) is not int
+                or num_new_tokens < 1 or position_ids.dim() < 1
+                or position_ids.dtype == torch.bool or position_ids.dtype.is_floating_point
+                or position_ids.is_complex()):
+            return orig(self, outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder,
+                        num_new_tokens=num_new_tokens)
+        # transformers' own update with the position ids left out (None: it skips them; the key
+        # keeps its place in the dict), then theirs: cat([position_ids, next], -1)
+        model_kwargs[key] = None
+        try:
+            out = orig(self, outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder,
+                       num_new_tokens=num_new_tokens)
+        except BaseException:
+            model_kwargs[key] = position_ids
+            raise
+        out[key] = torch.cat([position_ids, _next_positions(position_ids, num_new_tokens)],
+                             dim=-1)
+        return out
+
+    return _update_model_kwargs_for_generation
+
+
+def _patch_generation(mod) -> None:
+    patch(mod, "GenerationMixin._update_model_kwargs_for_generation", _update_kwargs,
+          params=("outputs", "model_kwargs", "is_encoder_decoder", "num_new_tokens"))
+
+
 def install() -> None:
     from .hooks import when_imported
 
     when_imported("transformers.masking_utils", _patch_masks)
     when_imported("transformers.generation.logits_process", _patch_logits)
     when_imported("transformers.generation.stopping_criteria", _patch_stopping)
+    when_imported("transformers.generation.utils", _patch_generation)
