@@ -521,3 +521,46 @@ def test_update_model_kwargs_positions_one_add():
     assert c.get("eager_cache_hits", 0) + c.get("eager_cache_misses", 0) == 2  # add, cat
     assert m["per_op"]["generate_programs_saved"] == {"position_ids": 2}
     assert got["position_ids"].cpu().tolist() == [[0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_prepare_inputs_takes_the_fresh_next_positions(models):
+    """On "tpu" ``prepare_inputs_for_generation`` takes the next position ids the kwargs update
+    made (integrations/generate_steps.py) instead of slicing and cloning them from the grown
+    ``position_ids``: the model inputs equal transformers' own on CPU, the position ids are a
+    fresh contiguous tensor (not a view of the kwargs'), handed out once, and not taken after
+    an in-place change or for another length."""
+    cpu, tpu = models
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(6).view(1, 6).repeat(2, 1)
+
+    def step(model, device, n=1):
+        kw = model._update_model_kwargs_for_generation(
+            {}, {"position_ids": pos.to(device), "use_cache": True}, num_new_tokens=n)
+        return kw
+
+    expect = cpu.prepare_inputs_for_generation(ids, next_sequence_length=1, **step(cpu, "cpu"))
+    for _ in range(2):
+        kw = step(tpu, TPU)
+        full = kw["position_ids"]
+        torch.tpu.reset_metrics()
+        got = tpu.prepare_inputs_for_generation(ids.to(TPU), next_sequence_length=1, **kw)
+        saved = torch.tpu.metrics()["per_op"]["generate_programs_saved"]
+        assert saved == {"position_ids": 1}, saved
+        assert list(got) == list(expect)
+        for k, v in expect.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k].cpu(), v), k
+        p = got["position_ids"]
+        assert p.is_contiguous() and p.untyped_storage().data_ptr() \
+            != full.untyped_storage().data_ptr()
+        # handed out once: a second prepare from the same kwargs slices and clones
+        again = tpu.prepare_inputs_for_generation(ids.to(TPU), next_sequence_length=1, **kw)
+        assert again["position_ids"] is not p and torch.equal(again["position_ids"].cpu(),
+                                                              expect["position_ids"])
+    kw = step(tpu, TPU)
+    kw["position_ids"].add_(10)  # changed in place: its own values are taken
+    got = tpu.prepare_inputs_for_generation(ids.to(TPU), next_sequence_length=1, **kw)
+    assert got["position_ids"].cpu().tolist() == [[16], [16]]
+    kw = step(tpu, TPU, n=2)  # two new positions, one asked for
+    got = tpu.prepare_inputs_for_generation(ids.to(TPU), next_sequence_length=1, **kw)
+    assert got["position_ids"].cpu().tolist() == [[7], [7]]

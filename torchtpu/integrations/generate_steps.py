@@ -37,7 +37,10 @@ them are left out here, with the same results bit for bit:
   ``arange(n).view(1, ..., n) + position_ids[..., -1:] + 1`` (three programs); for integer
   position ids on "tpu" it is ``position_ids[..., -1:] + (arange(n) + 1)``, the second term
   made once per length, rank, dtype and device (integer addition wraps alike in any order),
-  then transformers' ``cat``; the rest of the update is transformers' own.
+  then transformers' ``cat``; the rest of the update is transformers' own. The next
+  ``GenerationMixin.prepare_inputs_for_generation`` slices the grown ids' last ``n`` and
+  clones them (contiguous): it is given that fresh ``last + (arange(n) + 1)`` instead, the
+  same values, once, when asked for ``n`` positions and neither tensor changed in place since.
 
 Counted: ``generate_programs_saved`` (per patch, in ``per_op``). Applied when the tensors are on
 "tpu" only; ``TORCHTPU_GENERATE_STEPS=0`` turns it off.
@@ -351,16 +354,44 @@ def _update_kwargs(orig):
         except BaseException:
             model_kwargs[key] = position_ids
             raise
-        out[key] = torch.cat([position_ids, _next_positions(position_ids, num_new_tokens)],
-                             dim=-1)
+        step = _next_positions(position_ids, num_new_tokens)
+        out[key] = full = torch.cat([position_ids, step], dim=-1)
+        # prepare_inputs_for_generation takes full[..., -n:].clone(): step holds those values,
+        # a fresh contiguous tensor no one else holds; handed to it once (prepare_positions)
+        full.__dict__["_torchtpu_next"] = (step, full._version, step._version)
         return out
 
     return _update_model_kwargs_for_generation
 
 
+def _prepare_inputs(orig):
+    @functools.wraps(orig)
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, *args,
+                                      **kwargs):
+        key = "decoder_position_ids" if getattr(getattr(self, "config", None),
+                                                "is_encoder_decoder", False) else "position_ids"
+        full = kwargs.get(key)
+        held = getattr(full, "__dict__", {}).pop("_torchtpu_next", None)
+        if (held is not None and ENABLED and not args and type(next_sequence_length) is int
+                and next_sequence_length == held[0].shape[-1]
+                and input_ids.shape[-1] >= next_sequence_length
+                and held[1] == full._version and held[2] == held[0]._version
+                and not (kwargs.get("inputs_embeds") is not None
+                         and kwargs.get("is_first_iteration"))):
+            # transformers slices full[..., -n:] and clones it (contiguous): the step made
+            # those values fresh, already of length n, so it is taken as it is
+            kwargs[key] = held[0]
+            _saved("position_ids", 1)
+        return orig(self, input_ids, next_sequence_length, *args, **kwargs)
+
+    return prepare_inputs_for_generation
+
+
 def _patch_generation(mod) -> None:
     patch(mod, "GenerationMixin._update_model_kwargs_for_generation", _update_kwargs,
           params=("outputs", "model_kwargs", "is_encoder_decoder", "num_new_tokens"))
+    patch(mod, "GenerationMixin.prepare_inputs_for_generation", _prepare_inputs,
+          params=("input_ids", "next_sequence_length"))
 
 
 def install() -> None:
