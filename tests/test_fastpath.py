@@ -874,3 +874,48 @@ def test_timing_counts_outermost_kernel_calls():
     assert 0 < t["call_ns"] <= t["hit_ns"] and t["python_ns"] > 0
     a * 3.5
     assert fastpath.timing()["hits"] == 5  # stopped
+
+
+def test_zero_element_empty_runs_no_program(monkeypatch):
+    """``empty`` / ``empty_strided`` of a zero-element shape on "tpu" share one array per
+    shape, dtype and device (eager/factories.py: nothing to compute, no program's call;
+    ``generate()`` makes a ``(batch, length, 0)`` tensor every token). In-place writes,
+    ``resize_`` and ``out=`` into one such tensor leave the others alone, and ops reading them
+    equal CPU's."""
+    from torchtpu.runtime import program_cache
+
+    def make():
+        return [torch.empty((1, 3, 0), device="tpu"), torch.empty((1, 3, 0), device="tpu"),
+                torch.empty(0, device="tpu", dtype=torch.int64),
+                torch.empty_strided((2, 0), (1, 1), device="tpu")]
+
+    make()
+    calls = [0]
+    orig = program_cache.Program.__call__
+
+    def counted(self, *flat):
+        calls[0] += 1
+        return orig(self, *flat)
+
+    monkeypatch.setattr(program_cache.Program, "__call__", counted)
+    a, b, c, d = make()
+    assert calls[0] == 0
+    monkeypatch.setattr(program_cache.Program, "__call__", orig)
+    assert a.shape == (1, 3, 0) and c.dtype == torch.int64 and d.shape == (2, 0)
+    assert d.stride() == (1, 1)
+    x = torch.arange(6, dtype=torch.float32).view(1, 3, 2)
+    torch.testing.assert_close(torch.cat([a, x.to("tpu")], -1).cpu(),
+                               torch.cat([torch.empty(1, 3, 0), x], -1), rtol=0, atol=0)
+    a.resize_(1, 3, 2).fill_(2.0)  # in place into a: b, and a later one, stay empty
+    torch.add(x.long().to("tpu"), 1, out=c)  # out= into another
+    assert torch.equal(a.cpu(), torch.full((1, 3, 2), 2.0))
+    assert torch.equal(c.cpu(), x.long() + 1)
+    assert b.shape == (1, 3, 0) and b.cpu().shape == (1, 3, 0)
+    e = torch.empty((1, 3, 0), device="tpu")
+    assert e.shape == (1, 3, 0) and e.cpu().numel() == 0
+    out = torch.empty(0, device="tpu")
+    torch.mul(x.to("tpu"), 3, out=out)
+    assert torch.equal(out.cpu(), x * 3)
+    assert torch.empty(0, device="tpu").shape == (0,)
+    b.copy_(torch.empty(1, 3, 0))
+    assert b.cpu().shape == (1, 3, 0)

@@ -35,11 +35,33 @@ def _zeros(shape, dtype, device_index):
         raise
 
 
+_NO_ELEMENTS: dict = {}  # (shape, dtype, device index) -> a zero-element array, made once
+
+
+def _no_elements(shape, dtype, device_index):
+    """A zero-element array of ``shape``: there is nothing to compute or write, so one array
+    per shape, dtype and device serves every such tensor. Several storages may share an
+    immutable array (as a zero-copy ``.to`` or a cached device scalar do); this dict's
+    reference keeps it from being donated, so an in-place op on one tensor replaces that
+    tensor's array only. (``generate()``'s ``prepare_inputs_for_generation`` makes a
+    ``(batch, length, 0)`` tensor every token: a program's call, ~50 us of host time.)"""
+    key = (shape, dtype, device_index)
+    arr = _NO_ELEMENTS.get(key)
+    if arr is None:
+        if len(_NO_ELEMENTS) >= 1024:
+            _NO_ELEMENTS.clear()
+        arr = _NO_ELEMENTS[key] = _zeros(shape, dtype, device_index)
+    return arr
+
+
 def empty_tensor(shape, dtype=None, device=None) -> torch.Tensor:
     dtype = dtype or torch.get_default_dtype()
     idx = _device_index(device)
     _devices.jax_device(idx)  # validates the ordinal
-    arr = _zeros(shape, dtype, idx)
+    if 0 in shape:
+        arr = _no_elements(tuple(shape), dtype, idx)
+    else:
+        arr = _zeros(shape, dtype, idx)
     return _buffer.wrap(arr, dtype)
 
 
