@@ -58,8 +58,8 @@ MATERIALIZE_SAVED_TRANSPOSES = False
 # per step 44,900 -> 24,800, system CPU 105 -> 82 ms, process CPU 0.98x, wall 0.98x (loaded
 # host); results identical. The price, without SAVED_ROOTS: XLA duplicates a cheap producer
 # that reads a weight (``mm + bias``) into the returned value's own fusion and copies that
-# weight (the GPT step: six 3-4 KB biases). None (the default): on when the platform is XLA:CPU, whose allocator
-# this is about, off elsewhere (a TPU's HBM temporaries are not mapped per run, and the
+# weight (the GPT step: six 3-4 KB biases). None (the default): on when the platform is
+# XLA:CPU, whose allocator this is about, off elsewhere (a TPU's HBM temporaries are not mapped per run, and the
 # outputs would only pin XLA's layout and rematerialization choices); True / False force it.
 # benchmarks/single_trace.py's trainer+savedout forces it on, trainer forces it off
 SAVED_AS_OUTPUTS = None
