@@ -59,8 +59,9 @@ MATERIALIZE_SAVED_TRANSPOSES = False
 # host); results identical. The price, without SAVED_ROOTS: XLA duplicates a cheap producer
 # that reads a weight (``mm + bias``) into the returned value's own fusion and copies that
 # weight (the GPT step: six 3-4 KB biases). None (the default): on when the platform is
-# XLA:CPU, whose allocator this is about, off elsewhere (a TPU's HBM temporaries are not mapped per run, and the
-# outputs would only pin XLA's layout and rematerialization choices); True / False force it.
+# XLA:CPU, whose allocator this is about, off elsewhere (a TPU's HBM temporaries are not
+# mapped per run, and the outputs would only pin XLA's layout and rematerialization choices);
+# True / False force it.
 # benchmarks/single_trace.py's trainer+savedout forces it on, trainer forces it off
 SAVED_AS_OUTPUTS = None
 # with SAVED_AS_OUTPUTS: each saved value is returned as the array the backward actually
