@@ -20,6 +20,9 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
   the default on XLA:CPU; the other ``trainer`` contenders turn it off): each then has an output buffer of its own, which the heap reuses step after
   step, rather than room in the one temporary block XLA:CPU allocates, and glibc maps afresh,
   every run (the page faults and system CPU rows);
+- ``trainer+savedview``: trainer+savedout with the saved values returned as the partition
+  saves them (trainer.py's ``SAVED_ROOTS`` off: the A/B of that choice) rather than as the
+  arrays the backward reads (a saved transpose's operand, a Linear's product without its bias);
 - ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
   ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
 - ``trainer+clip`` / ``compiled+clip``: the same with gradient clipping
@@ -60,7 +63,8 @@ import compile_step as cs  # noqa: E402  (the shared benchmark models)
 from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
-CONTENDERS = ("trainer", "trainer+joint", "trainer+rowmajor", "trainer+savedout", "compiled",
+CONTENDERS = ("trainer", "trainer+joint", "trainer+rowmajor", "trainer+savedout",
+              "trainer+savedview", "compiled",
               "trainer+clip", "compiled+clip", "fused", "fused+opt", "strict", "strict+opt")
 MAX_NORM = 1.0
 
@@ -89,7 +93,10 @@ def build(name):
         trainer._materialize = name == "trainer+rowmajor"  # the A/B of the saved transposes
         # the A/B of the saved values' buffers (on by default on XLA:CPU): trainer+savedout
         # returns them, the other trainers keep them in the temporary block
-        trainer._saved_out = name == "trainer+savedout"
+        trainer._saved_out = name in ("trainer+savedout", "trainer+savedview")
+        # the A/B of returning the arrays the backward reads (trainer+savedout: a transpose's
+        # operand, a Linear's product) rather than the saved values as they are (savedview)
+        trainer._capture_roots = name != "trainer+savedview"
         return lambda: trainer.step(idx, tgt)
     step = cs.make_step(cs.gpt_loss)
     if name.endswith("+clip"):
@@ -211,6 +218,7 @@ def main(argv=None):
                                      ("trainer+rowmajor", "trainer"),
                                      ("trainer+savedout", "trainer"),
                                      ("trainer+savedout", "compiled"),
+                                     ("trainer+savedout", "trainer+savedview"),
                                      ("trainer+joint", "compiled"), ("trainer+clip", "compiled+clip"),
                                      ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]

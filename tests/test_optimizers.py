@@ -939,3 +939,75 @@ def test_trainer_backward_reads_saved_transposes_row_major():
     assert ours[0] == pytest.approx(folded[0], rel=1e-5)
     for a, b in zip(ours[1], folded[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(devices.platform() != "cpu", reason="XLA:CPU's temporary block")
+def test_trainer_returns_a_saved_transpose_as_the_value_it_transposes():
+    """With the saved values returned as outputs, a saved transpose of an activation
+    (attention's ``q^T`` and ``k^T``, read by the backward's batched matmuls) is returned as
+    the value it transposes (``SAVED_ROOTS``): the backward's dot reads that value
+    with the transpose folded in, so the output is the buffer the backward reads, where the
+    transpose as an output was a second array (a transpose and a copy written out, the value
+    kept in the temporary block). Smaller block, no transpose among the returned values,
+    results identical."""
+    from torchtpu.optimizers import partition as _partition
+
+    def run(roots):
+        torch.manual_seed(0)
+        model = nn.Linear(32, 96).to(TPU)
+
+        def loss_fn(m, x):
+            q, k, v = m(x).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
+            a = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+            return a.pow(2).mean()
+
+        trainer = opts.SingleTraceTrainer(model, loss_fn, opts.SGD(model.parameters(), lr=0.1))
+        trainer._saved_out = True
+        trainer._capture_roots = roots
+        x = torch.randn(2, 16, 32, device=TPU)
+        losses = [trainer.step(x).item() for _ in range(2)]
+        (traced,) = trainer._traced.values()
+        nodes = traced.capture_nodes
+        temp = _compiled_program(trainer, (x,)).memory_analysis().temp_size_in_bytes
+        return losses, [p.detach().cpu() for p in model.parameters()], nodes, temp
+
+    views, ours = run(False), run(True)
+    assert any(n.target in _partition._TRANSPOSES for n in views[2])
+    assert not any(n.target in _partition._TRANSPOSES for n in ours[2]), ours[2]
+    assert ours[3] < views[3], (ours[3], views[3])
+    assert ours[0] == views[0]
+    for a, b in zip(ours[1], views[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(devices.platform() != "cpu", reason="XLA:CPU's temporary block")
+def test_trainer_returns_a_saved_linear_output_as_its_product():
+    """With the saved values returned as outputs, a saved float32 Linear output (``addmm``,
+    read by the GELU backward) is computed as ``mm + bias`` and the ``mm`` returned
+    (``SAVED_ROOTS``): XLA adds the bias inside each reader's fusion, so the backward reads
+    the product, which is then the output buffer instead of a value kept in the temporary
+    block beside a written-out sum. Smaller block, results identical to the sum returned."""
+    def run(roots):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 8)).to(TPU)
+        opt = opts.AdamW(model.parameters(), lr=1e-2)
+        trainer = opts.SingleTraceTrainer(model, lambda m, x, y: F.cross_entropy(m(x), y), opt)
+        trainer._saved_out = True
+        trainer._capture_roots = roots
+        x = torch.randn(64, 32, device=TPU)
+        y = torch.randint(0, 8, (64,), device=TPU)
+        losses = [trainer.step(x, y).item() for _ in range(3)]
+        (traced,) = trainer._traced.values()
+        targets = {n.target for n in traced.capture_nodes}
+        temp = _compiled_program(trainer, (x, y)).memory_analysis().temp_size_in_bytes
+        state = [t.cpu() for s in opt.state.values() for t in s.values()]
+        return losses, [p.detach().cpu() for p in model.parameters()], state, targets, temp
+
+    sums, ours = run(False), run(True)
+    assert torch.ops.aten.addmm.default in sums[3]
+    assert torch.ops.aten.addmm.default not in ours[3]
+    assert torch.ops.aten.mm.default in ours[3]
+    assert ours[4] < sums[4], (ours[4], sums[4])
+    assert ours[0] == sums[0]
+    for a, b in zip(ours[1] + ours[2], sums[1] + sums[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

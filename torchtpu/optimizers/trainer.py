@@ -56,13 +56,27 @@ MATERIALIZE_SAVED_TRANSPOSES = False
 # XLA:CPU allocates per run, which glibc maps afresh (and the kernel zeroes page by page) every
 # step when it is over its 32 MB mmap threshold. GPT step: the block 184 -> 97 MB, page faults
 # per step 44,900 -> 24,800, system CPU 105 -> 82 ms, process CPU 0.98x, wall 0.98x (loaded
-# host); results identical. The price: XLA duplicates a cheap producer that reads a weight
-# (``mm + bias``) into the returned value's own fusion and copies that weight (the GPT step:
-# six 3-4 KB biases). None (the default): on when the platform is XLA:CPU, whose allocator
-# this is about, off elsewhere (a TPU's HBM temporaries are not mapped per run, and the
-# outputs would only pin XLA's layout and rematerialization choices); True / False force it.
+# host); results identical. The price, without SAVED_ROOTS: XLA duplicates a cheap producer
+# that reads a weight (``mm + bias``) into the returned value's own fusion and copies that
+# weight (the GPT step: six 3-4 KB biases). None (the default): on when the platform is
+# XLA:CPU, whose allocator this is about, off elsewhere (a TPU's HBM temporaries are not
+# mapped per run, and the outputs would only pin XLA's layout and rematerialization choices);
+# True / False force it.
 # benchmarks/single_trace.py's trainer+savedout forces it on, trainer forces it off
 SAVED_AS_OUTPUTS = None
+# with SAVED_AS_OUTPUTS: each saved value is returned as the array the backward actually
+# reads after XLA's fusion, so that the output buffer is that array and it leaves the temporary
+# block. (1) A saved transpose of a computed value (the attention's ``q^T``, ``k^T``, ``p^T``:
+# partition.py's SAVED_TRANSPOSES) is returned as the value it transposes (XLA folds the
+# transpose into the backward's dot); returned as the transpose, XLA wrote a transposed copy
+# out, which nothing read, and kept the value in the block (GPT step: block 97 -> 78 MB, 48
+# fusions and 18 output copies fewer). (2) A saved float32 Linear output ``addmm(bias, x, W)``
+# is computed as ``mm(x, W) + bias`` and the ``mm`` returned (``_split_addmm``): XLA re-adds
+# the bias inside every reader's fusion, so the backward reads the product, which stayed in the
+# block while the sum was written out with its bias copied (GPT: block 78 -> 53 MB, no bias
+# copies). Results bit-identical. False: the saved values as they are (benchmarks/
+# single_trace.py's trainer+savedview, the A/B)
+SAVED_ROOTS = True
 
 
 class _Loss(nn.Module):
@@ -78,7 +92,8 @@ class _Loss(nn.Module):
 class _Traced:
     """One exported training graph: its lowering and how its inputs/outputs map to tensors."""
 
-    def __init__(self, module, batch, partition=True, materialize=False, saved_out=False):
+    def __init__(self, module, batch, partition=True, materialize=False, saved_out=False,
+                 capture_roots=True):
         # imported here: compile/ brings in Dynamo, which ``import torch`` should not load
         from torch._functorch.aot_autograd import aot_export_module
 
@@ -94,16 +109,30 @@ class _Traced:
         if partition:
             n_fwd = len(sig.buffers_to_mutate) + len(sig.user_outputs)
             gm = _partition.joint_partitioned(gm, n_fwd, sig.user_outputs[0])
+        self._captured = None  # while tracing with saved_out: the saved values, in order
+        self.captured = []  # the saved values of the latest trace (extra program outputs)
+        self.capture_nodes = []  # the graph's nodes whose values the program returns
+        if partition and saved_out:
+            transposed = set(gm.meta.get(_partition.SAVED_TRANSPOSES, ()))
+            split = {}
+            for n in gm.meta.get(_partition.SAVED_VALUES, ()):
+                if (capture_roots and not materialize and n in transposed
+                        and not _partition._of_input(n.args[0])):
+                    n = n.args[0]  # the value the backward's dot reads, transposed in the dot
+                if capture_roots:
+                    n = _split_addmm(gm, n, split)  # a Linear's output: return its product
+                if n in self.capture_nodes:
+                    continue
+                self.capture_nodes.append(n)
+            if split:
+                gm.recompile()
         self.low = _lower.GraphLowering(gm, "trainer")
         if partition and materialize:
             for n in gm.meta.get(_partition.SAVED_TRANSPOSES, ()):
                 self.low.node_hooks[n] = _materialized
-        self._captured = None  # while tracing with saved_out: the saved values, in order
-        self.captured = []  # the saved values of the latest trace (extra program outputs)
-        if partition and saved_out:
-            for n in gm.meta.get(_partition.SAVED_VALUES, ()):
-                prev = self.low.node_hooks.get(n)
-                self.low.node_hooks[n] = self._capture_hook(prev)
+        for n in self.capture_nodes:
+            prev = self.low.node_hooks.get(n)
+            self.low.node_hooks[n] = self._capture_hook(prev)
         if self.low.mutated:
             raise RuntimeError("SingleTraceTrainer: the exported training graph writes its "
                                "inputs in place, which a functional graph should not")
@@ -198,6 +227,7 @@ class SingleTraceTrainer:
         self._materialize = MATERIALIZE_SAVED_TRANSPOSES  # trainer+rowmajor sets True
         self._saved_out = (devices.platform() == "cpu" if SAVED_AS_OUTPUTS is None
                            else SAVED_AS_OUTPUTS)  # benchmarks/single_trace.py sets it
+        self._capture_roots = SAVED_ROOTS  # trainer+savedview sets False
 
     # ---- one step ----
 
@@ -230,7 +260,8 @@ class SingleTraceTrainer:
         traced = self._traced.get(key)
         if traced is None:
             traced = self._traced[key] = _Traced(self._module, batch, self._partition,
-                                                       self._materialize, self._saved_out)
+                                                 self._materialize, self._saved_out,
+                                                 self._capture_roots)
         plan = self._plan(traced)
         for t in [*traced.inputs, *(v for e in plan.entries for v in e.state.values())]:
             why = _program.fallback_reason(t)
@@ -399,6 +430,45 @@ def _after_all(arrays):
     firsts = jnp.stack(firsts)
     bits = lax.bitcast_convert_type(jnp.sum(firsts), jnp.int32)
     return jnp.minimum(jnp.maximum(bits, 0), 0)
+
+
+# the views ``_split_addmm`` looks through (reshapes: a bitcast in XLA, the same buffer)
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.reshape.default, torch.ops.aten.alias.default)
+
+
+def _split_addmm(gm, n, done):
+    """The node to return for the saved value ``n`` (SAVED_ROOTS): when ``n`` is a float32
+    ``addmm(bias, a, b)`` with a 1-D bias (a Linear's output), or a reshape of one, the addmm is
+    rewritten as ``add(mm(a, b), bias)`` (bit-identical: the lowering's addmm is ``bias + a @ b``
+    in float32, and the sum commutes) and the ``mm`` is returned. XLA adds a bias inside each
+    reader's fusion, so the backward reads the product, not the sum: returned, the sum was a
+    second array (written out, its bias copied) and the product stayed in the temporary block
+    from the forward to the backward. Otherwise ``n`` itself. ``done``: addmm -> mm of the
+    rewrites so far."""
+    r = n
+    while (r.op == "call_function" and r.target in _RESHAPES and r.args
+           and isinstance(r.args[0], torch.fx.Node)):
+        r = r.args[0]
+    if r in done:
+        return done[r]
+    if (r.op != "call_function" or r.target is not torch.ops.aten.addmm.default or r.kwargs
+            or len(r.args) != 3 or not all(isinstance(a, torch.fx.Node) for a in r.args)):
+        return n
+    bias, a, b = r.args
+    val, bval = r.meta.get("val"), bias.meta.get("val")
+    if val is None or val.dtype != torch.float32 or bval is None or bval.dim() != 1:
+        return n
+    g = gm.graph
+    with g.inserting_before(r):
+        mm = g.call_function(torch.ops.aten.mm.default, (a, b))
+        add = g.call_function(torch.ops.aten.add.Tensor, (mm, bias))
+    mm.meta = dict(r.meta)
+    add.meta = dict(r.meta)
+    r.replace_all_uses_with(add)
+    g.erase_node(r)
+    done[r] = mm
+    return mm
 
 
 def _materialized(x):
