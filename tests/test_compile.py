@@ -265,6 +265,43 @@ def test_default_backend_is_tpu_for_tpu_inputs():
     assert COUNTERS["compile_graphs"] - before == 1  # inference graph
 
 
+def test_objects_from_before_a_compile_are_frozen_while_it_runs_and_released_after():
+    """The garbage collector's passes during a Dynamo compile skip the objects that existed
+    before it (gc.freeze), which are put back when it ends; a process's own freeze is kept."""
+    import gc
+
+    import torchtpu.compile as tc
+    from torchtpu.compile.backend import tpu_backend
+
+    tc.register_backend()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gc.get_freeze_count())
+        return tpu_backend(gm, example_inputs)
+
+    x = torch.randn(8)
+    assert gc.get_freeze_count() == 0
+    before = COUNTERS["compile_gc_freezes"]
+    out = torch.compile(lambda a: a * 2 + 1, backend=backend)(x.to(TPU))
+    assert len(seen) == 1 and seen[0] > 0  # frozen while Dynamo compiled
+    assert gc.get_freeze_count() == 0  # and put back after
+    assert COUNTERS["compile_gc_freezes"] - before == 1
+    assert torch.equal(out.cpu(), x * 2 + 1)
+    gc.freeze()  # the process's own freeze: neither added to nor released
+    try:
+        n = gc.get_freeze_count()  # objects freed since leave the permanent generation
+        seen.clear()
+        before = COUNTERS["compile_gc_freezes"]
+        out = torch.compile(lambda a: a - 3, backend=backend)(x.to(TPU))
+        assert len(seen) == 1 and n // 2 < seen[0] <= n
+        assert n // 2 < gc.get_freeze_count() <= n  # still frozen
+        assert COUNTERS["compile_gc_freezes"] == before
+        assert torch.equal(out.cpu(), x - 3)
+    finally:
+        gc.unfreeze()
+
+
 def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "c"))
 
