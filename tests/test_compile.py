@@ -270,18 +270,21 @@ def test_objects_from_before_a_compile_are_frozen_while_it_runs_and_released_aft
     before it (gc.freeze), which are put back when it ends; a process's own freeze is kept."""
     import gc
 
-    import torchtpu.compile as tc
     from torchtpu.compile.backend import tpu_backend
 
-    tc.register_backend()
+    torch._dynamo.reset()  # clears Dynamo's compile callbacks: torch.compile installs them again
+    x = torch.randn(8)
+    before = COUNTERS["compile_gc_freezes"]
+    out = torch.compile(lambda a: a.exp() + 2, backend="tpu")(x.to(TPU))
+    assert COUNTERS["compile_gc_freezes"] - before == 1
+    assert gc.get_freeze_count() == 0
+    _close(x.exp() + 2, out)
     seen = []
 
     def backend(gm, example_inputs):
         seen.append(gc.get_freeze_count())
         return tpu_backend(gm, example_inputs)
 
-    x = torch.randn(8)
-    assert gc.get_freeze_count() == 0
     before = COUNTERS["compile_gc_freezes"]
     out = torch.compile(lambda a: a * 2 + 1, backend=backend)(x.to(TPU))
     assert len(seen) == 1 and seen[0] > 0  # frozen while Dynamo compiled

@@ -30,6 +30,7 @@ _registered = [False]
 
 def register_backend() -> None:
     if _registered[0]:
+        _gc_frozen_while_compiling()
         return
     from torch._dynamo.backends.registry import _BACKENDS, register_backend as _reg
 
@@ -56,7 +57,7 @@ def register_backend() -> None:
 # release its objects too. ``TORCHTPU_COMPILE_GC_FREEZE=0`` turns this off.
 
 GC_FREEZE = os.environ.get("TORCHTPU_COMPILE_GC_FREEZE", "1") != "0"
-_gc_state = {"installed": False, "frozen": False}
+_gc_state = {"frozen": False}
 _gc_lock = threading.Lock()
 
 
@@ -79,13 +80,14 @@ def _gc_compile_end(args=None) -> None:
 
 
 def _gc_frozen_while_compiling() -> None:
-    if _gc_state["installed"]:
-        return
+    """Install the callbacks (again: ``torch._dynamo.reset()`` clears Dynamo's callbacks); run
+    at every ``torch.compile`` for "tpu" and every graph our backend takes."""
     from torch._dynamo.callback import callback_handler
 
-    callback_handler.register_start_callback(_gc_compile_start)
-    callback_handler.register_end_callback(_gc_compile_end)
-    _gc_state["installed"] = True
+    if _gc_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_gc_compile_start)
+    if _gc_compile_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(_gc_compile_end)
 
 
 def _is_tpu_backend(backend) -> bool:
