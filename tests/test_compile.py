@@ -265,6 +265,102 @@ def test_default_backend_is_tpu_for_tpu_inputs():
     assert COUNTERS["compile_graphs"] - before == 1  # inference graph
 
 
+def test_objects_from_before_a_compile_are_frozen_while_it_runs_and_released_after():
+    """The garbage collector's passes during a Dynamo compile skip the objects that existed
+    before it (gc.freeze), which are put back when it ends; a process's own freeze is kept."""
+    import gc
+
+    from torchtpu.compile.backend import tpu_backend
+
+    torch._dynamo.reset()  # clears Dynamo's compile callbacks: torch.compile installs them again
+    x = torch.randn(8)
+    before = COUNTERS["compile_gc_freezes"]
+    out = torch.compile(lambda a: a.exp() + 2, backend="tpu")(x.to(TPU))
+    assert COUNTERS["compile_gc_freezes"] - before == 1
+    assert gc.get_freeze_count() == 0
+    _close(x.exp() + 2, out)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gc.get_freeze_count())
+        return tpu_backend(gm, example_inputs)
+
+    before = COUNTERS["compile_gc_freezes"]
+    out = torch.compile(lambda a: a * 2 + 1, backend=backend)(x.to(TPU))
+    assert len(seen) == 1 and seen[0] > 0  # frozen while Dynamo compiled
+    assert gc.get_freeze_count() == 0  # and put back after
+    assert COUNTERS["compile_gc_freezes"] - before == 1
+    assert torch.equal(out.cpu(), x * 2 + 1)
+    gc.freeze()  # the process's own freeze: neither added to nor released
+    try:
+        n = gc.get_freeze_count()  # objects freed since leave the permanent generation
+        seen.clear()
+        before = COUNTERS["compile_gc_freezes"]
+        out = torch.compile(lambda a: a - 3, backend=backend)(x.to(TPU))
+        assert len(seen) == 1 and n // 2 < seen[0] <= n
+        assert n // 2 < gc.get_freeze_count() <= n  # still frozen
+        assert COUNTERS["compile_gc_freezes"] == before
+        assert torch.equal(out.cpu(), x - 3)
+    finally:
+        gc.unfreeze()
+
+
+def test_torch_source_hash_is_kept_in_the_cache_folder_under_a_stamp_of_the_files(tmp_path,
+                                                                                monkeypatch):
+    """AOTAutogradCache's key hashes PyTorch's source (torch_key, ~0.2 s a process): a later
+    process takes it from the cache folder while the torch files are unchanged."""
+    from torch._inductor import codecache
+
+    from torchtpu.compile import aot_cache
+
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "c"))
+    real = codecache.torch_key()
+    calls = []
+    orig = codecache.torch_key
+
+    def counted():
+        calls.append(1)
+        return orig()
+
+    for k in ("set", "clear", "prefetch"):
+        setattr(counted, k, getattr(orig, k))
+    monkeypatch.setattr(codecache, "torch_key", counted)
+    try:
+        for stored in (False, True):  # the first process computes and stores, the next loads
+            orig.clear()
+            monkeypatch.setattr(aot_cache, "_torch_key_primed", [False])
+            before = (COUNTERS["aot_torch_key_loads"], COUNTERS["aot_torch_key_stores"])
+            calls.clear()
+            aot_cache._prime_torch_key()
+            assert orig() == real
+            after = (COUNTERS["aot_torch_key_loads"], COUNTERS["aot_torch_key_stores"])
+            assert (after[0] - before[0], after[1] - before[1]) == ((1, 0) if stored else (0, 1))
+            assert len(calls) == (0 if stored else 1)
+    finally:
+        orig.clear()
+        orig.set(real)
+    # the stamp changes with any importable file's size, time, presence or name
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    f = root / "sub" / "m.py"
+    f.write_text("x = 1\n")
+    (root / "notes.txt").write_text("not importable")
+    stamps = [aot_cache._torch_stamp(str(root), [])]
+    (root / "notes.txt").write_text("not importable, changed")
+    assert aot_cache._torch_stamp(str(root), []) == stamps[0]
+    f.write_text("x = 22\n")
+    stamps.append(aot_cache._torch_stamp(str(root), []))
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+    stamps.append(aot_cache._torch_stamp(str(root), []))
+    (root / "sub" / "n.so").write_bytes(b"")
+    stamps.append(aot_cache._torch_stamp(str(root), []))
+    os.rename(root / "sub" / "n.so", root / "sub" / "o.so")
+    stamps.append(aot_cache._torch_stamp(str(root), []))
+    stamps.append(aot_cache._torch_stamp(str(root), [str(root / "notes.txt")]))
+    assert len(set(stamps)) == len(stamps)
+
+
 def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "c"))
 

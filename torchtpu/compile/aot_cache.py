@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.machinery
 import os
+import sys
 from unittest import mock
 
 import torch
@@ -150,6 +152,80 @@ def _no_inductor_backends():
         yield
 
 
+# ---- PyTorch's source hash (``torch_key``), kept across processes ----
+# AOTAutogradCache's key includes ``torch_key()``: a SHA-256 of every module file of the torch
+# package (``build_code_hash`` reads them all, ~0.19 s, once per process, at a warm start's
+# first graph). It is kept in the cache folder under a *stamp* of those files: the torch
+# version, the interpreter, and the path, size and modification time (ns) of every file under
+# the torch folder whose name an import could load (``importlib.machinery.all_suffixes()``, a
+# superset of what ``build_code_hash`` reads) plus the two extra files it hashes. A changed,
+# added or removed file gives another stamp, so the hash is computed again (Python's own .pyc
+# check trusts the same size and mtime). Walking the folder costs ~0.045 s. The stored hash
+# is handed to ``torch_key.set`` (``prefetchable_cache``'s way to prepopulate it); a process
+# that computed it already keeps its own. Counted ``aot_torch_key_loads`` / ``_stores``.
+_TORCH_KEY_MAGIC = b"TORCHTPU-XLA-TORCHKEY-1\n"
+_torch_key_primed = [False]
+
+
+def _torch_stamp(root: str, extra: list[str]) -> str:
+    h = hashlib.sha256()
+    import torch as _torch
+
+    h.update(repr((_torch.__version__, sys.version, sys.implementation.cache_tag,
+                   os.path.realpath(root))).encode())
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith(suffixes):
+                st = os.stat(os.path.join(dirpath, name))
+                h.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}\0"
+                         f"{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for path in extra:
+        try:
+            st = os.stat(path)
+            h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(f"{path}\0missing\n".encode())
+    return h.hexdigest()
+
+
+def _prime_torch_key() -> None:
+    """Hand ``torch_key`` its value from the cache folder when the torch files are unchanged;
+    otherwise compute it and store it. Once per process; never an error."""
+    if _torch_key_primed[0]:
+        return
+    _torch_key_primed[0] = True
+    try:
+        from torch._inductor import codecache
+        from torch._inductor import config as inductor_config
+
+        from ..runtime import disk_cache
+
+        root = getattr(codecache, "_TORCH_PATH", None)
+        tk = codecache.torch_key
+        if not root or inductor_config.is_fbcode() or not hasattr(tk, "set"):
+            return
+        here = os.path.dirname(codecache.__file__)
+        extra = [os.path.join(here, "codegen/aoti_runtime/interface.cpp"),
+                 os.path.join(here, "script.ld")]
+        key = "torchkey-" + _torch_stamp(root, extra)
+        val = disk_cache._read(key, _TORCH_KEY_MAGIC, kind="aot_torch_key")
+        if val is not None and len(val) == 32:
+            try:
+                tk.set(val)
+                count("aot_torch_key_loads")
+            except RuntimeError:  # computed in this process already
+                pass
+            return
+        val = tk()
+        if isinstance(val, bytes) and len(val) == 32:
+            disk_cache._write(key, _TORCH_KEY_MAGIC, val, kind="aot_torch_key")
+            count("aot_torch_key_stores")
+    except Exception:  # noqa: BLE001 - PyTorch computes it itself
+        pass
+
+
 @contextlib.contextmanager
 def enabled(opts: dict):
     """Around one aot_autograd call: PyTorch's cache in bundled mode, in our folder."""
@@ -160,6 +236,7 @@ def enabled(opts: dict):
     from torch._functorch import config as functorch_config
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
 
+    _prime_torch_key()
     before = _counters()
     with functorch_config.patch(enable_autograd_cache=True, bundled_autograd_cache=True,
                                 force_non_lazy_backward_lowering=True), \
