@@ -52,8 +52,12 @@ DTYPE = os.environ.get("BENCH_VLLM_DTYPE", "float32")
 # OpenAI API's default is 1.0), seeded by the engine's seed
 TEMPERATURE = float(os.environ.get("BENCH_VLLM_TEMPERATURE", "0"))
 # contenders that are "tpu-compiled" with an environment switch (an A/B in one run):
-# tpu-portable-attn: the portable paged-attention lowering instead of the CPU kernel
-VARIANTS = {"tpu-portable-attn": {"TORCHTPU_CPU_ATTENTION_KERNEL": "0"}}
+# tpu-portable-attn: the portable paged-attention lowering instead of the CPU kernel;
+# tpu-sync-dispatch / tpu-async-sync-dispatch: tpu-compiled / tpu-async with XLA:CPU running
+# each program on the calling thread (TORCHTPU_CPU_SYNC_DISPATCH, runtime/devices.py)
+VARIANTS = {"tpu-portable-attn": {"TORCHTPU_CPU_ATTENTION_KERNEL": "0"},
+            "tpu-sync-dispatch": {"TORCHTPU_CPU_SYNC_DISPATCH": "1"},
+            "tpu-async-sync-dispatch": {"TORCHTPU_CPU_SYNC_DISPATCH": "1"}}
 
 
 def _requests(n, seed=0, lo=16, hi=200):
@@ -69,11 +73,12 @@ def _requests(n, seed=0, lo=16, hi=200):
 def _engine(path, contender, kv_bytes, max_tokens_step=512):
     from vllm import LLM
 
-    # tpu-async: compiled with vLLM's async scheduling (the platform's opt-in)
+    # tpu-async*: compiled with vLLM's async scheduling; the other tpu rows without it
     return LLM(model=path, dtype=DTYPE, enforce_eager=(contender == "tpu-eager"),
                max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=max_tokens_step,
                kv_cache_memory_bytes=kv_bytes, seed=0, enable_prefix_caching=False,
-               additional_config={"torchtpu_async_scheduling": contender == "tpu-async"}
+               additional_config={"torchtpu_async_scheduling":
+                                  contender.startswith("tpu-async")}
                if contender.startswith("tpu") else {})
 
 
@@ -177,8 +182,9 @@ def child_server(path, contender, streams, out_tokens):
                "--max-model-len", "1024", "--max-num-seqs", "32",
                "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(256 << 20),
                "--served-model-name", "m", "--no-enable-prefix-caching"]
-        if contender == "tpu-async":
-            cmd += ["--additional-config", '{"torchtpu_async_scheduling": true}']
+        if contender.startswith("tpu"):  # async scheduling as the offline rows ask for it
+            cmd += ["--additional-config", json.dumps(
+                {"torchtpu_async_scheduling": contender.startswith("tpu-async")})]
     log = tempfile.TemporaryFile("w+")
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                            start_new_session=True)
@@ -271,12 +277,13 @@ def main():
     ap.add_argument("--offline", default="tpu-compiled,vllm-cpu",
                     help="comma list of the offline rows (tpu-compiled, tpu-async: async "
                     "scheduling on, tpu-eager, vllm-cpu, tpu-portable-attn: compiled, the "
-                    "portable paged attention instead of the CPU kernel)")
+                    "portable paged attention instead of the CPU kernel, tpu-sync-dispatch / "
+                    "tpu-async-sync-dispatch: XLA:CPU programs run on the calling thread)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="offline rows' sampling temperature (0: greedy)")
     ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
                     help="comma list of the server rows (tpu-compiled, tpu-async, vllm-cpu, "
-                    "tf-serve-tpu, tpu-portable-attn)")
+                    "tf-serve-tpu, tpu-portable-attn, tpu-sync-dispatch, tpu-async-sync-dispatch)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child
