@@ -353,32 +353,6 @@ def test_server_args_without_device_resolve_on_tpu(tmp_path):
     assert "DEVICES tpu tpu:1" in out, out[-2000:]
 
 
-@needs_sglang
-def test_chunked_prefill_defaults_on_tpu(tmp_path):
-    """Without ``--chunked-prefill-size`` the platform caps an extend step at
-    ``DEFAULT_CHUNKED_PREFILL`` new tokens (a burst of prompts runs as full steps, not one step
-    padded to the next power of two); a size the user sets (``-1``: no chunking) is kept."""
-    code = ("import sys\n"
-            f"sys.path.insert(0, {HERE!r})\n"
-            "from sglang_check import _model\n"
-            "from sglang.srt.server_args import ServerArgs\n"
-            "from sglang.srt.arg_groups.overrides import resolution_result\n"
-            "from torchtpu.sglang.platform import DEFAULT_CHUNKED_PREFILL\n"
-            f"m = _model('llama', {str(tmp_path)!r})\n"
-            "for user in (None, 512, -1):\n"
-            "    kw = {} if user is None else {'chunked_prefill_size': user}\n"
-            "    a = ServerArgs(model_path=m, dtype='float32', device='tpu', **kw)\n"
-            "    a.resolve_once()\n"
-            "    print('CHUNK', user, resolution_result(a, 'chunked_prefill_size'),\n"
-            "          DEFAULT_CHUNKED_PREFILL)\n")
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    rc, out = run([SGLANG_PY, "-c", code], 300, child_env(PYTHONPATH=path))
-    assert rc == 0, out[-4000:]
-    assert "CHUNK None 1024 1024" in out, out[-2000:]
-    assert "CHUNK 512 512 1024" in out, out[-2000:]
-    assert "CHUNK -1 -1 1024" in out, out[-2000:]
-
-
 def test_is_available_creates_no_backend():
     """``torch.tpu.is_available()`` (and ``torch.accelerator.current_accelerator(
     check_available=True)``, which SGLang calls at import) must not create the JAX backend,

@@ -42,13 +42,6 @@ _register_attention_choice()
 
 
 DEFAULT_MAX_DECODE_BUCKET = 16
-# SGLang's chunked-prefill size on "tpu" when the user sets none (--chunked-prefill-size):
-# an extend step then holds at most this many new tokens, so a burst of prompts runs as full
-# 1024-token steps (no padding) and one smaller last step, instead of one step padded to the
-# next power of two (prefill.py's token buckets; 3,300 prompt tokens ran as a 4,096-token
-# program). Measured on XLA:CPU, benchmarks/sglang_step_split.py (16 prompts of 16..400
-# tokens x 32 new, load 9-11): 344-453 output tok/s per round against 191-253 unchunked.
-DEFAULT_CHUNKED_PREFILL = 1024
 
 
 def decode_buckets(top: int) -> list[int]:
@@ -173,8 +166,6 @@ class TpuSRTPlatform(SRTPlatform):
                        if getattr(server_args, "enable_torch_compile", False) else None)
                    or DEFAULT_MAX_DECODE_BUCKET)
             server_args.cuda_graph_bs_decode = decode_buckets(int(top))
-        if getattr(server_args, "chunked_prefill_size", None) is None:
-            server_args.chunked_prefill_size = DEFAULT_CHUNKED_PREFILL
         if (getattr(server_args, "disaggregation_mode", "null") == "decode"
                 and getattr(server_args, "disaggregation_decode_retraction_backup", None) is None):
             # SGLang's default, a HiCache host pool, registers host memory with CUDA; a
