@@ -137,7 +137,15 @@ def child_offline(path, contender, n_requests, repeats, out_tokens, pool_tokens=
     dd = lambda k: d1.get(k, 0) - d0.get(k, 0)
     nd = max(1, m1["intervals"].get("decode", 0) - m0["intervals"].get("decode", 0))
     dxla = sum(dd(k) for k in set(d0) | set(d1) if k.endswith("xla_compiles"))
+    # a timed round's wall time per kind of interval (decode, extend, extend->decode, ...),
+    # from the metrics' per-interval clock: where a round goes
+    kinds = set(m0["per_kind"]) | set(m1["per_kind"])
+    round_ms = {k: (m1["per_kind"].get(k, {}).get("wall_us", 0)
+                    - m0["per_kind"].get(k, {}).get("wall_us", 0)) / 1000 / repeats
+                for k in sorted(kinds)}
+    round_ms = {k: round(v, 1) for k, v in round_ms.items() if v}
     return dict(contender=f"sglang-tpu-{contender}", start_s=start_s, tokens=n_out,
+                round_ms=round_ms,
                 median_s=statistics.median(times), times=times, compiles=compiled,
                 forwards=steps, xla_compiles=xla, host_syncs=delta("host_syncs"),
                 compiles_per_step=xla / n, syncs_per_step=delta("host_syncs") / n,
@@ -347,6 +355,11 @@ def main():
               f"{r.get('decode_syncs_per_step', float('nan')):.2f} | "
               f"{r.get('decode_step_ms', float('nan')):.0f} | {r.get('compiles', '-')} | "
               f"{r.get('warmup_xla_compiles', '-')} |")
+    for name, r in results.items():
+        if r.get("round_ms"):  # where a timed round's wall time went, per kind of interval
+            print(f"{name}: ms per timed round by interval (a kind's wall from the previous "
+                  f"forward's end to its own forward's end): " + ", ".join(
+                      f"{k} {v:.0f}" for k, v in r["round_ms"].items()))
     ok = {k: r for k, r in results.items() if "error" not in r and "tokens" in r}
     tps = {k: r["tokens"] / r["median_s"] for k, r in ok.items()}
     comp, eager = ok.get("sglang-tpu-compiled"), ok.get("sglang-tpu-torchtpu-eager")
