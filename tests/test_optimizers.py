@@ -909,6 +909,22 @@ def _transposed_lhs_batch_dots(trainer, batch) -> int:
                           r"lhs_contracting_dims=\{1\}", entry))
 
 
+def _attention_sgd_trainer():
+    """A Linear producing q, k, v and an attention loss over them, with SGD (seeded): the
+    saved transposes (``q^T``, ``k^T``, ``p^T``) the trainer tests below look at. SGD: the key
+    bias's gradient is 0 up to rounding (softmax ignores a shift shared by all keys), which
+    Adam's normalisation would blow up to a full step of either sign."""
+    torch.manual_seed(0)
+    model = nn.Linear(32, 96).to(TPU)
+
+    def loss_fn(m, x):
+        q, k, v = m(x).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
+        a = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+        return a.pow(2).mean()
+
+    return model, opts.SingleTraceTrainer(model, loss_fn, opts.SGD(model.parameters(), lr=0.1))
+
+
 @pytest.mark.skipif(devices.platform() != "cpu", reason="XLA:CPU's dot emitters")
 def test_trainer_backward_reads_saved_transposes_row_major():
     """A transposed activation the backward reads (attention's ``q`` in ``dk^T = q^T @ ds``) is
@@ -917,17 +933,7 @@ def test_trainer_backward_reads_saved_transposes_row_major():
     losses and weights as with the transpose folded (within float32 rounding: another dot
     kernel)."""
     def run(materialize):
-        torch.manual_seed(0)
-        model = nn.Linear(32, 96).to(TPU)
-
-        def loss_fn(m, x):
-            q, k, v = m(x).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
-            a = (q @ k.transpose(-2, -1)).softmax(-1) @ v
-            return a.pow(2).mean()
-
-        # SGD: the key bias's gradient is 0 up to rounding (softmax ignores a shift shared by
-        # all keys), which Adam's normalisation would blow up to a full step of either sign
-        trainer = opts.SingleTraceTrainer(model, loss_fn, opts.SGD(model.parameters(), lr=0.1))
+        model, trainer = _attention_sgd_trainer()
         trainer._materialize = materialize
         x = torch.randn(2, 16, 32, device=TPU)
         losses = [trainer.step(x).item() for _ in range(2)]
@@ -953,15 +959,7 @@ def test_trainer_returns_a_saved_transpose_as_the_value_it_transposes():
     from torchtpu.optimizers import partition as _partition
 
     def run(roots):
-        torch.manual_seed(0)
-        model = nn.Linear(32, 96).to(TPU)
-
-        def loss_fn(m, x):
-            q, k, v = m(x).view(2, 16, 3, 2, 16).permute(2, 0, 3, 1, 4).unbind(0)
-            a = (q @ k.transpose(-2, -1)).softmax(-1) @ v
-            return a.pow(2).mean()
-
-        trainer = opts.SingleTraceTrainer(model, loss_fn, opts.SGD(model.parameters(), lr=0.1))
+        model, trainer = _attention_sgd_trainer()
         trainer._saved_out = True
         trainer._capture_roots = roots
         x = torch.randn(2, 16, 32, device=TPU)
