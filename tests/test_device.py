@@ -730,3 +730,16 @@ def test_forked_child_raises_like_cuda(fastpath, tmp_path):
     for what in ("factory", "op", "read", "sync", "compiled"):
         assert out[what] == [msg], (what, out[what])
     assert out["parent"] == [4.0, 4.0, 4.0]
+
+
+def test_a_dlpack_round_trip_of_a_tpu_tensor_raises_a_clear_error():
+    """``to_dlpack`` of a tpu tensor hands out its storage's fake address: ``from_dlpack`` of
+    that capsule makes a tpu tensor with no device buffer, which must say so (not crash or read
+    a wrong value) on first use; ``__dlpack_device__`` refuses tpu as PyTorch does."""
+    x = torch.arange(6.0).reshape(2, 3).to("tpu")
+    y = torch.from_dlpack(torch.utils.dlpack.to_dlpack(x))
+    with pytest.raises(RuntimeError, match="no device buffer.*DLPack"):
+        y.cpu()
+    with pytest.raises(ValueError, match="tpu"):
+        x.__dlpack_device__()
+    assert torch.equal(x.cpu(), torch.arange(6.0).reshape(2, 3))

@@ -138,7 +138,9 @@ def buffer_of(t: torch.Tensor) -> Buffer:
     except AttributeError:
         raise RuntimeError(
             f"tpu tensor of shape {tuple(t.shape)} has no device buffer (storage was not "
-            "created by torchtpu)") from None
+            "created by torchtpu, e.g. torch.from_dlpack of a tpu tensor's DLPack capsule: "
+            "a tpu tensor's DLPack pointer is not device memory; exchange it through .cpu())"
+        ) from None
 
 
 def attach(t: torch.Tensor, array) -> None:
