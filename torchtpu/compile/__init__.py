@@ -8,20 +8,18 @@ Importing this package is cheap (no Dynamo import). It
 - routes the default backend (Inductor, which cannot run on "tpu") to "tpu" when the graph's
   inputs live on "tpu"; CPU graphs keep PyTorch's behaviour unchanged;
 - once the backend is registered, keeps the objects that existed when a Dynamo compile began
-  out of the garbage collector's passes while it runs (``_gc_frozen_while_compiling``).
+  out of the garbage collector's passes while it runs (``gc_freeze.install``).
 """
 from __future__ import annotations
 
 import functools
-import gc
-import os
 import sys
-import threading
 import warnings
 
 import torch
 
 from . import compiler  # noqa: F401
+from . import gc_freeze
 
 __all__ = ["compiler", "register_backend"]
 
@@ -30,7 +28,7 @@ _registered = [False]
 
 def register_backend() -> None:
     if _registered[0]:
-        _gc_frozen_while_compiling()
+        gc_freeze.install()
         return
     from torch._dynamo.backends.registry import _BACKENDS, register_backend as _reg
 
@@ -38,56 +36,8 @@ def register_backend() -> None:
 
     if "tpu" not in _BACKENDS:
         _reg(compiler_fn=tpu_backend, name="tpu")
-    _gc_frozen_while_compiling()
+    gc_freeze.install()
     _registered[0] = True
-
-
-# ---- the garbage collector during Dynamo compiles ----
-# Dynamo's tracing allocates hundreds of thousands of objects; those that survive push CPython
-# into full (oldest-generation) collections, and each full collection walks every object the
-# process holds: ~470k after importing torch, transformers and JAX, 0.3-0.5 s per pass on this
-# host, two passes in a warm start's first static-cache generate (0.6-1.1 s of it). While a
-# compile runs, the objects that existed before it are moved to the permanent generation
-# (``gc.freeze``) and put back when it ends (``gc.unfreeze``, into the oldest generation): the
-# passes during the compile walk only what the compile made. Nothing is lost: garbage among the
-# older objects that a compile's collections skip is collected by a later pass, and nothing is
-# collected that is still reachable. The freeze spans overlapping compiles (Dynamo runs its
-# start/end callbacks when the first starts and the last ends), and a process that froze objects
-# itself (``gc.get_freeze_count()`` > 0 at a compile's start) is left alone: our unfreeze would
-# release its objects too. ``TORCHTPU_COMPILE_GC_FREEZE=0`` turns this off.
-
-GC_FREEZE = os.environ.get("TORCHTPU_COMPILE_GC_FREEZE", "1") != "0"
-_gc_state = {"frozen": False}
-_gc_lock = threading.Lock()
-
-
-def _gc_compile_start(args=None) -> None:
-    with _gc_lock:
-        if GC_FREEZE and not _gc_state["frozen"] and gc.isenabled() \
-                and gc.get_freeze_count() == 0:
-            gc.freeze()
-            _gc_state["frozen"] = True
-            from ..runtime.metrics import count
-
-            count("compile_gc_freezes")
-
-
-def _gc_compile_end(args=None) -> None:
-    with _gc_lock:
-        if _gc_state["frozen"]:
-            _gc_state["frozen"] = False
-            gc.unfreeze()
-
-
-def _gc_frozen_while_compiling() -> None:
-    """Install the callbacks (again: ``torch._dynamo.reset()`` clears Dynamo's callbacks); run
-    at every ``torch.compile`` for "tpu" and every graph our backend takes."""
-    from torch._dynamo.callback import callback_handler
-
-    if _gc_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_gc_compile_start)
-    if _gc_compile_end not in callback_handler.end_callbacks:
-        callback_handler.register_end_callback(_gc_compile_end)
 
 
 def _is_tpu_backend(backend) -> bool:

@@ -667,9 +667,9 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=Non
     from torch._functorch import config as functorch_config
 
     opts = _options.resolve(mode, options, kwargs)
-    from . import _gc_frozen_while_compiling
+    from . import gc_freeze
 
-    _gc_frozen_while_compiling()  # for the next compiles (after a torch._dynamo.reset())
+    gc_freeze.install()  # for the next compiles (after a torch._dynamo.reset())
     # effect tokens (ordering _linalg_check_errors and other effectful ops) are made inside the
     # graphs, as for Inductor: a graph loaded from AOTAutogradCache is called without token
     # inputs (its runtime wrapper adds none), so graphs that took them failed on a warm start
