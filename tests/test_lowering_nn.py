@@ -589,3 +589,23 @@ def test_ctc_loss_unbatched_and_empty_batch_error():
     for dev in ("cpu", DEV):  # an empty batch is an error, as on CPU
         with pytest.raises(RuntimeError, match="must not be empty"):
             F.ctc_loss(_r(7, 0, 5).to(dev), torch.zeros(0, 3, dtype=torch.long, device=dev), [], [])
+
+
+def _pdist_x(n=6, m=4, seed=70):
+    x = _r(n, m, seed=seed)
+    x[3] = x[1]  # a duplicate row: distance 0, its gradient 0 as on CPU
+    x[4, 0] = x[2, 0]  # one equal coordinate (p < 1 and inf take care there)
+    return x
+
+
+PDIST = {f"p{p}": (lambda x, p=p: F.pdist(x, p), (_pdist_x(),))
+         for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf"))}
+PDIST["one_row"] = (lambda x: F.pdist(x), (_r(1, 3, seed=71),))
+PDIST["no_columns"] = (lambda x: F.pdist(x, 3.0), (_r(4, 0, seed=72),))
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+@pytest.mark.parametrize("case", sorted(PDIST))
+def test_pdist(case, mode):
+    fn, inputs = PDIST[case]
+    _compare_no_fallback(fn, inputs, mode)
