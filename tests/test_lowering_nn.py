@@ -568,7 +568,7 @@ CTC = {
     "repeats_blank_last": _ctc_case(15, 2, 4, [15, 13], [6, 5], blank=3, reduction="none"),
     "target_length_0": _ctc_case(8, 3, 5, [8, 6, 3], [0, 2, 0], reduction="none"),
     "input_length_0": _ctc_case(8, 3, 5, [8, 0, 5], [2, 0, 1], reduction="none"),
-    # 5 labels cannot fit 4 frames: the loss is inf and its gradient NaN, as on CPU
+    # 5 labels (4 of them repeats needing blanks between) cannot fit 4 frames: inf, its gradient NaN
     "infeasible": _ctc_case(6, 2, 4, [4, 6], [5, 3], reduction="none"),
     "infeasible_zero_infinity": _ctc_case(6, 2, 4, [4, 6], [5, 3], reduction="mean", zero_infinity=True),
     "long": _ctc_case(60, 2, 8, [60, 41], [20, 13], reduction="none"),
