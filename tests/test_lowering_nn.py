@@ -534,63 +534,6 @@ def test_weight_norm_parametrized_conv1d_trains_like_cpu(mode):
     _compare_no_fallback(fn, inputs, mode, no_grad=(0,), atol=1e-5, rtol=1e-4)
 
 
-def _ctc_inputs(T, N, C, target_lengths, blank=0, seed=60):
-    lp = _r(T, N, C, seed=seed).mul(2).log_softmax(2)
-    g = torch.Generator().manual_seed(seed + 1)
-    tg = [torch.randint(0, C - 1, (t,), generator=g) for t in target_lengths]
-    tg = [torch.where(x >= blank, x + 1, x) for x in tg]  # never the blank
-    S = max(target_lengths, default=0)
-    padded = torch.stack([torch.cat([x, torch.full((S + 1 - len(x),), blank)]) for x in tg]) \
-        if N else torch.zeros(0, S + 1, dtype=torch.long)
-    concat = torch.cat(tg) if N else torch.zeros(0, dtype=torch.long)
-    return lp, padded, concat
-
-
-def _ctc_case(T, N, C, il, tl, *, concat=False, blank=0, reduction="mean", zero_infinity=False,
-              tensor_lengths=False, int32=False):
-    lp, padded, cat = _ctc_inputs(T, N, C, tl, blank)
-    targets = cat if concat else padded
-    if int32:
-        targets = targets.int()
-
-    def fn(x, t):
-        lens = (torch.tensor(il), torch.tensor(tl)) if tensor_lengths else (il, tl)
-        return F.ctc_loss(x, t, *lens, blank=blank, reduction=reduction, zero_infinity=zero_infinity)
-    return fn, (lp, targets)
-
-
-CTC = {
-    "padded_mean": _ctc_case(12, 3, 6, [12, 10, 7], [4, 3, 2]),
-    "padded_none_tensor_lengths": _ctc_case(12, 3, 6, [12, 10, 7], [4, 3, 2], reduction="none",
-                                            tensor_lengths=True),
-    "concat_sum_int32": _ctc_case(12, 3, 6, [12, 12, 9], [5, 1, 3], concat=True, reduction="sum",
-                                  int32=True),
-    "repeats_blank_last": _ctc_case(15, 2, 4, [15, 13], [6, 5], blank=3, reduction="none"),
-    "target_length_0": _ctc_case(8, 3, 5, [8, 6, 3], [0, 2, 0], reduction="none"),
-    "input_length_0": _ctc_case(8, 3, 5, [8, 0, 5], [2, 0, 1], reduction="none"),
-    # 5 labels (4 of them repeats needing blanks between) cannot fit 4 frames: inf, its gradient NaN
-    "infeasible": _ctc_case(6, 2, 4, [4, 6], [5, 3], reduction="none"),
-    "infeasible_zero_infinity": _ctc_case(6, 2, 4, [4, 6], [5, 3], reduction="mean", zero_infinity=True),
-    "long": _ctc_case(60, 2, 8, [60, 41], [20, 13], reduction="none"),
-}
-
-
-@pytest.mark.parametrize("mode", ["strict", "compiled"])
-@pytest.mark.parametrize("case", sorted(CTC))
-def test_ctc_loss(case, mode):
-    fn, inputs = CTC[case]
-    _compare_no_fallback(fn, inputs, mode, no_grad=(1,))
-
-
-def test_ctc_loss_unbatched_and_empty_batch_error():
-    lp, padded, _ = _ctc_inputs(7, 1, 5, [3])
-    _compare_no_fallback(lambda x, t: F.ctc_loss(x, t, [7], [3], reduction="sum"),
-                         (lp[:, 0], padded[0, :3]), "strict", no_grad=(1,))
-    for dev in ("cpu", DEV):  # an empty batch is an error, as on CPU
-        with pytest.raises(RuntimeError, match="must not be empty"):
-            F.ctc_loss(_r(7, 0, 5).to(dev), torch.zeros(0, 3, dtype=torch.long, device=dev), [], [])
-
-
 def _pdist_x(n=6, m=4, seed=70):
     x = _r(n, m, seed=seed)
     x[3] = x[1]  # a duplicate row: distance 0, its gradient 0 as on CPU
