@@ -467,3 +467,88 @@ def test_sdpa_without_dropout_draws_no_randomness(mode):
         torch.manual_seed(3)
         torch.testing.assert_close(f(q, k, v, 0.5).cpu(), a)
         assert not torch.allclose(a, expect)
+
+
+# ------------------------------------------------- ops that used to fall back to CPU
+# Each runs eagerly (Strict) and under torch.compile(backend="tpu"), compares the outputs and
+# gradients with CPU, and checks that nothing ran on the CPU fallback.
+
+def _compare_no_fallback(fn, inputs, mode, no_grad=(), atol=ATOL, rtol=RTOL):
+    from torchtpu.runtime.metrics import COUNTERS
+    keys = ("cpu_fallbacks", "compile_cpu_fallbacks")
+    before = [COUNTERS.get(k, 0) for k in keys]
+    dev_fn = fn
+    if mode == "compiled":
+        torch._dynamo.reset()
+        dev_fn = torch.compile(fn, backend="tpu")
+    req = [i.is_floating_point() and k not in no_grad for k, i in enumerate(inputs)]
+    cpu = [i.clone().requires_grad_(r) for i, r in zip(inputs, req)]
+    dev = [i.to(DEV).requires_grad_(r) for i, r in zip(inputs, req)]
+    oc, od = fn(*cpu), dev_fn(*dev)
+    oc = oc if isinstance(oc, tuple) else (oc,)
+    od = od if isinstance(od, tuple) else (od,)
+    for a, b in zip(oc, od):
+        assert b.device.type == DEV
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=atol, rtol=rtol, equal_nan=True)
+    wrt_c = [c for c in cpu if c.requires_grad]
+    wrt_d = [d for d in dev if d.requires_grad]
+    if wrt_c and oc[0].requires_grad:
+        go = torch.randn_like(oc[0])
+        gc = torch.autograd.grad(oc[0], wrt_c, go)
+        gd = torch.autograd.grad(od[0], wrt_d, go.to(DEV))
+        for a, b in zip(gc, gd):
+            torch.testing.assert_close(b.cpu(), a, atol=atol, rtol=rtol, equal_nan=True)
+    assert [COUNTERS.get(k, 0) for k in keys] == before, "fell back to CPU"
+
+
+WEIGHT_NORM = {
+    "dim0": (lambda v, g: torch._weight_norm(v, g, 0), (_r(4, 3, 5, seed=50), _r(4, 1, 1, seed=51))),
+    "dim_last": (lambda v, g: torch._weight_norm(v, g, 2), (_r(4, 3, 5, seed=52), _r(1, 1, 5, seed=53))),
+    "interface_norms": (lambda v, g: torch._weight_norm_interface(v, g, 0),
+                        (_r(6, 2, seed=54), _r(6, 1, seed=55))),
+    "whole_tensor": (lambda v, g: torch._weight_norm(v, g, -1), (_r(3, 4, seed=56), _r((), seed=57))),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+@pytest.mark.parametrize("case", sorted(WEIGHT_NORM))
+def test_weight_norm(case, mode):
+    fn, inputs = WEIGHT_NORM[case]
+    _compare_no_fallback(fn, inputs, mode)
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+def test_weight_norm_parametrized_conv1d_trains_like_cpu(mode):
+    # HiFi-GAN's layer: a weight-normed Conv1d (parametrizations.weight_norm, dim 0)
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 5, padding=2))
+    x = _r(2, 3, 16, seed=58)
+    params = dict(conv.named_parameters())
+
+    def fn(x, g, v, b):
+        return torch.func.functional_call(conv, {"parametrizations.weight.original0": g,
+                                                 "parametrizations.weight.original1": v,
+                                                 "bias": b}, (x,))
+    inputs = (x, params["parametrizations.weight.original0"].detach(),
+              params["parametrizations.weight.original1"].detach(), params["bias"].detach())
+    _compare_no_fallback(fn, inputs, mode, no_grad=(0,), atol=1e-5, rtol=1e-4)
+
+
+def _pdist_x(n=6, m=4, seed=70):
+    x = _r(n, m, seed=seed)
+    x[3] = x[1]  # a duplicate row: distance 0, its gradient 0 as on CPU
+    x[4, 0] = x[2, 0]  # one equal coordinate (p < 1 and inf take care there)
+    return x
+
+
+PDIST = {f"p{p}": (lambda x, p=p: F.pdist(x, p), (_pdist_x(),))
+         for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf"))}
+PDIST["one_row"] = (lambda x: F.pdist(x), (_r(1, 3, seed=71),))
+PDIST["no_columns"] = (lambda x: F.pdist(x, 3.0), (_r(4, 0, seed=72),))
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+@pytest.mark.parametrize("case", sorted(PDIST))
+def test_pdist(case, mode):
+    fn, inputs = PDIST[case]
+    _compare_no_fallback(fn, inputs, mode)

@@ -578,3 +578,73 @@ def test_isin_unsupported_dtype_message(dtype):
         torch.isin(x, x)
     with pytest.raises(RuntimeError, match=re.escape(cpu.value.args[0])):
         torch.isin(x.to(DEV), x.to(DEV))
+
+
+def _lstsq_ab(m, n, k, seed, batch=(), dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(*batch, m, n, generator=g, dtype=torch.float64)
+    a = a + 2 * torch.eye(m, n, dtype=torch.float64)  # well conditioned: CPU and QR agree to rounding
+    b = torch.randn(*batch, m, *((k,) if k else ()), generator=g, dtype=torch.float64)
+    return a.to(dtype), b.to(dtype)
+
+
+LSTSQ = {
+    "tall_gelsy": (_lstsq_ab(6, 3, 2, 80), {}),
+    "wide_gelsy": (_lstsq_ab(3, 5, 2, 81), {}),
+    "square_vector_rcond": (_lstsq_ab(4, 4, 0, 82), dict(rcond=1e-3)),
+    "batched_gelsy": (_lstsq_ab(5, 3, 4, 83, batch=(2,)), dict(driver="gelsy")),
+    "tall_gels_residuals": (_lstsq_ab(6, 3, 2, 84), dict(driver="gels")),
+    "vector_gels_residuals": (_lstsq_ab(5, 2, 0, 85), dict(driver="gels")),
+    "wide_gels": (_lstsq_ab(2, 4, 3, 86, batch=(3,)), dict(driver="gels")),
+    "float64": (_lstsq_ab(7, 4, 2, 87, dtype=torch.float64), {}),
+}
+
+
+def _lstsq_same(got, exp):
+    for x, y in zip(exp, got):
+        assert y.device.type == DEV and (y.shape, y.dtype) == (x.shape, x.dtype)
+        torch.testing.assert_close(y.cpu(), x)
+
+
+@pytest.mark.parametrize("case", sorted(LSTSQ))
+def test_linalg_lstsq_full_rank_is_lowered(case):
+    """gelsy (the default) and gels on full-rank problems: all four outputs as CPU returns
+    them (gelsy: rank, no residuals; gels: residuals for m > n, no rank), no CPU fallback, the
+    out= form too, and the gradient (PyTorch's composite backward) of the solution."""
+    (a, b), kw = LSTSQ[case]
+    before = COUNTERS.get("cpu_fallbacks", 0)
+    ad, bd = a.to(DEV).requires_grad_(), b.to(DEV).requires_grad_()
+    ac, bc = a.clone().requires_grad_(), b.clone().requires_grad_()
+    got, exp = torch.linalg.lstsq(ad, bd, **kw), torch.linalg.lstsq(ac, bc, **kw)
+    _lstsq_same(got, exp)
+    go = torch.randn_like(exp.solution)
+    for x, y in zip(torch.autograd.grad(exp.solution, (ac, bc), go),
+                    torch.autograd.grad(got.solution, (ad, bd), go.to(DEV))):
+        torch.testing.assert_close(y.cpu(), x)
+    outs = tuple(torch.empty(0, device=DEV, dtype=t.dtype) for t in exp)
+    torch.linalg.lstsq(a.to(DEV), b.to(DEV), **kw, out=outs)
+    _lstsq_same(outs, exp)
+    assert COUNTERS.get("cpu_fallbacks", 0) == before, "fell back to CPU"
+
+
+def test_linalg_lstsq_declines_to_cpu_where_the_answer_is_the_drivers():
+    """A rank-deficient matrix (gelsy's rank and its basic solution come from its own pivoted QR)
+    and the SVD drivers go to PyTorch's CPU kernel (the lowering declines, counted as a
+    fallback): same values as CPU, never the full-rank formula's."""
+    g = torch.Generator().manual_seed(88)
+    a = torch.randn(6, 3, generator=g)
+    a[:, 2] = a[:, 0] - 2 * a[:, 1]  # rank 2
+    b = torch.randn(6, 2, generator=g)
+    cases = [(a, b, {}), (a, b, dict(rcond=0.5)), (*_lstsq_ab(5, 3, 2, 89), dict(driver="gelsd")),
+             (*_lstsq_ab(5, 3, 2, 90), dict(driver="gelss"))]
+    for x, y, kw in cases:
+        before = COUNTERS.get("cpu_fallbacks", 0)
+        _lstsq_same(torch.linalg.lstsq(x.to(DEV), y.to(DEV), **kw), torch.linalg.lstsq(x, y, **kw))
+        assert COUNTERS.get("cpu_fallbacks", 0) == before + 1
+
+
+def test_linalg_lstsq_compiled():
+    (a, b), _ = LSTSQ["tall_gelsy"]
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, y: torch.linalg.lstsq(x, y).solution * 2, backend="tpu")
+    torch.testing.assert_close(f(a.to(DEV), b.to(DEV)).cpu(), torch.linalg.lstsq(a, b).solution * 2)

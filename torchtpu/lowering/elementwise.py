@@ -254,6 +254,58 @@ def fmod(self, other):
     return lax.rem(a, b)
 
 
+# ---------------------------------------------------------------- gcd / lcm
+
+def _int_binop(self, other, name):
+    a, b, dt = _binop(self, other)
+    if not _is_intlike(dt) or dt == torch.bool:
+        raise RuntimeError(f'"{name}_cpu" not implemented for \'{str(dt).split(".")[-1].capitalize()}\'')
+    return a, b, dt
+
+
+def _gcd(a, b):
+    """PyTorch's calc_gcd: Euclid on |a|, |b| with C's truncated remainder. abs wraps as C++'s
+    does (|INT64_MIN| stays INT64_MIN, so gcd(INT64_MIN, 6) is -2, as on CPU). At most ~93
+    steps for 64-bit values (consecutive Fibonacci numbers are the worst case); the loop stops
+    when every element is done, bounded at 200 steps."""
+    a, b = jnp.abs(a), jnp.abs(b)
+    one = jnp.ones((), a.dtype)
+
+    def cond(state):
+        i, a, _ = state
+        return (i < 200) & jnp.any(a != 0)
+
+    def body(state):
+        i, a, b = state
+        live = a != 0
+        r = lax.rem(b, jnp.where(live, a, one))
+        return i + 1, jnp.where(live, r, a), jnp.where(live, a, b)
+
+    return lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), a, b))[2]
+
+
+@register(aten.gcd.default)
+def gcd(self, other):
+    a, b, dt = _int_binop(self, other, "gcd")
+    return _gcd(a, b)
+
+
+@register(aten.lcm.default)
+def lcm(self, other):
+    """CPU: g = gcd(a, b); g == 0 ? 0 : |a / g * b|, computed in C++'s int for 8/16-bit types
+    (then narrowed, wrapping), in the type itself (wrapping) for 32/64-bit ones."""
+    a, b, dt = _int_binop(self, other, "lcm")
+    orig = a.dtype
+    wide = orig.itemsize < 4
+    if wide:
+        a, b = a.astype(jnp.int32), b.astype(jnp.int32)
+    g = _gcd(a, b)
+    zero = g == 0
+    q = lax.div(a, jnp.where(zero, jnp.ones((), g.dtype), g))
+    r = jnp.where(zero, jnp.zeros((), g.dtype), jnp.abs(q * b))
+    return r.astype(orig) if wide else r
+
+
 # ---------------------------------------------------------------- pow
 
 def _int_pow(a, b):

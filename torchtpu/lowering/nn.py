@@ -643,6 +643,40 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
     return gi, gw, gb
 
 
+def _wn_axes(v, dim):
+    """The axes a weight norm reduces over: all but ``dim`` (-1: none kept, a whole-tensor norm)."""
+    if dim == -1:
+        return tuple(range(v.ndim))
+    dim = dim % v.ndim if v.ndim else 0
+    return tuple(a for a in range(v.ndim) if a != dim)
+
+
+@register(aten._weight_norm_interface.default)
+def _weight_norm_interface(v, g, dim=0):
+    """(w, norms): w = v * g / ||v|| over every axis but ``dim``; norms in the opmath dtype
+    (float32 for half inputs), shaped like ``g`` as PyTorch's kernel returns them."""
+    acc = _acc(v.dtype)
+    x = v.astype(acc)
+    norm = jnp.sqrt(jnp.sum(jnp.square(x), _wn_axes(v, dim), keepdims=True))
+    w = x * (g.astype(acc) / norm)
+    return w.astype(v.dtype), norm.reshape(g.shape)
+
+
+@register(aten._weight_norm_interface_backward.default)
+def _weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """grad_g = sum(grad_w * v) / norm; grad_v = (g / norm) * (grad_w - v * sum(grad_w * v) / norm^2)."""
+    acc = _acc(saved_v.dtype)
+    axes = _wn_axes(saved_v, dim)
+    v, gw = saved_v.astype(acc), grad_w.astype(acc)
+    keep = tuple(1 if a in axes else n for a, n in enumerate(v.shape))
+    norm = saved_norms.astype(acc).reshape(keep)
+    g = saved_g.astype(acc).reshape(keep)
+    dot = jnp.sum(gw * v, axes, keepdims=True)
+    grad_g = dot / norm
+    grad_v = (g / norm) * (gw - v * (grad_g / norm))
+    return grad_v.astype(saved_v.dtype), grad_g.reshape(saved_g.shape).astype(saved_g.dtype)
+
+
 if hasattr(aten, "_fused_rms_norm"):
     @register(aten._fused_rms_norm.default)
     def _fused_rms_norm(input, normalized_shape, weight, eps):

@@ -1211,3 +1211,36 @@ def _cdist_backward(grad, x1, x2, p, cdist):
         if s_in == 1 and s_out != 1:
             r = jnp.sum(r, axis=i, keepdims=True)
     return r.astype(x1.dtype)
+
+
+# pdist: the condensed upper triangle (i < j, row-major) of cdist(x, x); the backward scatters
+# the pair gradients into a symmetric matrix and reuses cdist's: every per-pair term is odd in
+# the difference, so row j's term -f(x_i - x_j) is f(x_j - x_i) exactly.
+
+def _pdist_check(self, p):
+    if self.ndim != 2:
+        raise RuntimeError(f"pdist only supports 2D tensors, got: {self.ndim}D")
+    if p < 0:
+        raise RuntimeError("pdist only supports non-negative p values")
+
+
+@register(aten._pdist_forward.default)
+def _pdist_forward(self, p=2.0):
+    _pdist_check(self, p)
+    n = self.shape[0]
+    i, j = np.triu_indices(n, 1)
+    if i.size == 0:
+        return jnp.zeros((0,), self.dtype)
+    return _cdist_forward(self, self, p, 0)[i, j]
+
+
+@register(aten._pdist_backward.default)
+def _pdist_backward(grad, self, p, pdist):
+    _pdist_check(self, p)
+    n = self.shape[0]
+    i, j = np.triu_indices(n, 1)
+    if i.size == 0 or self.shape[1] == 0:
+        return jnp.zeros_like(self)
+    g = jnp.zeros((n, n), grad.dtype).at[i, j].set(grad).at[j, i].set(grad)
+    d = jnp.zeros((n, n), pdist.dtype).at[i, j].set(pdist).at[j, i].set(pdist)
+    return _cdist_backward(g, self, self, p, d)
