@@ -14,11 +14,13 @@ DEV = "tpu"
 ATOL = RTOL = 1e-5
 
 
-def _compare(fn, *inputs, no_grad=(), atol=ATOL, rtol=RTOL):
+def _compare(fn, *inputs, no_grad=(), atol=ATOL, rtol=RTOL, dev_fn=None, grad_nan=False):
+    """``fn`` on CPU against ``dev_fn`` (default ``fn``) on tpu: outputs, and gradients of the
+    first output (``grad_nan``: NaN gradients must match as NaN)."""
     req = [i.is_floating_point() and k not in no_grad for k, i in enumerate(inputs)]
     cpu = [i.clone().requires_grad_(r) for i, r in zip(inputs, req)]
     dev = [i.to(DEV).requires_grad_(r) for i, r in zip(inputs, req)]
-    oc, od = fn(*cpu), fn(*dev)
+    oc, od = fn(*cpu), (dev_fn or fn)(*dev)
     oc = oc if isinstance(oc, tuple) else (oc,)
     od = od if isinstance(od, tuple) else (od,)
     for a, b in zip(oc, od):
@@ -31,7 +33,7 @@ def _compare(fn, *inputs, no_grad=(), atol=ATOL, rtol=RTOL):
         gc = torch.autograd.grad(oc[0], wrt_c, go)
         gd = torch.autograd.grad(od[0], wrt_d, go.to(DEV))
         for a, b in zip(gc, gd):
-            torch.testing.assert_close(b.cpu(), a, atol=atol, rtol=rtol)
+            torch.testing.assert_close(b.cpu(), a, atol=atol, rtol=rtol, equal_nan=grad_nan)
 
 
 def _fallbacks():
@@ -481,23 +483,7 @@ def _compare_no_fallback(fn, inputs, mode, no_grad=(), atol=ATOL, rtol=RTOL):
     if mode == "compiled":
         torch._dynamo.reset()
         dev_fn = torch.compile(fn, backend="tpu")
-    req = [i.is_floating_point() and k not in no_grad for k, i in enumerate(inputs)]
-    cpu = [i.clone().requires_grad_(r) for i, r in zip(inputs, req)]
-    dev = [i.to(DEV).requires_grad_(r) for i, r in zip(inputs, req)]
-    oc, od = fn(*cpu), dev_fn(*dev)
-    oc = oc if isinstance(oc, tuple) else (oc,)
-    od = od if isinstance(od, tuple) else (od,)
-    for a, b in zip(oc, od):
-        assert b.device.type == DEV
-        torch.testing.assert_close(b.detach().cpu(), a.detach(), atol=atol, rtol=rtol, equal_nan=True)
-    wrt_c = [c for c in cpu if c.requires_grad]
-    wrt_d = [d for d in dev if d.requires_grad]
-    if wrt_c and oc[0].requires_grad:
-        go = torch.randn_like(oc[0])
-        gc = torch.autograd.grad(oc[0], wrt_c, go)
-        gd = torch.autograd.grad(od[0], wrt_d, go.to(DEV))
-        for a, b in zip(gc, gd):
-            torch.testing.assert_close(b.cpu(), a, atol=atol, rtol=rtol, equal_nan=True)
+    _compare(fn, *inputs, no_grad=no_grad, atol=atol, rtol=rtol, dev_fn=dev_fn, grad_nan=True)
     assert [COUNTERS.get(k, 0) for k in keys] == before, "fell back to CPU"
 
 
