@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ..lowering.registry import Decline, matmul_precision
+from ..lowering.registry import matmul_precision
 from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime import memory as _memory
@@ -1029,17 +1029,7 @@ def run_dynamic(lowering, kind, args, kwargs):
     count("host_syncs", op=lowering.name)
     if lowering.check is not None:
         _checks.check_now(lowering.check[0](*a, **kw), lowering.name, *lowering.check[1:])
-    try:
-        out = lowering.fn(*a, **kw)
-    except Decline:
-        # the lowering cannot answer these values exactly: PyTorch's CPU kernel does
-        from . import fallback as _fallback
-
-        res = _fallback.fallback(lowering.op, *args, **kwargs)
-        if kind == FUNCTIONAL:
-            return res
-        out = (tuple(_copy.value_of(r) for r in res) if isinstance(res, (list, tuple))
-               else _copy.value_of(res))
+    out = lowering.fn(*a, **kw)
     if kind == FUNCTIONAL:
         return _results(out)
     if kind == FUNCTIONAL_RAW:

@@ -20,7 +20,7 @@ import torch
 from jax import lax
 
 from ._util import canonical_dim, to_jax
-from .registry import Decline, aten, matmul_precision, register
+from .registry import aten, matmul_precision, register
 
 
 _LOW = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -792,53 +792,3 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
     becomes a device check, raised as LinAlgError at the next host sync (CUDA raises at the op,
     after a sync); the ``*_ex`` forms return ``info`` unchecked."""
     return None
-
-
-@register(aten.linalg_lstsq.default, dynamic_shape=True)
-def linalg_lstsq(self, b, rcond=None, *, driver=None):
-    """The drivers 'gelsy' (CPU's default) and 'gels' on problems of full rank: the least-squares
-    solution (m >= n) or the minimum-norm one (m < n) by Householder QR. gelsy returns rank
-    min(m, n) and empty residuals and singular values; gels an empty rank, empty singular
-    values and, for m > n, the residuals from the rows n..m of Q^T B as LAPACK leaves them.
-    gelsy's rank comes from an incremental condition estimate of its pivoted R, which never
-    exceeds the true condition number, so a matrix whose condition number (from its singular
-    values, computed here on the concrete values: this lowering runs un-jitted, a host sync like
-    the CPU fallback it replaces) is 10x below ``1 / rcond`` is full-rank for gelsy too (and
-    gels needs full rank). Anything else (a rank-deficient or nearly so matrix, the drivers
-    gelsd/gelss, complex or empty inputs, broadcast batches) ``Decline``s to PyTorch's CPU
-    kernel."""
-    A = self
-    if driver not in (None, "gelsy", "gels") or A.dtype not in (jnp.float32, jnp.float64) \
-            or b.dtype != A.dtype or A.ndim < 2:
-        raise Decline
-    m, n = A.shape[-2:]
-    vec = b.ndim == 1 and A.ndim == 2
-    B = b[:, None] if vec else b
-    if B.ndim != A.ndim or B.shape[:-2] != A.shape[:-2] or B.shape[-2] != m or 0 in A.shape or 0 in B.shape:
-        raise Decline
-    eps = float(np.finfo(np.dtype(A.dtype)).eps)
-    rc = eps * max(m, n) if rcond is None else float(rcond)
-    sv = np.linalg.svd(np.asarray(A, np.float64), compute_uv=False)
-    cond = sv[..., 0] / sv[..., -1] if sv[..., -1].all() else np.inf
-    if not np.all(np.asarray(cond) * max(rc, eps * max(m, n)) * 10 < 1):
-        raise Decline
-    hi = lax.Precision.HIGHEST
-    empty = jnp.zeros((0,), A.dtype)
-    residuals = empty
-    if m >= n:
-        q, r = jnp.linalg.qr(A, mode="complete")
-        c = jnp.matmul(jnp.swapaxes(q, -1, -2), B, precision=hi)
-        x = jax.scipy.linalg.solve_triangular(r[..., :n, :], c[..., :n, :], lower=False)
-        if driver == "gels" and m > n:
-            residuals = jnp.sum(jnp.square(c[..., n:, :]), -2)
-    else:
-        q, r = jnp.linalg.qr(jnp.swapaxes(A, -1, -2))
-        y = jax.scipy.linalg.solve_triangular(jnp.swapaxes(r, -1, -2), B, lower=True)
-        x = jnp.matmul(q, y, precision=hi)
-    if vec:
-        x = x[:, 0]
-    if driver == "gels":
-        rank = jnp.zeros((0,), jnp.int64)
-    else:
-        rank = jnp.full(A.shape[:-2], min(m, n), jnp.int64)
-    return x, residuals, rank, empty

@@ -23,8 +23,7 @@ Flags (the executors read them; no op is special-cased inside an executor):
   some calls: a call for which it is false draws nothing from the generator (its state is left
   as is) and its lowering receives ``None`` as the key (``Lowering.draws``).
 - ``dynamic_shape``: output shape depends on data; run un-jitted on concrete arrays, counted as
-  a host sync. Such a lowering may raise ``Decline`` for values it cannot answer exactly (the
-  eager executor then uses the CPU fallback).
+  a host sync.
   It may also be a predicate ``(args, kwargs) -> bool`` over the op's own (torch) arguments, for
   ops whose shape is data-dependent only for some inputs (indexing with boolean masks).
 - View ops (schema returns a non-writing alias: ``view``, ``permute``, ``select``...) may have
@@ -67,14 +66,6 @@ from typing import Callable
 import jax
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
-
-
-class Decline(Exception):
-    """Raised by a ``dynamic_shape`` lowering (which sees concrete values) for a call it cannot
-    answer exactly, a rank-deficient least-squares problem: the eager executor runs the op
-    through the CPU fallback instead (counted as ``cpu_fallbacks``). Graph executors run
-    ``dynamic_shape`` ops through their CPU paths anyway. Deliberately not a RuntimeError, so
-    no executor mistakes it for PyTorch's error."""
 
 
 @dataclass(eq=False)
