@@ -6,6 +6,7 @@ optimizers with foreach=True, factories' dtype inference. Every check compares w
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -398,3 +399,47 @@ def test_gcd_lcm_int_limits_negatives_and_small_types(mode):
     assert (COUNTERS.get("cpu_fallbacks", 0), COUNTERS.get("compile_cpu_fallbacks", 0)) == before
     with pytest.raises(RuntimeError, match="not implemented"):
         torch.gcd(torch.ones(2, device=D), torch.ones(2, device=D))
+
+
+# Each case fails on CPU with a dispatch error; on tpu it must raise the same exception type with
+# the same message (PyTorch's ScalarType names: 'Float', 'Long', 'ComplexFloat').
+_SAME_ERROR = {
+    "gcd of floats": lambda d: torch.gcd(torch.ones(2, device=d), torch.ones(2, device=d)),
+    "bitwise_and of floats": lambda d: torch.ones(2, device=d) & torch.ones(2, device=d),
+    "bitwise_not of floats": lambda d: torch.bitwise_not(torch.ones(2, device=d)),
+    "left shift of floats": lambda d: torch.ones(2, device=d) << torch.ones(2, device=d),
+    "frac of longs": lambda d: torch.ones(2, dtype=torch.long, device=d).frac(),
+    "floor division of bools": lambda d: torch.div(torch.ones(2, dtype=torch.bool, device=d),
+                                                   torch.ones(2, dtype=torch.bool, device=d),
+                                                   rounding_mode="floor"),
+    "clamp of bools": lambda d: torch.ones(2, dtype=torch.bool, device=d).clamp(
+        torch.zeros(2, dtype=torch.bool, device=d), torch.ones(2, dtype=torch.bool, device=d)),
+    "bincount of floats": lambda d: torch.bincount(torch.ones(2, device=d)),
+    "in-place float into long": lambda d: torch.ones(2, dtype=torch.long, device=d).add_(
+        torch.ones(2, device=d)),
+    "cumsum in bool": lambda d: torch.cumsum(torch.ones(2, device=d), 0, dtype=torch.bool),
+    "pow of bool tensors": lambda d: torch.ones(2, dtype=torch.bool, device=d) ** torch.ones(
+        2, dtype=torch.bool, device=d),
+    "hardtanh of bools": lambda d: torch.nn.functional.hardtanh(torch.ones(2, dtype=torch.bool,
+                                                                           device=d)),
+    "random_ of complex": lambda d: torch.ones(2, dtype=torch.complex64, device=d).random_(),
+    "random_ bounds of complex": lambda d: torch.ones(2, dtype=torch.complex64,
+                                                      device=d).random_(1, 4),
+    "sign of complex": lambda d: torch.ones(2, dtype=torch.complex64, device=d).sign(),
+}
+for _name in ("erf", "erfc", "erfinv", "lgamma", "digamma", "i0", "special.i0e", "special.i1",
+              "special.i1e", "special.ndtri", "special.log_ndtr", "special.erfcx", "deg2rad",
+              "rad2deg", "floor", "ceil", "trunc", "round", "frac"):
+    _SAME_ERROR[f"{_name} of complex"] = (
+        lambda d, _n=_name: functools.reduce(getattr, _n.split("."), torch)(
+            torch.full((2,), 0.5 + 0.5j, device=d)))
+
+
+@pytest.mark.parametrize("case", sorted(_SAME_ERROR))
+def test_dispatch_errors_read_like_cpu(case):
+    errs = []
+    for dev in ("cpu", D):
+        with pytest.raises(RuntimeError) as info:
+            _SAME_ERROR[case](dev)
+        errs.append((type(info.value), str(info.value)))
+    assert errs[1] == errs[0]

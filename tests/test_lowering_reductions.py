@@ -578,3 +578,35 @@ def test_isin_unsupported_dtype_message(dtype):
         torch.isin(x, x)
     with pytest.raises(RuntimeError, match=re.escape(cpu.value.args[0])):
         torch.isin(x.to(DEV), x.to(DEV))
+
+
+# PyTorch's reductions and scans take an out= tensor's dtype as the dtype to compute in when no
+# dtype is given (the input is cast first: 1.5 + 3.5 sums to 4 in int64), instead of refusing
+# the float -> int cast as elementwise out= writes do.
+_DTYPE_FROM_OUT = {
+    "sum": (lambda x, o: torch.sum(x, 0, out=o), (3,)),
+    "sum keepdim": (lambda x, o: torch.sum(x, 0, keepdim=True, out=o), (1, 3)),
+    # (nansum of floats into an integer out= raises on CPU: integer inputs take sum's kernel)
+    "nansum": (lambda x, o: torch.nansum(x.long(), 0, out=o), (3,)),
+    "prod": (lambda x, o: torch.prod(x, 1, out=o), (2,)),
+    "cumsum": (lambda x, o: torch.cumsum(x, 1, out=o), (2, 3)),
+    "cumprod": (lambda x, o: torch.cumprod(x, 0, out=o), (2, 3)),
+}
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int64, torch.int32, torch.bool, torch.float64])
+@pytest.mark.parametrize("case", sorted(_DTYPE_FROM_OUT))
+def test_reduction_out_of_another_dtype_computes_in_it(case, out_dtype):
+    fn, shape = _DTYPE_FROM_OUT[case]
+    if out_dtype == torch.bool and case.startswith("cum"):
+        pytest.skip("PyTorch's scans have no bool kernel (test_dispatch_errors_read_like_cpu)")
+    x = torch.tensor([[1.5, 2.5, -3.5], [3.5, -1.0, 0.5]])
+    want = torch.empty(shape, dtype=out_dtype)
+    fn(x, want)
+    for mode in ("strict", "fused"):
+        with torch.tpu.set_eager_mode(mode):
+            got = torch.empty(shape, dtype=out_dtype, device=DEV)
+            ret = fn(x.to(DEV), got)
+        assert ret is got
+        assert got.dtype == out_dtype
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)

@@ -19,6 +19,7 @@ from ..runtime import launches as _launches
 from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
 from ..runtime.dtypes import to_jax, to_torch
+from ..runtime.dtypes import scalar_type_name as _tname
 from ..runtime.metrics import COUNTERS, count
 from . import checks as _checks
 from . import views
@@ -145,11 +146,6 @@ def assign_out(out: torch.Tensor, value, op_name: str) -> None:
     if tuple(out.shape) != tuple(value.shape):
         resize(out, list(value.shape))
     assign(out, value)
-
-
-def _tname(dt):
-    s = str(dt).replace("torch.", "")
-    return s[0].upper() + s[1:]
 
 
 def resize(t: torch.Tensor, shape) -> None:

@@ -296,8 +296,8 @@ def _write_mutated(lowering, args, kwargs, out):
 def _check_cast(op_name, result_dt, self_dt):
     if not torch.can_cast(result_dt, self_dt):
         raise RuntimeError(
-            f"result type {str(result_dt).replace('torch.', '').capitalize()} can't be cast to the "
-            f"desired output type {str(self_dt).replace('torch.', '').capitalize()}")
+            f"result type {_copy._tname(result_dt)} can't be cast to the "
+            f"desired output type {_copy._tname(self_dt)}")
 
 
 def _device_index(dev) -> int:

@@ -161,6 +161,8 @@ def _make(lowering, kind, out_names=(), void=False):
             # the C++ fast path in front of it (eager/fastpath.py), or the kernel itself
             return _fastpath.kernel(skip(kernel), lowering)
     else:
+        dtype_from_out = lowering.meta.get("dtype_from_out", False)
+
         def kernel(*args, **kwargs):
             outs = []
             for n in out_names:
@@ -169,6 +171,8 @@ def _make(lowering, kind, out_names=(), void=False):
                     outs.extend(o)
                 else:
                     outs.append(o)
+            if dtype_from_out and kwargs.get("dtype") is None:  # registry meta: as PyTorch
+                kwargs["dtype"] = outs[0].dtype
             if host:
                 args = _host_tensors_to_device(args)
             res = executor.run_out(lowering, args, kwargs, outs)

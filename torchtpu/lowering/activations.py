@@ -43,7 +43,7 @@ def _c(v, x):
 @register(aten.relu.default)
 def relu(self):
     if self.dtype == jnp.bool_:
-        raise RuntimeError('"clamp_min_scalar_cpu" not implemented for \'Bool\'')
+        raise NotImplementedError('"clamp_min_scalar_cpu" not implemented for \'Bool\'')
     return jnp.maximum(self, jnp.zeros((), self.dtype))
 
 
@@ -215,7 +215,7 @@ def softplus_backward(grad_output, self, beta, threshold):
 @register(aten.hardtanh.default)
 def hardtanh(self, min_val=-1, max_val=1):
     if self.dtype == jnp.bool_:
-        raise RuntimeError('"hardtanh_cpu" not implemented for \'Bool\'')
+        raise RuntimeError("Bool inputs not supported for hardtanh")
     return jnp.minimum(jnp.maximum(self, _c(min_val, self)), _c(max_val, self))
 
 

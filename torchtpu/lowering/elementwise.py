@@ -6,6 +6,7 @@ default float dtype, as PyTorch does.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,6 +17,8 @@ import torch
 from jax import lax
 
 from ._util import cast as _cast, float_result_type, is_array, jdtype, result_type, to_jax
+from ..runtime.dtypes import scalar_type_name as _tname
+from . import registry
 from .registry import aten, register
 
 
@@ -27,11 +30,6 @@ def _is_int(dt: torch.dtype) -> bool:
 
 def _is_intlike(dt: torch.dtype) -> bool:
     return not (dt.is_floating_point or dt.is_complex)
-
-
-def _tname(dt) -> str:
-    s = str(dt).replace("torch.", "")
-    return s[0].upper() + s[1:]
 
 
 def cast(x, dtype: torch.dtype):
@@ -162,7 +160,7 @@ def mul(self, other):
 def _trunc_div(a, b, dt):
     if _is_intlike(dt):
         if dt == torch.bool:
-            raise RuntimeError('"div_trunc_cpu" not implemented for \'Bool\'')
+            raise NotImplementedError('"div_trunc_cpu" not implemented for \'Bool\'')
         return lax.div(a, b)
     return jnp.trunc(a / b)
 
@@ -170,7 +168,7 @@ def _trunc_div(a, b, dt):
 def _floor_div(a, b, dt):
     if _is_intlike(dt):
         if dt == torch.bool:
-            raise RuntimeError('"div_floor_cpu" not implemented for \'Bool\'')
+            raise NotImplementedError('"div_floor_cpu" not implemented for \'Bool\'')
         if not jnp.issubdtype(a.dtype, jnp.signedinteger):
             return lax.div(a, b)
         q = lax.div(a, b)
@@ -225,7 +223,7 @@ def _remainder(a, b, dt):
         raise RuntimeError("remainder does not support complex inputs")
     if _is_intlike(dt):
         if dt == torch.bool:
-            raise RuntimeError('"remainder_cpu" not implemented for \'Bool\'')
+            raise NotImplementedError('"remainder_cpu" not implemented for \'Bool\'')
         r = lax.rem(a, b)
         if not jnp.issubdtype(a.dtype, jnp.signedinteger):
             return r
@@ -248,7 +246,7 @@ def remainder(self, other):
 def fmod(self, other):
     a, b, dt = _binop(self, other)
     if dt == torch.bool:
-        raise RuntimeError('"fmod_cpu" not implemented for \'Bool\'')
+        raise NotImplementedError('"fmod_cpu" not implemented for \'Bool\'')
     if dt in (torch.float16, torch.bfloat16):
         return lax.rem(a.astype(jnp.float32), b.astype(jnp.float32)).astype(a.dtype)
     return lax.rem(a, b)
@@ -259,7 +257,7 @@ def fmod(self, other):
 def _int_binop(self, other, name):
     a, b, dt = _binop(self, other)
     if not _is_intlike(dt) or dt == torch.bool:
-        raise RuntimeError(f'"{name}_cpu" not implemented for \'{str(dt).split(".")[-1].capitalize()}\'')
+        raise NotImplementedError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
     return a, b, dt
 
 
@@ -325,8 +323,8 @@ _FLOAT_EXP_SPECIAL = {2.0, 3.0, -1.0, -2.0, 0.5, -0.5, 1.0, 0.0}
 @register(aten.pow.Tensor_Tensor)
 def pow_tensor_tensor(self, exponent):
     a, b, dt = _binop(self, exponent)
-    if dt == torch.bool:
-        return jnp.logical_or(a, jnp.logical_not(b))
+    if dt == torch.bool:  # PyTorch has no bool pow kernel (a bool Python exponent is fine)
+        raise NotImplementedError('"pow" not implemented for \'Bool\'')
     if _is_int(dt):
         return _int_pow(a, b)
     return jnp.power(a, b)
@@ -367,7 +365,7 @@ def pow_tensor_scalar(self, exponent):
 def pow_scalar(self, exponent):
     dt = result_type(self, exponent)
     if dt == torch.bool:
-        raise RuntimeError('"pow" not implemented for \'Bool\'')
+        raise NotImplementedError('"pow" not implemented for \'Bool\'')
     a = cast(self, dt)
     b = cast(exponent, dt)
     if _is_int(dt):
@@ -404,8 +402,8 @@ def sign(self):
     if self.dtype == jnp.bool_:
         return self
     if jnp.issubdtype(self.dtype, jnp.complexfloating):
-        raise RuntimeError("Unlike NumPy, torch.sign is not intended to support complex numbers. "
-                           "Please use torch.sgn instead.")
+        raise NotImplementedError("Unlike NumPy, torch.sign is not intended to support complex "
+                                  "numbers. Please use torch.sgn instead.")
     if jnp.issubdtype(self.dtype, jnp.floating):
         # PyTorch: (0 < x) - (x < 0), so sign(nan) == 0
         return (self > 0).astype(self.dtype) - (self < 0).astype(self.dtype)
@@ -591,7 +589,7 @@ def round_decimals(self, *, decimals):
 @register(aten.frac.default)
 def frac(self):
     if _is_intlike(jdtype(self)):
-        raise RuntimeError(f'"frac_cpu" not implemented for \'{_tname(jdtype(self))}\'')
+        raise NotImplementedError(f'"frac_cpu" not implemented for \'{_tname(jdtype(self))}\'')
     return self - jnp.trunc(self)
 
 
@@ -765,7 +763,7 @@ def clamp(self, min=None, max=None):
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
     dt = result_type(self, min, max)
     if dt == torch.bool:
-        raise RuntimeError('"clamp_cpu" not implemented for \'Bool\'')
+        raise NotImplementedError('"clamp_cpu" not implemented for \'Bool\'')
     lo = None if min is None else cast(min, dt)
     hi = None if max is None else cast(max, dt)
     return _clamp(cast(self, dt), lo, hi)
@@ -864,7 +862,7 @@ def _bitwise(jfn, name):
     def lowering(self, other):
         a, b, dt = _binop(self, other)
         if not _is_intlike(dt):
-            raise RuntimeError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
+            raise NotImplementedError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
         return jfn(a, b)
 
     lowering.__name__ = name
@@ -884,7 +882,7 @@ register(aten.__xor__.Tensor, aten.__xor__.Scalar)(_bitwise(jnp.bitwise_xor, "bi
 def bitwise_not(self):
     dt = jdtype(self)
     if not _is_intlike(dt):
-        raise RuntimeError(f'"bitwise_not_cpu" not implemented for \'{_tname(dt)}\'')
+        raise NotImplementedError(f'"bitwise_not_cpu" not implemented for \'{_tname(dt)}\'')
     return jnp.logical_not(self) if dt == torch.bool else jnp.bitwise_not(self)
 
 
@@ -909,7 +907,7 @@ def _shift(jfn, name):
     def lowering(self, other):
         a, b, dt = _binop(self, other)
         if not _is_int(dt):
-            raise RuntimeError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
+            raise NotImplementedError(f'"{name}_cpu" not implemented for \'{_tname(dt)}\'')
         a, b = jnp.broadcast_arrays(a, b)
         return jfn(a, b)
 
@@ -961,3 +959,41 @@ def _compare(jfn, name):
 for _pk, _fn in [(aten.eq, jnp.equal), (aten.ne, jnp.not_equal), (aten.lt, jnp.less),
                  (aten.le, jnp.less_equal), (aten.gt, jnp.greater), (aten.ge, jnp.greater_equal)]:
     register(_pk.Tensor, _pk.Scalar)(_compare(_fn, _pk.__name__))
+
+
+# ---------------------------------------------------------------- complex inputs CPU refuses
+
+def _refusing_complex(fn, exc, message):
+    """``fn``, raising PyTorch CPU's error for a complex input (ops it has no complex kernel
+    for; JAX would raise a TypeError naming its own primitive, or compute a value)."""
+
+    @functools.wraps(fn)
+    def lowering(self, *args, **kwargs):
+        if is_array(self) and jnp.issubdtype(self.dtype, jnp.complexfloating):
+            raise exc(message.format(t=_tname(self.dtype)))
+        return fn(self, *args, **kwargs)
+
+    return lowering
+
+
+def _vml(name):
+    return (NotImplementedError, f'"{name}" not implemented for \'{{t}}\'')
+
+
+for _op, (_exc, _msg) in {
+    aten.erf.default: _vml("erf_vml_cpu"), aten.erfc.default: _vml("erfc_vml_cpu"),
+    aten.erfinv.default: _vml("erfinv_vml_cpu"), aten.lgamma.default: _vml("lgamma_vml_cpu"),
+    aten.digamma.default: _vml("digamma"), aten.i0.default: _vml("i0_vml_cpu"),
+    aten.special_i0e.default: _vml("i0e_cpu"), aten.special_i1.default: _vml("i1_cpu"),
+    aten.special_i1e.default: _vml("i1e_cpu"), aten.special_ndtri.default: _vml("ndtri_cpu"),
+    aten.special_log_ndtr.default: _vml("log_ndtr_cpu"),
+    aten.special_erfcx.default: _vml("erfcx_cpu"), aten.round.default: _vml("round_vml_cpu"),
+    aten.round.decimals: _vml("round_vml_cpu"), aten.frac.default: _vml("frac_cpu"),
+    aten.floor.default: (NotImplementedError, "floor is not supported for complex inputs"),
+    aten.ceil.default: (NotImplementedError, "ceil is not supported for complex inputs"),
+    aten.trunc.default: (NotImplementedError, "trunc is not supported for complex inputs"),
+    aten.deg2rad.default: (RuntimeError, "deg2rad is not supported for complex tensors."),
+    aten.rad2deg.default: (RuntimeError, "rad2deg is not supported for complex tensors."),
+}.items():
+    if _op in registry.LOWERINGS:
+        registry.LOWERINGS[_op].fn = _refusing_complex(registry.LOWERINGS[_op].fn, _exc, _msg)

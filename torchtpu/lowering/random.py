@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ._util import jdtype, real_dtype, to_jax
+from ..runtime.dtypes import scalar_type_name as _tname
 from .registry import aten, register
 
 
@@ -28,11 +29,6 @@ def _fdt(dt):
 def _check_float(self, name):
     if not jnp.issubdtype(self.dtype, jnp.floating):
         raise NotImplementedError(f'"{name}" not implemented for \'{_tname(jdtype(self))}\'')
-
-
-def _tname(dt):
-    s = str(dt).replace("torch.", "")
-    return s[0].upper() + s[1:]
 
 
 def _uniform(key, shape, dt, lo=0.0, hi=1.0):
@@ -169,8 +165,20 @@ def _int_max(dt):
     return 2 ** _digits(dt)
 
 
+def _random_dtype_ok(self):
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        raise NotImplementedError(f'"random_kernel_cpu" not implemented for \'{_tname(self.dtype)}\'')
+
+
+def _random_bounds_ok(self):
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        raise RuntimeError("check_random_bounds handles only integral, floating-point and boolean "
+                           "types")
+
+
 @register(aten.random_.default, random=True)
 def random_(key, self):
+    _random_dtype_ok(self)
     if jnp.issubdtype(self.dtype, jnp.floating) or self.dtype == jnp.bool_:
         return _randint(key, self.shape, 0, _int_max(self.dtype) + 1, self.dtype)
     return _randint(key, self.shape, 0, _int_max(self.dtype) + 1, self.dtype)
@@ -178,11 +186,13 @@ def random_(key, self):
 
 @register(aten.random_.to, random=True)
 def random_to(key, self, to):
+    _random_bounds_ok(self)
     return _randint(key, self.shape, 0, to, self.dtype)
 
 
 @register(getattr(aten.random_, "from"), random=True)
 def random_from(key, self, from_, to=None):
+    _random_bounds_ok(self)
     if to is None:
         hi = _int_max(self.dtype) + 1
     else:

@@ -20,6 +20,8 @@ from jax import lax
 
 from ._util import canonical_dim, jdtype, to_jax, to_torch
 from ._util import real_dtype as _real_dtype
+from ..runtime.dtypes import scalar_type_name as _tname
+from . import registry
 from .registry import aten, register
 
 
@@ -66,15 +68,6 @@ def _is_complex(x):
 
 def _is_intlike(x):
     return not (_is_float(x) or _is_complex(x))
-
-
-def _tname(jd) -> str:
-    """PyTorch's name for a dtype in error messages (Float, Long, ...)."""
-    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
-            torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int",
-            torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
-            torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}.get(
-        to_torch(np.dtype(jd)), str(jd))
 
 
 def _keep(r, x_ndim, dims, keepdim):
@@ -529,13 +522,15 @@ def renorm(self, p, dim, maxnorm):
 
 # ---------------------------------------------------------------- scans
 
-def _scan_prep(self, dim, dtype):
+def _scan_prep(self, dim, dtype, name):
+    if dtype == torch.bool:  # PyTorch's scan kernels have no bool instance
+        raise NotImplementedError(f"\"{name}_out_cpu\" not implemented for 'Bool'")
     return canonical_dim(dim, self.ndim), _sum_dtype(self, dtype)
 
 
 @register(aten.cumsum.default)
 def cumsum(self, dim, *, dtype=None):
-    d, od = _scan_prep(self, dim, dtype)
+    d, od = _scan_prep(self, dim, dtype, "cumsum")
     x = self.astype(od)
     if self.ndim == 0:
         return x
@@ -544,7 +539,7 @@ def cumsum(self, dim, *, dtype=None):
 
 @register(aten.cumprod.default)
 def cumprod(self, dim, *, dtype=None):
-    d, od = _scan_prep(self, dim, dtype)
+    d, od = _scan_prep(self, dim, dtype, "cumprod")
     x = self.astype(od)
     if self.ndim == 0:
         return x
@@ -1031,7 +1026,7 @@ def _bincount_concrete(self, weights=None, minlength=0):
     if self.ndim != 1:
         raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
     if not jnp.issubdtype(self.dtype, jnp.integer):
-        raise RuntimeError(f"\"bincount_cpu\" not implemented for '{_tname(self.dtype)}'")
+        raise NotImplementedError(f"\"bincount_cpu\" not implemented for '{_tname(self.dtype)}'")
     if minlength < 0:
         raise RuntimeError("minlength should be >= 0")
     if weights is not None and weights.shape != self.shape:
@@ -1244,3 +1239,11 @@ def _pdist_backward(grad, self, p, pdist):
     g = jnp.zeros((n, n), grad.dtype).at[i, j].set(grad).at[j, i].set(grad)
     d = jnp.zeros((n, n), pdist.dtype).at[i, j].set(pdist).at[j, i].set(pdist)
     return _cdist_backward(g, self, self, p, d)
+
+
+# registry meta ``dtype_from_out`` (read by eager/kernels.py): an ``out=`` call without ``dtype``
+# computes in the out tensor's dtype, as PyTorch's kernels do (``get_dtype_from_result``):
+# ``torch.sum(x_float, 0, out=long_tensor)`` sums ``x.long()``, it does not refuse the cast
+for _op in (aten.sum.default, aten.sum.dim_IntList, aten.nansum.default, aten.prod.default,
+            aten.prod.dim_int, aten.cumsum.default, aten.cumprod.default):
+    registry.LOWERINGS[_op].meta["dtype_from_out"] = True

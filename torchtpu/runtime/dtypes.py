@@ -41,3 +41,16 @@ def to_torch(dtype) -> torch.dtype:
         return JAX_TO_TORCH[dtype]
     except KeyError:
         return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+_NAMES: dict = {}
+
+
+def scalar_type_name(dtype) -> str:
+    """PyTorch's ScalarType name of a torch or jax/numpy dtype, as its error messages spell it
+    ("Float", "Long", "BFloat16", "ComplexFloat"; ``torch.float32.__str__`` says "float32")."""
+    dt = dtype if isinstance(dtype, torch.dtype) else to_torch(dtype)
+    name = _NAMES.get(dt)
+    if name is None:  # 'torch.FloatTensor' -> 'Float' (the legacy type name is the ScalarType's)
+        name = _NAMES[dt] = torch.empty(0, dtype=dt).type()[len("torch."):-len("Tensor")]
+    return name
