@@ -1,11 +1,16 @@
-"""``torch.cond`` and ``torch.while_loop`` in graphs compiled with ``torch.compile(backend="tpu")``.
+"""``torch.cond``, ``torch.while_loop``, ``scan`` and ``map`` in graphs compiled with
+``torch.compile(backend="tpu")``.
 
-Dynamo turns them into the higher-order ops ``cond(pred, true_fn, false_fn, operands)`` and
-``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)`` whose functions are
-subgraphs. They lower to XLA's own control flow, ``lax.cond`` and ``lax.while_loop``, with each
+Dynamo turns them into the higher-order ops ``cond(pred, true_fn, false_fn, operands)``,
+``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)``, ``scan(combine_fn, init,
+xs, additional_inputs)`` (``torch._higher_order_ops.scan``: the carry and the per-step outputs,
+over dim 0 of every ``xs``; its backward is a scan too) and ``map_impl(f, xs, pos_args)``
+(``torch._higher_order_ops.map``), whose functions are subgraphs. They lower to XLA's own
+control flow, ``lax.cond``, ``lax.while_loop``, ``lax.scan`` and ``lax.map``, with each
 subgraph evaluated through the op table (``hops.run_subgraph``): the branch not taken costs
-nothing at run time, as on CUDA, where only the taken branch's kernels launch. (Eager
-``torch.cond`` needs no lowering: PyTorch reads the predicate and calls one function.)
+nothing at run time, as on CUDA, where only the taken branch's kernels launch, and a scan's body
+is traced once whatever its length. (Eager ``torch.cond`` needs no lowering: PyTorch reads the
+predicate and calls one function; eager scan and map run PyTorch's own loop over tpu ops.)
 """
 from __future__ import annotations
 
@@ -51,3 +56,27 @@ def while_loop(cond_fn, body_fn, carried_inputs, additional_inputs):
 
     carried = tuple(jnp.asarray(v) for v in carried)
     return jax.lax.while_loop(keep_going, body, carried)
+
+
+@register_hop(_hop.scan)
+def scan(combine_fn, init, xs, additional_inputs):
+    init, xs, extra = tuple(jnp.asarray(v) for v in init), tuple(xs), tuple(additional_inputs)
+    n = len(init)
+    if not xs:  # nothing to scan over: PyTorch returns the carry as it came
+        return init
+
+    def step(carry, x):
+        out = _tuple(run_subgraph(combine_fn, *carry, *x, *extra))
+        # the next carry keeps the carry's dtypes (Python scalars come back weak)
+        nxt = tuple(jnp.asarray(o, dtype=c.dtype) for o, c in zip(out[:n], carry))
+        return nxt, tuple(jnp.asarray(o) for o in out[n:])
+
+    carry, ys = jax.lax.scan(step, init, xs)
+    return (*carry, *ys)
+
+
+@register_hop(_hop.map_impl)
+def map_impl(f, xs, pos_args):
+    extra = tuple(pos_args)
+    return _tuple(jax.lax.map(
+        lambda x: tuple(jnp.asarray(o) for o in _tuple(run_subgraph(f, *x, *extra))), tuple(xs)))
