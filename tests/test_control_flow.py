@@ -175,3 +175,32 @@ def test_map_matches_cpu():
     want = f(xs, ys, w)
     for g, e in zip(got, want):
         torch.testing.assert_close(g.cpu(), e)
+
+
+@torch.compiler.nested_compile_region
+def _region(x, w):
+    from torch._higher_order_ops.scan import scan
+
+    h, ys = scan(lambda h, xt: ((h + xt) @ w, (h * xt).sum(-1)), x[0], x[1:])
+    return (x @ w).relu() + h, ys
+
+
+def test_nested_compile_region_matches_cpu_forward_and_backward():
+    """torch.compiler.nested_compile_region (invoke_subgraph), twice, with a scan inside it."""
+    torch._dynamo.reset()
+
+    def f(x, w):
+        y, ys = _region(x, w)
+        z, zs = _region(y.tanh(), w)
+        return z.square().sum() + ys.sum() + zs.sum()
+
+    x, w = torch.randn(5, 4), torch.randn(4, 4) * 0.5
+    torch.testing.assert_close(
+        torch.compile(f, backend="tpu", fullgraph=True)(x.to(DEV), w.to(DEV)).cpu(), f(x, w))
+    torch._dynamo.reset()
+    cpu = [t.clone().requires_grad_() for t in (x, w)]
+    f(*cpu).backward()
+    dev = [t.to(DEV).requires_grad_() for t in (x, w)]
+    torch.compile(f, backend="tpu")(*dev).backward()
+    for d, c in zip(dev, cpu):
+        torch.testing.assert_close(d.grad.cpu(), c.grad, rtol=1e-4, atol=1e-5)

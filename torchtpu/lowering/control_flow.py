@@ -5,7 +5,8 @@ Dynamo turns them into the higher-order ops ``cond(pred, true_fn, false_fn, oper
 ``while_loop(cond_fn, body_fn, carried_inputs, additional_inputs)``, ``scan(combine_fn, init,
 xs, additional_inputs)`` (``torch._higher_order_ops.scan``: the carry and the per-step outputs,
 over dim 0 of every ``xs``; its backward is a scan too) and ``map_impl(f, xs, pos_args)``
-(``torch._higher_order_ops.map``), whose functions are subgraphs. They lower to XLA's own
+(``torch._higher_order_ops.map``), and ``invoke_subgraph(subgraph, identifier, *operands)``
+(``torch.compiler.nested_compile_region``), whose functions are subgraphs. They lower to XLA's own
 control flow, ``lax.cond``, ``lax.while_loop``, ``lax.scan`` and ``lax.map``, with each
 subgraph evaluated through the op table (``hops.run_subgraph``): the branch not taken costs
 nothing at run time, as on CUDA, where only the taken branch's kernels launch, and a scan's body
@@ -80,3 +81,11 @@ def map_impl(f, xs, pos_args):
     extra = tuple(pos_args)
     return _tuple(jax.lax.map(
         lambda x: tuple(jnp.asarray(o) for o in _tuple(run_subgraph(f, *x, *extra))), tuple(xs)))
+
+
+@register_hop(_hop.invoke_subgraph)
+def invoke_subgraph(subgraph, identifier, *operands):
+    # ``torch.compiler.nested_compile_region``: a region Dynamo traced once and calls from each
+    # use (forward, and its backward's region); XLA inlines each call of the subgraph
+    gm = getattr(subgraph, "subgraph", subgraph)  # a FunctionalizeCtxWrapper holds the module
+    return _tuple(run_subgraph(gm, *operands))

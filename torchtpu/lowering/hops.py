@@ -101,6 +101,8 @@ _IDENTITY = {torch.ops.aten.detach.default, torch.ops.aten.detach_.default,
 def _call(gm, target, args, kwargs):
     if target is operator.getitem:
         return args[0][args[1]]
+    if isinstance(target, torch._ops.HigherOrderOperator) and get(target) is not None:
+        return get(target)(*args, **kwargs)  # a nested one (a scan or region inside a region)
     if not isinstance(target, OpOverload):
         if getattr(target, "__module__", None) in ("_operator", "operator", "math", "builtins"):
             return target(*args, **kwargs)
