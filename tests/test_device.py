@@ -743,3 +743,36 @@ def test_a_dlpack_round_trip_of_a_tpu_tensor_raises_a_clear_error():
     with pytest.raises(ValueError, match="tpu"):
         x.__dlpack_device__()
     assert torch.equal(x.cpu(), torch.arange(6.0).reshape(2, 3))
+
+
+def test_sync_debug_mode_warns_or_raises_on_host_syncs_like_cuda():
+    """torch.tpu.set_sync_debug_mode: implicit host syncs warn ("warn") or raise ("error"),
+    counted the same as metrics' host_syncs; explicit synchronize and async ops never do."""
+    import warnings
+
+    x = torch.randn(4, device="tpu")
+    try:
+        torch.tpu.set_sync_debug_mode("warn")
+        assert torch.tpu.get_sync_debug_mode() == 1
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            (x * 2).exp()
+            torch.tpu.synchronize()
+            assert not [w for w in got if "synchronizing" in str(w.message)]
+            x.sum().item()
+            torch.nonzero(x > 0)
+        msgs = [str(w.message) for w in got if "synchronizing TPU operation" in str(w.message)]
+        assert len(msgs) == 2 and "nonzero" in msgs[1], msgs
+        torch.tpu.set_sync_debug_mode(2)
+        with pytest.raises(RuntimeError, match="called a synchronizing TPU operation"):
+            x.cpu()
+        with pytest.raises(RuntimeError, match="expected one of `default`, `warn`, `error`"):
+            torch.tpu.set_sync_debug_mode("loud")
+    finally:
+        torch.tpu.set_sync_debug_mode("default")
+    assert torch.tpu.get_sync_debug_mode() == 0
+    assert x.cpu().shape == (4,)
+    assert torch.tpu.OutOfMemoryError is torch.OutOfMemoryError
+    torch.tpu.init()
+    torch.tpu.ipc_collect()
+    torch.tpu.reset_max_memory_allocated()

@@ -29,6 +29,7 @@ from ..runtime import buffer as _buffer
 from ..runtime import custom_calls as _custom_calls
 from ..runtime import devices as _devices
 from ..runtime import memory as _memory
+from ..runtime import sync_debug as _sync_debug
 from ..runtime.metrics import COUNTERS, count
 from . import aot_cache as _aot_cache
 from . import buckets as _buckets
@@ -217,6 +218,7 @@ class CompiledGraph:
         host_outs = [outs[v] for j, (kind, v) in enumerate(consts)
                      if kind == "array" and devs[j] == "cpu"]
         if host_writes or host_outs:
+            _sync_debug.note("a compiled graph's host-side values")
             got = jax.device_get([n for _, n in host_writes] + host_outs)
             COUNTERS["host_syncs"] += 1
             with torch.no_grad():
@@ -316,6 +318,7 @@ class CompiledGraph:
                         continue
                 COUNTERS["compile_bucket_pads"] += 1
                 if on_tpu:  # through the host: no program per size to compile
+                    _sync_debug.note("a compiled graph's input padded to its size bucket")
                     arr = _copy.value_of(a)
                     host = np.asarray(jax.device_get(arr))
                     COUNTERS["host_syncs"] += 1

@@ -209,6 +209,24 @@ memory_stats = _memory.memory_stats
 reset_peak_memory_stats = _memory.reset_peak_memory_stats
 mem_get_info = _memory.mem_get_info
 empty_cache = _memory.empty_cache
+reset_max_memory_allocated = _memory.reset_peak_memory_stats  # CUDA's older name for it
+OutOfMemoryError = _torch.OutOfMemoryError  # torch.cuda.OutOfMemoryError is the same class
+
+from ..runtime import sync_debug as _sync_debug  # noqa: E402
+
+set_sync_debug_mode = _sync_debug.set_sync_debug_mode
+get_sync_debug_mode = _sync_debug.get_sync_debug_mode
+
+
+def init() -> None:
+    """Create the device runtime now (``torch.cuda.init``); every use does so on demand."""
+    _lazy_init()
+    _devices.device_count()
+
+
+def ipc_collect() -> None:
+    """``torch.cuda.ipc_collect``: nothing to collect (no tensor is shared through device IPC
+    handles here; processes exchange values through collectives or the host)."""
 
 
 def reset_accumulated_memory_stats(device=None) -> None:

@@ -18,6 +18,7 @@ from ..runtime import devices as _devices
 from ..runtime import launches as _launches
 from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
+from ..runtime import sync_debug as _sync_debug
 from ..runtime.dtypes import to_jax, to_torch
 from ..runtime.dtypes import scalar_type_name as _tname
 from ..runtime.metrics import COUNTERS, count
@@ -214,6 +215,7 @@ def device_to_host(value) -> torch.Tensor:
     pending input check (eager/checks.py) first: the value may depend on the bad op. An
     allocation that failed while the value was computed raises ``torch.OutOfMemoryError``."""
     _devices.check_fork()
+    _sync_debug.note("a device-to-host read")
     try:
         host = np.asarray(value)
     except (RuntimeError, ValueError) as e:

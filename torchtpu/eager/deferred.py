@@ -36,6 +36,7 @@ import torch
 
 from ..runtime import devices as _devices
 from ..runtime import prefetch as _prefetch
+from ..runtime import sync_debug as _sync_debug
 from ..runtime.metrics import count
 from . import checks as _checks
 from . import copy as _copy
@@ -204,6 +205,7 @@ def serve(lowering, args, kwargs, written=None):
     as that storage's array and the tensor returned."""
     count("eager_deferred_calls", op=lowering.name)
     _checks.raise_pending()  # the inputs may depend on an op whose check failed
+    _sync_debug.note(f"{lowering.name} (run by PyTorch's CPU kernel)")
     count("host_syncs")  # reading the inputs waits for their programs
     box = [None]
     cargs = _to_host(args, box)

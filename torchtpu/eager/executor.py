@@ -20,6 +20,7 @@ from ..runtime import buffer as _buffer
 from ..runtime import devices as _devices
 from ..runtime import memory as _memory
 from ..runtime import program_cache as _program_cache
+from ..runtime import sync_debug as _sync_debug
 from ..runtime.metrics import COUNTERS, count
 from ..runtime.dtypes import TORCH_TO_JAX as _T2J
 from . import copy as _copy
@@ -1026,6 +1027,7 @@ def run_dynamic(lowering, kind, args, kwargs):
     counter = [0]
     a = _fill(_skeleton(args, counter), vals)
     kw = {k: _fill(_skeleton(v, counter), vals) for k, v in kwargs.items()}
+    _sync_debug.note(f"{lowering.name} (its output's shape depends on the data)")
     count("host_syncs", op=lowering.name)
     if lowering.check is not None:
         _checks.check_now(lowering.check[0](*a, **kw), lowering.name, *lowering.check[1:])
