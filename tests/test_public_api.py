@@ -25,6 +25,8 @@ TORCH_TPU = {
     "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "seed", "seed_all",
     "set_device", "set_rng_state", "set_rng_state_all", "set_stream", "stream", "synchronize",
+    "set_sync_debug_mode", "get_sync_debug_mode", "init", "ipc_collect",
+    "reset_max_memory_allocated", "OutOfMemoryError",
     # TorchTPU's own names
     "EagerMode", "get_eager_mode", "set_eager_mode", "Precision", "precision", "metrics",
     "reset_metrics", "peak_flops",
