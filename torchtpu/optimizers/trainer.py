@@ -86,8 +86,9 @@ SAVED_ROOTS = True
 # computes it at the top of the program and keeps it across the forward; and
 # ``_log_softmax_backward_data``, the logits' gradient, read by two dots): [tokens, vocab]
 # each (GPT step: 16.8 MB each). GPT step: block 53 -> 18 MB, under glibc's 32 MB mmap
-# threshold; page faults per step ~12,900 -> 2,200-14,000 (loaded host, the heap's history
-# decides), process CPU 0.98x; same fusions, no copies added; results bit-identical.
+# threshold; a process running only the trainer: page faults per step ~12,900 -> ~4,900,
+# system CPU 22-25 -> 7.5-12 ms (beside other programs the heap's history decides; process
+# CPU within noise); same fusions, no copies added; results bit-identical.
 # False: only the forward's saved values (benchmarks/single_trace.py's trainer+savedfwd, the A/B)
 SAVED_BACKWARD = True
 # the loss backward ops whose results SAVED_BACKWARD returns (see there)
