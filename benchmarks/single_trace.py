@@ -23,6 +23,9 @@ Model, data and AdamW (lr 1e-3) are benchmarks/compile_step.py's small GPT (6 la
 - ``trainer+savedview``: trainer+savedout with the saved values returned as the partition
   saves them (trainer.py's ``SAVED_ROOTS`` off: the A/B of that choice) rather than as the
   arrays the backward reads (a saved transpose's operand, a Linear's product without its bias);
+- ``trainer+savedfwd``: trainer+savedout with only the forward's saved values returned
+  (trainer.py's ``SAVED_BACKWARD`` off: the A/B of also returning the gradients and the
+  loss's backward values on the logits);
 - ``compiled``: ``torch.compile(step, backend="tpu")`` of zero_grad + loss + backward +
   ``torch.optim.AdamW(foreach=True).step()`` (compile_step.py's step);
 - ``trainer+clip`` / ``compiled+clip``: the same with gradient clipping
@@ -64,7 +67,7 @@ from common import Table, environment  # noqa: E402
 
 MODES = {"strict": torch.tpu.EagerMode.DEFER_NEVER, "fused": torch.tpu.EagerMode.DEFER_AND_FUSE}
 CONTENDERS = ("trainer", "trainer+joint", "trainer+rowmajor", "trainer+savedout",
-              "trainer+savedview", "compiled",
+              "trainer+savedview", "trainer+savedfwd", "compiled",
               "trainer+clip", "compiled+clip", "fused", "fused+opt", "strict", "strict+opt")
 MAX_NORM = 1.0
 
@@ -93,10 +96,13 @@ def build(name):
         trainer._materialize = name == "trainer+rowmajor"  # the A/B of the saved transposes
         # the A/B of the saved values' buffers (on by default on XLA:CPU): trainer+savedout
         # returns them, the other trainers keep them in the temporary block
-        trainer._saved_out = name in ("trainer+savedout", "trainer+savedview")
+        trainer._saved_out = name in ("trainer+savedout", "trainer+savedview", "trainer+savedfwd")
         # the A/B of returning the arrays the backward reads (trainer+savedout: a transpose's
         # operand, a Linear's product) rather than the saved values as they are (savedview)
         trainer._capture_roots = name != "trainer+savedview"
+        # the A/B of also returning the gradients and the loss's backward values (savedout)
+        # rather than the forward's saved values alone (savedfwd)
+        trainer._capture_backward = name != "trainer+savedfwd"
         return lambda: trainer.step(idx, tgt)
     step = cs.make_step(cs.gpt_loss)
     if name.endswith("+clip"):
@@ -219,6 +225,8 @@ def main(argv=None):
                                      ("trainer+savedout", "trainer"),
                                      ("trainer+savedout", "compiled"),
                                      ("trainer+savedout", "trainer+savedview"),
+                                     ("trainer+savedout", "trainer+savedfwd"),
+                                     ("trainer+savedfwd", "compiled"),
                                      ("trainer+joint", "compiled"), ("trainer+clip", "compiled+clip"),
                                      ("trainer", "fused"),
                                      ("fused+opt", "fused"), ("strict+opt", "strict")]

@@ -1009,3 +1009,43 @@ def test_trainer_returns_a_saved_linear_output_as_its_product():
     assert ours[0] == sums[0]
     for a, b in zip(ours[1] + ours[2], sums[1] + sums[2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(devices.platform() != "cpu", reason="XLA:CPU's temporary block")
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_trainer_returns_gradients_and_loss_backward_values(clip):
+    """With the saved values returned as outputs, the gradients and the loss's backward values
+    on the logits (``nll_loss_backward``, ``_log_softmax_backward_data``) are returned too
+    (``SAVED_BACKWARD``): every update waits for every gradient (``_after_all``), so all the
+    gradients were live together in the temporary block, and the one-hot of the targets, which
+    reads no activation, was computed at the top of the program and kept across the forward.
+    Smaller block; results identical to the forward's saved values alone (with clipping too)."""
+    def run(backward):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.LayerNorm(256),
+                              nn.Linear(256, 512)).to(TPU)
+        opt = opts.AdamW(model.parameters(), lr=1e-2)
+        trainer = opts.SingleTraceTrainer(model, lambda m, x, y: F.cross_entropy(m(x), y), opt,
+                                          max_grad_norm=clip)
+        trainer._saved_out = True
+        trainer._capture_backward = backward
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(256, 32, generator=g).to(TPU)
+        y = torch.randint(0, 512, (256,), generator=g).to(TPU)
+        losses = [trainer.step(x, y).item() for _ in range(3)]
+        (traced,) = trainer._traced.values()
+        targets = {n.target for n in traced.capture_nodes}
+        temp = _compiled_program(trainer, (x, y)).memory_analysis().temp_size_in_bytes
+        state = [t.cpu() for s in opt.state.values() for t in s.values()]
+        norm = None if clip is None else trainer.grad_norm.item()
+        return (losses, [p.detach().cpu() for p in model.parameters()], state, targets, temp,
+                norm)
+
+    fwd, ours = run(False), run(True)
+    for t in (torch.ops.aten.nll_loss_backward.default,
+              torch.ops.aten._log_softmax_backward_data.default):
+        assert t in ours[3] and t not in fwd[3]
+    assert ours[4] < fwd[4], (ours[4], fwd[4])
+    assert ours[0] == fwd[0] and ours[5] == fwd[5]
+    for a, b in zip(ours[1] + ours[2], fwd[1] + fwd[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
