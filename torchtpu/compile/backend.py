@@ -517,7 +517,7 @@ class CompiledGraph:
                           f"({self._plan}). Only graphs whose ops treat dynamic dimensions "
                           "position by position, or can be masked, are padded to buckets (see "
                           "torchtpu/compile/buckets.py, masking.py)",
-                          stacklevel=3)
+                          stacklevel=5)  # _entry <- _run_entry <- __call__ <- its caller
         elif isinstance(self._plan, _buckets.Plan):
             count("compile_bucket_programs")
         t0 = time.perf_counter()

@@ -17,9 +17,9 @@ them are left out here, with the same results bit for bit:
   eos ids makes it again).
 - ``StoppingCriteriaList`` starts from ``torch.full((batch,), False)`` and ORs each criterion
   into it; ``False | r`` is ``r`` for a criterion's ``(batch,)`` bool tensor, so the first such
-  result starts the OR (copied, as ``_clone`` copies, when it is the only one, so the list still
-  returns a tensor of its own, unless it is an ``EosTokenCriteria``'s, made for the call). ``MaxLengthCriteria``
-  answers ``full((batch,), done)`` with ``done`` a host bool: it is not called; ``False`` leaves
+  result starts the OR (copied, as ``_clone`` copies, when it is the only one, so the list
+  still returns a tensor of its own, unless it is an ``EosTokenCriteria``'s, made for the
+  call). ``MaxLengthCriteria`` answers ``full((batch,), done)`` with ``done`` a host bool: it is not called; ``False`` leaves
   the OR as it is, ``True`` makes it ``full((batch,), True)`` (the other criteria still run).
 - ``LogitsProcessorList`` reads ``inspect.signature(processor.__call__)`` for every processor
   every token (~25 us of host time per token for generate()'s default list, 3% of a
