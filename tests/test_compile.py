@@ -147,6 +147,117 @@ def test_donated_input_buffer_is_reused_and_other_holders_are_safe():
     _close(torch.full((4,), 6.0), out)
 
 
+def test_whole_walk_serves_repeated_calls_and_still_donates():
+    """A graph called again with every input a tpu tensor's whole array (a static-cache decode
+    step) checks its inputs against the last call's instead of walking them afresh
+    (CompiledGraph._walk_whole); results, writes and donation are those of the full walk."""
+    from torchtpu.compile import backend
+
+    def step(cache, w, x, pos):
+        cache.index_copy_(0, pos, x)
+        return (cache * w).sum(0)
+
+    comp = torch.compile(step, backend="tpu")
+    cache_c, w = torch.zeros(8, 4), torch.randn(8, 4)
+    cache_t, w_t = cache_c.to(TPU), w.to(TPU)
+    walks0 = COUNTERS["compile_whole_walks"]
+    donated0 = COUNTERS["compile_donated_buffers"]
+    for i in range(5):
+        x, pos = torch.randn(1, 4), torch.tensor([i])
+        want = step(cache_c, w, x, pos)
+        got = comp(cache_t, w_t, x.to(TPU), pos.to(TPU))
+        _close(want, got)
+        assert torch.equal(cache_t.cpu(), cache_c)
+    assert backend.WHOLE_WALK
+    assert COUNTERS["compile_whole_walks"] - walks0 >= 3
+    assert COUNTERS["compile_donated_buffers"] - donated0 >= 3  # the cache, in place
+
+
+def test_whole_walk_falls_back_when_an_input_changes():
+    """Inputs that are no longer their storages' whole arrays (an offset or transposed view, a
+    CPU tensor), another shape, or another matmul precision take the full walk: same results
+    as fresh whole-array inputs, and the whole walk did not serve them."""
+    from torchtpu.compile import backend
+
+    seen = []
+    orig = backend.CompiledGraph.__call__
+
+    def spy(self, args):
+        seen.append(self)
+        return orig(self, args)
+
+    def f(a, b):
+        return a @ b + a.sum()
+
+    comp = torch.compile(f, backend="tpu")
+    a, b = torch.randn(4, 4), torch.randn(4, 3)
+    backend.CompiledGraph.__call__ = spy
+    try:
+        for _ in range(3):
+            comp(a.to(TPU), b.to(TPU))
+    finally:
+        backend.CompiledGraph.__call__ = orig
+    g = seen[-1]
+    assert g._whole_sig is not None
+
+    def run(args):
+        out = g(list(args))
+        return (out[0] if isinstance(out, (list, tuple)) else out).cpu()
+
+    want = run([a.to(TPU), b.to(TPU)])
+    _close(f(a, b), want)
+    big = torch.zeros(20, device=TPU)
+    big[4:].copy_(a.flatten().to(TPU))
+    offset_view = big[4:].view(4, 4)
+    transposed = a.t().contiguous().to(TPU).t()
+    variants = [
+        [offset_view, b.to(TPU)],
+        [transposed, b.to(TPU)],
+        [a, b.to(TPU)],  # a CPU tensor
+        [a.to(TPU), b.to(TPU)[:, :2]],  # another shape (and a view)
+    ]
+    for i, args in enumerate(variants):
+        walks0 = COUNTERS["compile_whole_walks"]
+        got = run(args)
+        assert COUNTERS["compile_whole_walks"] == walks0, i
+        ref = want if i < 3 else run([a.to(TPU), b[:, :2].contiguous().to(TPU)])
+        assert torch.equal(got, ref), i
+    # back to whole arrays of the first signature: served again
+    run([a.to(TPU), b.to(TPU)])
+    walks0 = COUNTERS["compile_whole_walks"]
+    assert torch.equal(run([a.to(TPU), b.to(TPU)]), want)
+    assert COUNTERS["compile_whole_walks"] == walks0 + 1
+    # another matmul precision is another program: never the last call's entry
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        walks0 = COUNTERS["compile_whole_walks"]
+        run([a.to(TPU), b.to(TPU)])
+        assert COUNTERS["compile_whole_walks"] == walks0
+        keys = {k[0][-1] for k in g.entries}
+        assert ("precision", "default") in keys and ("precision", "highest") in keys
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def test_whole_walk_matches_the_full_walk_bit_for_bit():
+    from torchtpu.compile import backend
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).to(TPU)
+    comp = torch.compile(m, backend="tpu")
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    outs = {}
+    for flag in (False, True):
+        backend.WHOLE_WALK = flag
+        try:
+            outs[flag] = [comp(x.to(TPU)).cpu() for x in xs]
+        finally:
+            backend.WHOLE_WALK = True
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+
+
 def test_graph_break_and_fullgraph_error():
     def f(x):
         y = x.sin() * 2

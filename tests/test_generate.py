@@ -321,7 +321,8 @@ def test_min_length_processors_skip_the_unused_eos_mask():
     for name in ("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor"):
         assert STATUS[f"transformers.generation.logits_process.{name}.__call__"] == "applied"
     scores = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
-    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    # 10 columns: the lengths below reach past both minimums (with 6, ids[:, :9] had 6)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
 
     def procs(device):
         return [lp.MinLengthLogitsProcessor(8, [2, 5], device=device),
@@ -336,14 +337,57 @@ def test_min_length_processors_skip_the_unused_eos_mask():
             assert got.device.type == "tpu"
             torch.testing.assert_close(got.cpu(), expect, rtol=0, atol=0)
         saved = torch.tpu.metrics()["per_op"].get("generate_programs_saved", {})
-        # length 5: both masks made; later: made masks reused, or no mask past the minimum
-        assert saved == ({} if length == 5 else {"MinLengthLogitsProcessor": 2,
-                                                 "MinNewTokensLengthLogitsProcessor": 2}), saved
+        # length 5: both masks made; later: made masks reused (2), or past the minimum no mask
+        # (2) and the clone of the scores made without a program (1)
+        assert saved == ({} if length == 5 else {
+            "MinLengthLogitsProcessor": 3 if length >= 8 else 2,
+            "MinNewTokensLengthLogitsProcessor": 3 if length >= 7 else 2}), saved
     for pc, pt in zip(cpu_procs, tpu_procs):  # an eos id changed in place: a new mask
         pc.eos_token_id.fill_(7)
         pt.eos_token_id.fill_(7)
         torch.testing.assert_close(pt(ids[:, :3].to(TPU), scores.to(TPU)).cpu(),
                                    pc(ids[:, :3], scores), rtol=0, atol=0)
+
+
+def test_min_length_clone_shares_the_array_and_stays_independent():
+    """Past the minimum length the processor returns ``scores.clone()`` made without a program
+    (generate_steps._clone): a tensor of its own holding the same immutable array. A write to
+    either leaves the other as it was (the shared array is never donated to the write)."""
+    from transformers.generation import logits_process as lp
+
+    from torchtpu.integrations import generate_steps
+    from torchtpu.runtime.buffer import buffer_of
+
+    proc = lp.MinLengthLogitsProcessor(2, [2], device=TPU)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4)).to(TPU)
+    base = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
+    for write_clone in (True, False):
+        scores = base.to(TPU)
+        hits0 = torch.tpu.metrics()["counters"].get("eager_cache_hits", 0)
+        misses0 = torch.tpu.metrics()["counters"].get("eager_cache_misses", 0)
+        out = proc(ids, scores)
+        c = torch.tpu.metrics()["counters"]
+        assert (c.get("eager_cache_hits", 0), c.get("eager_cache_misses", 0)) == (hits0, misses0)
+        assert out is not scores and out.untyped_storage().data_ptr() != \
+            scores.untyped_storage().data_ptr()
+        assert buffer_of(out).array is buffer_of(scores).array
+        torch.testing.assert_close(out.cpu(), base, rtol=0, atol=0)
+        if write_clone:
+            out[:, 0] = -1.0
+            out.mul_(2)
+            torch.testing.assert_close(scores.cpu(), base, rtol=0, atol=0)
+            want = base.clone()
+            want[:, 0] = -1.0
+            torch.testing.assert_close(out.cpu(), want * 2, rtol=0, atol=0)
+        else:
+            scores.mul_(3)
+            scores.add_(1)
+            torch.testing.assert_close(out.cpu(), base, rtol=0, atol=0)
+            torch.testing.assert_close(scores.cpu(), base * 3 + 1, rtol=0, atol=0)
+    # a view that is not its storage's whole array is cloned by a program, as before
+    view = base.to(TPU)[:, 1:]
+    got, shared = generate_steps._clone(view)
+    assert not shared and torch.equal(got.cpu(), base[:, 1:])
 
 
 def test_stopping_criteria_list_results_equal_cpu():

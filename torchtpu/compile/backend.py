@@ -68,6 +68,16 @@ def _baseline_refcount():
 _BASE_REFS: list = []
 
 
+def _no_storage():
+    return None
+
+
+# calls whose inputs all are tpu tensors' whole arrays, as the graph's last such call had them,
+# check each against that call's shapes and dtypes instead of walking them afresh
+# (CompiledGraph._walk_whole); False: every call walks (the reference, for tests)
+WHOLE_WALK = True
+
+
 class CompiledGraph:
     """One aten graph: a callable taking aot_autograd's boxed list of inputs."""
 
@@ -87,6 +97,11 @@ class CompiledGraph:
         self._warned_dynamic = False
         self._plan = False  # buckets.analyse's answer, computed at the first call
         self._run = self.low  # what runs: the graph, or its masked rewrite (masking.py)
+        # the input walk's answer for calls whose inputs are all tpu tensors passed as their
+        # storages' whole arrays, as the last such call saw them: (per input (shape, numpy
+        # dtype, torch dtype), the key's signature part); see _walk_whole
+        self._whole_sig = None
+        self._last_entry = None  # (signature part, donated positions, _Entry) of the last call
 
     @staticmethod
     def _out_devices(gm):
@@ -101,6 +116,73 @@ class CompiledGraph:
     def __call__(self, args):
         _devices.check_fork()
         bucketed = None
+        walked = (self._walk_whole(args) if self._whole_sig is not None and WHOLE_WALK
+                  else None)
+        if walked is not None:
+            arrays, whole, sig_key = walked
+            slots = self._whole_sig[3]
+            statics = {}
+            COUNTERS["compile_whole_walks"] += 1
+        else:
+            arrays, slots, statics, whole, sig_key, bucketed, orig_args = self._walk(args)
+        donate = (self._donatable(args, arrays, slots, whole, walked is not None)
+                  if self.mutated else ())
+        if donate:
+            COUNTERS["compile_donated_buffers"] += len(donate)
+        key = (sig_key, donate)
+        return self._run_entry(args, arrays, slots, statics, whole, key, donate, bucketed,
+                               orig_args if bucketed is not None else None)
+
+    def _entry(self, key, arrays, slots, statics, donate):
+        """The executable for ``key``, compiled on a miss."""
+        entry = self.entries.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self.entries.get(key)
+                if entry is None:
+                    COUNTERS["compile_cache_misses"] += 1
+                    entry = self._compile(arrays, slots, statics, tuple(donate), key[0])
+                    self.entries[key] = entry
+                else:
+                    COUNTERS["compile_cache_hits"] += 1
+        else:
+            COUNTERS["compile_cache_hits"] += 1
+        return entry
+
+    def _walk_whole(self, args):
+        """The input walk of ``_walk`` for a call like the last one whose inputs were all tpu
+        tensors that are their storages' whole arrays (a static-cache decode step: weights,
+        caches, ids): each input checked against that call's shape and dtypes, and that it
+        still is its storage's whole array (offset 0, contiguous, no conj/neg bit). None when
+        any differs, or the matmul precision changed: ``_walk`` then does the full walk.
+        Returns (arrays, {position: Buffer}, the key's signature part)."""
+        specs, sig_key, precision, _ = self._whole_sig
+        if len(args) != len(specs) or _registry.matmul_precision() != precision:
+            return None
+        arrays = []
+        whole = {}
+        i = 0
+        for a, (shape, dt, tdt) in zip(args, specs):
+            # a non-tensor, or a tensor with no tpu buffer (a CPU tensor), has no _tpu_buffer
+            buf = getattr(getattr(a, "untyped_storage", _no_storage)(), "_tpu_buffer", None)
+            if buf is None or type(buf) is not _buffer.Buffer:
+                return None
+            arr = buf.array
+            if (a.dtype is not tdt or a.shape != shape or arr.shape != shape
+                    or arr.dtype != dt or a.storage_offset() or not a.is_contiguous()
+                    or a.is_conj() or a.is_neg()):
+                return None
+            arrays.append(arr)
+            whole[i] = buf
+            i += 1
+        return arrays, whole, sig_key
+
+    def _walk(self, args):
+        """Every input to an array (``slots``: their positions), a static value, or a padded
+        bucket input: (arrays, slots, statics, whole, the key's signature part, bucketed,
+        the arguments before padding)."""
+        bucketed = None
+        orig_args = None
         if self._plan is False:
             self._plan = self._analyse()
         if isinstance(self._plan, _buckets.Plan):
@@ -152,24 +234,29 @@ class CompiledGraph:
                 arrays.append(arr)
                 slots.append(len(args) + k)
                 sig.append(((), arr.dtype))
-        arr = None
-        donate = self._donatable(args, arrays, slots, whole) if self.mutated else ()
-        if donate:
-            COUNTERS["compile_donated_buffers"] += len(donate)
         # the matmul precision lowerings read at trace time (it is part of the graph key too)
-        key = (tuple(sig) + (("precision", _registry.matmul_precision()),), tuple(donate))
-        entry = self.entries.get(key)
-        if entry is None:
-            with self._lock:
-                entry = self.entries.get(key)
-                if entry is None:
-                    COUNTERS["compile_cache_misses"] += 1
-                    entry = self._compile(arrays, slots, statics, tuple(donate), key[0])
-                    self.entries[key] = entry
-                else:
-                    COUNTERS["compile_cache_hits"] += 1
-        else:
+        precision = _registry.matmul_precision()
+        sig_key = tuple(sig) + (("precision", precision),)
+        if bucketed is None and not statics and len(whole) == len(args) == len(arrays):
+            # every input is its storage's whole array: the next call like this one checks
+            # its inputs against these (_walk_whole)
+            self._whole_sig = (tuple((a.shape, a.dtype, args[i].dtype)
+                                     for i, a in enumerate(arrays)), sig_key, precision,
+                               list(slots))
+        return arrays, slots, statics, whole, sig_key, bucketed, orig_args
+
+    def _run_entry(self, args, arrays, slots, statics, whole, key, donate, bucketed, orig_args):
+        """Find (or compile) the executable for ``key``, run it on ``arrays``, write the
+        mutated inputs back and build the outputs."""
+        last = self._last_entry
+        if last is not None and last[0] is key[0] and last[1] == key[1]:
+            # the key the last call ran (its signature part is _walk_whole's cached tuple):
+            # its entry without hashing the key again
+            entry = last[2]
             COUNTERS["compile_cache_hits"] += 1
+        else:
+            entry = self._entry(key, arrays, slots, statics, donate)
+            self._last_entry = (key[0], key[1], entry)
         flat = arrays
         if self.n_random:
             words = np.stack([_rng.next_state(None) for _ in range(self.n_random)])
@@ -189,6 +276,7 @@ class CompiledGraph:
             self.opts = dict(self.opts, persistent_cache=False)
             entry = self.entries[key] = self._compile(arrays, slots, statics, tuple(donate),
                                                       key[0])
+            self._last_entry = (key[0], key[1], entry)
             outs, news, flags = entry.compiled(*flat)
         del flat
         if flags:
@@ -358,26 +446,34 @@ class CompiledGraph:
             res[j] = t
         return res
 
-    def _donatable(self, args, arrays, slots, whole):
+    def _donatable(self, args, arrays, slots, whole, walked=False):
         """Positions (in ``arrays``) of mutated inputs whose buffer nothing else holds.
-        ``whole``: arg position -> Buffer of the inputs passed as their storage's array."""
+        ``whole``: arg position -> Buffer of the inputs passed as their storage's array;
+        ``walked``: ``_walk_whole`` made them (every input is a tpu tensor's whole array,
+        ``arrays[i]`` is input i's)."""
         if not self.opts.get("donate", True):
             return ()
-        pos = {s: j for j, s in enumerate(slots)}
+        pos = None if walked else {s: j for j, s in enumerate(slots)}
         ids = None
+        unique = False
         donate = []
         for i in self.mutated:
-            j = pos.get(i)
-            if j is None or args[i].device.type != "tpu":
-                continue
-            buf = whole.get(i)
-            if buf is None:
-                buf = _buffer.buffer_of(args[i])
+            if walked:
+                j = i
+                buf = whole[i]
+            else:
+                j = pos.get(i)
+                if j is None or args[i].device.type != "tpu":
+                    continue
+                buf = whole.get(i)
+                if buf is None:
+                    buf = _buffer.buffer_of(args[i])
             if buf.array is not arrays[j]:
                 continue
             if ids is None:
-                ids = [id(x) for x in arrays]
-            if ids.count(ids[j]) != 1:
+                ids = list(map(id, arrays))
+                unique = len(set(ids)) == len(ids)
+            if not unique and ids.count(ids[j]) != 1:
                 continue
             if sys.getrefcount(arrays[j]) > _baseline_refcount():  # someone else holds it
                 continue
@@ -424,7 +520,7 @@ class CompiledGraph:
                           f"({self._plan}). Only graphs whose ops treat dynamic dimensions "
                           "position by position, or can be masked, are padded to buckets (see "
                           "torchtpu/compile/buckets.py, masking.py)",
-                          stacklevel=3)
+                          stacklevel=5)  # _entry <- _run_entry <- __call__ <- its caller
         elif isinstance(self._plan, _buckets.Plan):
             count("compile_bucket_programs")
         t0 = time.perf_counter()

@@ -9,14 +9,17 @@ them are left out here, with the same results bit for bit:
   ``isin(arange(vocab), eos)`` every token, also once the minimum length is reached and the
   mask is not used (``generate()`` adds ``MinLengthLogitsProcessor`` for every prompt:
   ``min_new_tokens=0`` becomes ``min_length=prompt length``). On "tpu" they return
-  ``scores.clone()`` then, as transformers does; below the minimum the mask is made once per
+  ``scores.clone()`` then, as transformers does, made without a program when ``scores`` is its
+  storage's whole array (``_clone``: a new storage holding the same immutable jax array; a
+  write to either replaces its own storage's array, and an array two storages hold is never
+  donated); below the minimum the mask is made once per
   processor, vocabulary size and eos tensor (its version counter: an in-place change of the
   eos ids makes it again).
 - ``StoppingCriteriaList`` starts from ``torch.full((batch,), False)`` and ORs each criterion
   into it; ``False | r`` is ``r`` for a criterion's ``(batch,)`` bool tensor, so the first such
-  result starts the OR (copied when it is the only one, so the list still returns a tensor of
-  its own, unless it is an ``EosTokenCriteria``'s, made for the call). ``MaxLengthCriteria``
-  answers ``full((batch,), done)`` with ``done`` a host bool: it is not called; ``False`` leaves
+  result starts the OR (copied, as ``_clone`` copies, when it is the only one, so the list
+  still returns a tensor of its own, unless it is an ``EosTokenCriteria``'s, made for the
+  call). ``MaxLengthCriteria`` answers ``full((batch,), done)`` with ``done`` a host bool: it is not called; ``False`` leaves
   the OR as it is, ``True`` makes it ``full((batch,), True)`` (the other criteria still run).
 - ``LogitsProcessorList`` reads ``inspect.signature(processor.__call__)`` for every processor
   every token (~25 us of host time per token for generate()'s default list, 3% of a
@@ -67,6 +70,29 @@ def _on_tpu(t) -> bool:
     return ENABLED and getattr(getattr(t, "device", None), "type", None) == "tpu"
 
 
+def _clone(t):
+    """``t.clone()`` without a program when ``t`` is a tpu tensor that is its storage's whole
+    array (offset 0, contiguous, the array's shape and dtype, no conj/neg bit, no autograd):
+    a new tensor with a storage of its own holding the same jax array. jax arrays are
+    immutable; a write to either tensor gives its own storage a new array, and an array that
+    two storages hold is never donated to a write (the executors count its references).
+    Anything else: ``t.clone()``. Returns (tensor, whether a program was saved)."""
+    import torch
+
+    from ..runtime import buffer as _buffer
+
+    buf = getattr(t.untyped_storage(), "_tpu_buffer", None)
+    if (type(buf) is _buffer.Buffer and t.layout == torch.strided and not t.requires_grad
+            and not t.storage_offset() and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg()):
+        arr = buf.array
+        shape = tuple(arr.shape)
+        # the dtype wrap gives the array's tensor
+        if shape == tuple(t.shape) and _buffer._meta(shape, arr.dtype)[1] == t.dtype:
+            return _buffer.wrap(arr), True
+    return t.clone(), False
+
+
 def eos_mask(proc, scores):
     """``isin(arange(vocab), proc.eos_token_id)`` on ``scores``' device, made once per
     processor, vocabulary size and eos tensor (and its version)."""
@@ -96,8 +122,9 @@ def _min_length(orig, new_tokens: bool):
         else:
             short = input_ids.shape[-1] < self.min_length
         if not short:
-            _saved(type(self).__name__, 2)  # arange, isin
-            return scores.clone()
+            out, shared = _clone(scores)
+            _saved(type(self).__name__, 3 if shared else 2)  # arange, isin (, clone)
+            return out
         return torch.where(eos_mask(self, scores), -math.inf, scores)
 
     return __call__
@@ -154,8 +181,8 @@ def _criteria(orig):
             is_done = torch.full((n,), all_done, device=input_ids.device, dtype=torch.bool)
             ran += 1
         elif alone and not fresh:
-            is_done = is_done.clone()
-            ran += 1
+            is_done, shared = _clone(is_done)
+            ran += 0 if shared else 1
         saved = 1 + len(self) + sum(1 for c in self if maxlen is not None and type(c) is maxlen)
         if saved > ran:
             _saved("StoppingCriteriaList", saved - ran)
