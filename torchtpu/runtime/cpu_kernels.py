@@ -71,6 +71,7 @@ def _make_ready(name: str) -> None:
         lib.torchtpu_cpu_attention_threads.argtypes = [ctypes.c_int64]
         lib.torchtpu_cpu_attention_threads.restype = ctypes.c_int64
         lib.torchtpu_cpu_attention_split_calls.restype = ctypes.c_int64
+        lib.torchtpu_cpu_attention_pool_pieces.restype = ctypes.c_int64
         threads = os.environ.get("TORCHTPU_CPU_ATTENTION_THREADS", "").strip()
         if threads:
             lib.torchtpu_cpu_attention_threads(max(0, int(threads)))
@@ -109,7 +110,10 @@ def set_attention_threads(n: int) -> int:
     return int(_handles["paged_attention"].torchtpu_cpu_attention_threads(int(n)))
 
 
-def attention_split_calls() -> int:
-    """How many paged-attention calls in this process split their work over several threads."""
+def attention_split_calls() -> tuple[int, int]:
+    """How many paged-attention calls in this process split their work over several threads,
+    and how many pieces of work XLA's pool threads ran for them (the rest: the calling thread)."""
     prepare("paged_attention")
-    return int(_handles["paged_attention"].torchtpu_cpu_attention_split_calls())
+    lib = _handles["paged_attention"]
+    return (int(lib.torchtpu_cpu_attention_split_calls()),
+            int(lib.torchtpu_cpu_attention_pool_pieces()))

@@ -244,6 +244,10 @@ __attribute__((target_clones("fma", "default"))) int64_t drain_bf16(const Args& 
   return drain<uint16_t>(a, next);
 }
 
+// At most this many threads a call (0: the pool's), and the calls that used the pool's threads
+// the pieces the pool ran (the extern "C" functions below).
+std::atomic<int64_t> g_max_threads{0}, g_split_calls{0}, g_pool_pieces{0};
+
 // The state the caller shares with the pool's tasks; a task may start after the call has
 // returned (it then finds nothing left and only drops its reference).
 struct Job {
@@ -252,16 +256,15 @@ struct Job {
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     const int64_t k = bf16 ? drain_bf16(a, next) : drain_f32(a, next);
-    if (k) done.fetch_add(k, std::memory_order_release);
+    if (k) {
+      g_pool_pieces.fetch_add(k, std::memory_order_relaxed);
+      done.fetch_add(k, std::memory_order_release);
+    }
   }
 };
 
 // Work below this (keys read x query heads x D) runs on the calling thread alone.
 constexpr int64_t kParallelMin = 1 << 15;
-
-// At most this many threads a call (0: the pool's), and the calls that used the pool's threads
-// (torchtpu_cpu_attention_threads / _split_calls below).
-std::atomic<int64_t> g_max_threads{0}, g_split_calls{0};
 
 // XLA's intra-op pool has no way to wait for a task, and a task may run on the calling thread or
 // start late (or, on a busy pool, after the call): the caller takes pieces like every task and
@@ -334,6 +337,9 @@ extern "C" int64_t torchtpu_cpu_attention_threads(int64_t n) {
 
 // How many calls so far split their work over the pool's threads.
 extern "C" int64_t torchtpu_cpu_attention_split_calls() { return g_split_calls.load(); }
+
+// How many pieces so far the pool's tasks ran (the rest ran on the calling threads).
+extern "C" int64_t torchtpu_cpu_attention_pool_pieces() { return g_pool_pieces.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchtpuCpuPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
