@@ -250,7 +250,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu",
                     help="comma list: tpu-compiled, vllm-cpu and vllm_serving.py's VARIANTS "
-                    "(tpu-portable-attn, tpu-sync-dispatch, tpu-async-sync-dispatch) and tpu-async")
+                    "(tpu-portable-attn, tpu-attn-1-thread, tpu-sync-dispatch, "
+                    "tpu-async-sync-dispatch) and tpu-async")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of tpu's largest decode step per HLO operation")
     ap.add_argument("--model", choices=("vllm", "sglang"), default="vllm",
