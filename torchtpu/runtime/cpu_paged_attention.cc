@@ -31,10 +31,12 @@
 // read by cpu_kernels.py, caps it: 1 runs every call on the calling thread).
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -254,12 +256,19 @@ struct Job {
   Args a;
   bool bf16;
   std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  // counts k finished pieces; whoever finishes the last one wakes the caller
+  void finish(int64_t k) {
+    if (k && done.fetch_add(k, std::memory_order_acq_rel) + k == a.n) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
   void work() {
     const int64_t k = bf16 ? drain_bf16(a, next) : drain_f32(a, next);
-    if (k) {
-      g_pool_pieces.fetch_add(k, std::memory_order_relaxed);
-      done.fetch_add(k, std::memory_order_release);
-    }
+    g_pool_pieces.fetch_add(k, std::memory_order_relaxed);
+    finish(k);
   }
 };
 
@@ -296,7 +305,14 @@ void attend(const Shape& sh, bool bf16, const void* q, const void* kv, const int
   if (workers > 1) g_split_calls.fetch_add(1, std::memory_order_relaxed);
   for (int64_t i = 1; i < workers; ++i) pool.Schedule([job] { job->work(); });
   const int64_t mine = bf16 ? drain_bf16(job->a, job->next) : drain_f32(job->a, job->next);
-  while (job->done.load(std::memory_order_acquire) + mine < n) std::this_thread::yield();
+  job->finish(mine);
+  // the pieces other threads still run: a short spin (they are small, largest first), then sleep
+  for (int i = 0; i < 64 && job->done.load(std::memory_order_acquire) < n; ++i)
+    std::this_thread::yield();
+  if (job->done.load(std::memory_order_acquire) < n) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) >= n; });
+  }
 }
 
 ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
