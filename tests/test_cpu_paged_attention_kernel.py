@@ -232,3 +232,33 @@ def test_small_work_stays_on_the_calling_thread():
     before = cpu_kernels.attention_split_calls()
     _check(_case(16, (1,), (37,), T=1, S=1), sm_scale=1.0)
     assert cpu_kernels.attention_split_calls() == before
+
+
+THREADS_ENV = r"""
+import json, jax, numpy as np
+from torchtpu.lowering import paged_attention as pa
+from torchtpu.runtime import cpu_kernels
+rng = np.random.default_rng(0)
+S, pps, page = 32, 16, 16
+q = rng.standard_normal((S, 4, 64)).astype(np.float32)
+kv = rng.standard_normal((S * pps, page, 4, 64)).astype(np.float32)
+lens = rng.integers(100, 256, S).astype(np.int32)
+pages = np.arange(S * pps, dtype=np.int32).reshape(S, pps)
+cu = np.arange(S + 1, dtype=np.int32)
+out = np.asarray(jax.jit(lambda *a: pa.ragged_paged_attention(*a, sm_scale=0.125, impl="cpu"))(
+    q, kv, lens, pages, cu, np.array([S], np.int32)))
+print(json.dumps({"split": cpu_kernels.attention_split_calls()[0],
+                  "cap": cpu_kernels.set_attention_threads(0),
+                  "finite": bool(np.isfinite(out).all())}))
+"""
+
+
+@pytest.mark.parametrize("value,cap", [("1", 1), ("not-a-number", 0)])
+def test_threads_switch_from_the_environment(tmp_path, value, cap):
+    """TORCHTPU_CPU_ATTENTION_THREADS=1 keeps every call on the calling thread; a value that is
+    not a number is ignored (a warning), not a reason to drop the kernel."""
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path), TORCHTPU_CPU_ATTENTION_THREADS=value)
+    r = run_json(THREADS_ENV, env, timeout=300)
+    assert r["cap"] == cap and r["finite"], r
+    if cap == 1 or len(os.sched_getaffinity(0)) > 1:
+        assert r["split"] == (0 if cap == 1 else 1), r

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 
 from . import native_build as _nb
 
@@ -74,7 +75,11 @@ def _make_ready(name: str) -> None:
         lib.torchtpu_cpu_attention_pool_pieces.restype = ctypes.c_int64
         threads = os.environ.get("TORCHTPU_CPU_ATTENTION_THREADS", "").strip()
         if threads:
-            lib.torchtpu_cpu_attention_threads(max(0, int(threads)))
+            try:
+                lib.torchtpu_cpu_attention_threads(max(0, int(threads)))
+            except ValueError:
+                warnings.warn(f"TORCHTPU_CPU_ATTENTION_THREADS={threads!r} is not an integer: "
+                              "ignored (XLA's intra-op pool is used)", stacklevel=2)
     _handles[name] = lib
 
 
