@@ -53,9 +53,11 @@ DTYPE = os.environ.get("BENCH_VLLM_DTYPE", "float32")
 TEMPERATURE = float(os.environ.get("BENCH_VLLM_TEMPERATURE", "0"))
 # contenders that are "tpu-compiled" with an environment switch (an A/B in one run):
 # tpu-portable-attn: the portable paged-attention lowering instead of the CPU kernel;
+# tpu-attn-1-thread: the CPU kernel on the calling thread alone (not over XLA's pool);
 # tpu-sync-dispatch / tpu-async-sync-dispatch: tpu-compiled / tpu-async with XLA:CPU running
 # each program on the calling thread (TORCHTPU_CPU_SYNC_DISPATCH, runtime/devices.py)
 VARIANTS = {"tpu-portable-attn": {"TORCHTPU_CPU_ATTENTION_KERNEL": "0"},
+            "tpu-attn-1-thread": {"TORCHTPU_CPU_ATTENTION_THREADS": "1"},
             "tpu-sync-dispatch": {"TORCHTPU_CPU_SYNC_DISPATCH": "1"},
             "tpu-async-sync-dispatch": {"TORCHTPU_CPU_SYNC_DISPATCH": "1"}}
 
@@ -283,7 +285,8 @@ def main():
                     help="offline rows' sampling temperature (0: greedy)")
     ap.add_argument("--servers", default="tpu-compiled,vllm-cpu",
                     help="comma list of the server rows (tpu-compiled, tpu-async, vllm-cpu, "
-                    "tf-serve-tpu, tpu-portable-attn, tpu-sync-dispatch, tpu-async-sync-dispatch)")
+                    "tf-serve-tpu, tpu-portable-attn, tpu-attn-1-thread, tpu-sync-dispatch, "
+                    "tpu-async-sync-dispatch)")
     a = ap.parse_args()
     if a.child:
         kind, path, *rest = a.child

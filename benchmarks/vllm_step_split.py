@@ -11,8 +11,11 @@ the host itself spends, less sensitive to the load than the wall) per engine ste
 round of ``--rounds`` after a warm-up round. Every step ends with the sampled tokens on the
 host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
 through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
-the bucket's program called directly (the runner's path) and through torch.compile's guards. The load
-average is printed with the table: compare runs taken on a quiet host. ``--profile N`` also
+the bucket's program called directly (the runner's path) and through torch.compile's guards,
+and (where torchtpu's CPU paged-attention kernel is used) directly with the kernel held to the
+calling thread (``cpu_kernels.set_attention_threads(1)``): the three alternate in one process,
+an A/B that the host's load shifts alike. The load average is printed with the table: compare
+runs taken on a quiet host. ``--profile N`` also
 traces N replays of that step with XLA's profiler and prints the program's HLO operations by
 exclusive time per call (nested ``while``/``cond`` bodies counted in their operations), then
 the same by class (matrix products, gathers, transposes and copies, ...; with the part run
@@ -219,20 +222,28 @@ def _replay_last_step(llm, runner, last):
     own threads) per call."""
     import torch
 
+    from torchtpu.runtime import cpu_kernels
+
     T = int(last["ids"].shape[0])
     dispatch = runner._forward
-    paths = {"direct": dispatch, "guarded": getattr(dispatch, "compiled", dispatch)}
+    paths = {"direct": (dispatch, None),
+             "guarded": (getattr(dispatch, "compiled", dispatch), None)}
+    if cpu_kernels.available("paged_attention"):  # the kernel's threads, A/B in this process
+        paths["direct, attention on 1 thread"] = (dispatch, 1)
     times = {k: ([], [], []) for k in paths}
     with torch.inference_mode():
         for _ in range(5):
-            for name, fwd in paths.items():
+            for name, (fwd, threads) in paths.items():
                 runner._forward = fwd
+                prev = None if threads is None else cpu_kernels.set_attention_threads(threads)
                 t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
                 for _ in range(30):
                     _replay(runner, last)
                 times[name][0].append((time.perf_counter() - t) / 30)
                 times[name][1].append((time.thread_time() - c) / 30)
                 times[name][2].append((time.process_time() - pc) / 30)
+                if prev is not None:
+                    cpu_kernels.set_attention_threads(prev)
     runner._forward = dispatch
     res = dict(program_bucket=T, program_seqs=last["n"],
                program_s=statistics.median(times["direct"][0]))
@@ -250,7 +261,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu",
                     help="comma list: tpu-compiled, vllm-cpu and vllm_serving.py's VARIANTS "
-                    "(tpu-portable-attn, tpu-sync-dispatch, tpu-async-sync-dispatch) and tpu-async")
+                    "(tpu-portable-attn, tpu-attn-1-thread, tpu-sync-dispatch, "
+                    "tpu-async-sync-dispatch) and tpu-async")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of tpu's largest decode step per HLO operation")
     ap.add_argument("--model", choices=("vllm", "sglang"), default="vllm",
@@ -292,7 +304,7 @@ def main():
                   f"token bucket {results[n]['program_bucket']}) replayed through the forward "
                   "call alone (inputs sent, program, greedy ids back): "
                   f"{results[n]['program_s'] * 1e3:.2f} ms per call")
-            for path in ("direct", "guarded"):
+            for path in ("direct", "guarded", "direct, attention on 1 thread"):
                 if f"program_{path}_s" in results[n]:
                     print(f"  {path} call of the bucket's program: "
                           f"{results[n][f'program_{path}_s'] * 1e3:.2f} ms wall / "

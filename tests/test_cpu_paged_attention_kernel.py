@@ -189,3 +189,76 @@ def test_second_process_runs_cached_programs_with_the_kernel(tmp_path):
     assert c.get("eager_xla_compiles", 0) == 0 and c["eager_disk_cache_hits"] >= 1, c
     assert c.get("xla_compiles", 0) == 0 and c["compile_disk_cache_hits"] >= 1, c
     assert not any("unsafe" in k or "errors" in k for k in c), json.dumps(c)
+
+
+def _run_cpu(case, **kw):
+    return np.asarray(jax.jit(lambda *a: pa.ragged_paged_attention(*a, impl="cpu", **kw))(*case))
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed", "one_long_sequence", "window_softcap",
+                                  "bfloat16"])
+def test_threads_split_the_work_and_give_the_same_bits(name):
+    """A call with enough work splits it over XLA's intra-op pool (groups of tokens, or single
+    KV heads when there are few groups); every output row is computed by the same code in the
+    same order, so the bits equal the calling thread's alone (TORCHTPU_CPU_ATTENTION_THREADS=1)."""
+    lens = tuple(int(x) for x in np.random.default_rng(11).integers(100, 400, 32))
+    case, kw = {
+        "decode": (_case(11, (1,) * 32, lens, Hq=4, Hkv=2, D=64, page=16), {}),
+        "mixed": (_case(12, (1,) * 20 + (100,), lens[:20] + (300,), D=64, page=16), {}),
+        "one_long_sequence": (_case(13, (1,), (3000,), Hq=8, Hkv=4, D=64, page=16, T=1, S=1),
+                              {}),
+        "window_softcap": (_case(14, (1, 40, 1, 9) * 4, (300, 100, 90, 45) * 4, page=8, D=32),
+                           {"sliding_window": 50, "soft_cap": 7.0}),
+        "bfloat16": (_case(15, (1,) * 16 + (30,), lens[:16] + (64,), D=64, page=16), {}),
+    }[name]
+    if name == "bfloat16":
+        case = (jnp.asarray(case[0], jnp.bfloat16), jnp.asarray(case[1], jnp.bfloat16)) + case[2:]
+    before = cpu_kernels.attention_split_calls()
+    pooled = _run_cpu(case, sm_scale=0.125, **kw)
+    middle = cpu_kernels.attention_split_calls()
+    prev = cpu_kernels.set_attention_threads(1)
+    try:
+        alone = _run_cpu(case, sm_scale=0.125, **kw)
+        assert cpu_kernels.attention_split_calls() == middle  # one thread: no split
+    finally:
+        cpu_kernels.set_attention_threads(prev)
+    assert pooled.tobytes() == alone.tobytes()
+    assert np.abs(pooled.astype(np.float32)).max() > 0
+    if len(os.sched_getaffinity(0)) > 1:  # XLA's pool has a thread per core
+        assert middle[0] == before[0] + 1, (before, middle)
+
+
+def test_small_work_stays_on_the_calling_thread():
+    before = cpu_kernels.attention_split_calls()
+    _check(_case(16, (1,), (37,), T=1, S=1), sm_scale=1.0)
+    assert cpu_kernels.attention_split_calls() == before
+
+
+THREADS_ENV = r"""
+import json, jax, numpy as np
+from torchtpu.lowering import paged_attention as pa
+from torchtpu.runtime import cpu_kernels
+rng = np.random.default_rng(0)
+S, pps, page = 32, 16, 16
+q = rng.standard_normal((S, 4, 64)).astype(np.float32)
+kv = rng.standard_normal((S * pps, page, 4, 64)).astype(np.float32)
+lens = rng.integers(100, 256, S).astype(np.int32)
+pages = np.arange(S * pps, dtype=np.int32).reshape(S, pps)
+cu = np.arange(S + 1, dtype=np.int32)
+out = np.asarray(jax.jit(lambda *a: pa.ragged_paged_attention(*a, sm_scale=0.125, impl="cpu"))(
+    q, kv, lens, pages, cu, np.array([S], np.int32)))
+print(json.dumps({"split": cpu_kernels.attention_split_calls()[0],
+                  "cap": cpu_kernels.set_attention_threads(0),
+                  "finite": bool(np.isfinite(out).all())}))
+"""
+
+
+@pytest.mark.parametrize("value,cap", [("1", 1), ("not-a-number", 0)])
+def test_threads_switch_from_the_environment(tmp_path, value, cap):
+    """TORCHTPU_CPU_ATTENTION_THREADS=1 keeps every call on the calling thread; a value that is
+    not a number is ignored (a warning), not a reason to drop the kernel."""
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path), TORCHTPU_CPU_ATTENTION_THREADS=value)
+    r = run_json(THREADS_ENV, env, timeout=300)
+    assert r["cap"] == cap and r["finite"], r
+    if cap == 1 or len(os.sched_getaffinity(0)) > 1:
+        assert r["split"] == (0 if cap == 1 else 1), r

@@ -11,7 +11,9 @@ ships (``native_build``: cached by source hash, file lock, atomic publish) and r
 be used in this process (building and registering it once); never raises: without a compiler,
 or with ``TORCHTPU_CPU_KERNELS=0`` (all kernels) or the kernel's own switch set to ``0``
 (``TORCHTPU_CPU_ATTENTION_KERNEL`` for the paged attention), the lowering takes its portable
-path. ``TARGETS`` maps custom-call target names to kernels, so that ``custom_calls.ready`` can
+path. ``TORCHTPU_CPU_ATTENTION_THREADS`` caps the threads one paged-attention call uses (default:
+XLA:CPU's intra-op pool, the caller included; ``1``: the calling thread alone; the output is the
+same bits either way; ``set_attention_threads`` changes it in a running process). ``TARGETS`` maps custom-call target names to kernels, so that ``custom_calls.ready`` can
 register a kernel before an executable that calls it is read back from the compile cache.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 
 from . import native_build as _nb
 
@@ -34,6 +37,7 @@ TARGETS = {target: name for name, (_, _, target, _) in KERNELS.items()}
 _lock = threading.Lock()
 _state: dict = {}  # kernel name -> None (registered) or the reason it is not used
 _libs: list = []  # loaded libraries stay referenced for the life of the process
+_handles: dict = {}  # kernel name -> its loaded library
 
 
 def enabled(name: str) -> bool:
@@ -64,6 +68,19 @@ def _make_ready(name: str) -> None:
     lib = ctypes.cdll.LoadLibrary(path)
     jax.ffi.register_ffi_target(tgt, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     _libs.append(lib)
+    if name == "paged_attention":
+        lib.torchtpu_cpu_attention_threads.argtypes = [ctypes.c_int64]
+        lib.torchtpu_cpu_attention_threads.restype = ctypes.c_int64
+        lib.torchtpu_cpu_attention_split_calls.restype = ctypes.c_int64
+        lib.torchtpu_cpu_attention_pool_pieces.restype = ctypes.c_int64
+        threads = os.environ.get("TORCHTPU_CPU_ATTENTION_THREADS", "").strip()
+        if threads:
+            try:
+                lib.torchtpu_cpu_attention_threads(max(0, int(threads)))
+            except ValueError:
+                warnings.warn(f"TORCHTPU_CPU_ATTENTION_THREADS={threads!r} is not an integer: "
+                              "ignored (XLA's intra-op pool is used)", stacklevel=2)
+    _handles[name] = lib
 
 
 def prepare(name: str) -> None:
@@ -89,3 +106,19 @@ def _ready(name: str) -> str | None:
 def available(name: str) -> bool:
     """The kernel is switched on and registered in this process (built on first need)."""
     return enabled(name) and _ready(name) is None
+
+
+def set_attention_threads(n: int) -> int:
+    """Cap the threads of a paged-attention call in this process (0: XLA's intra-op pool, the
+    default; 1: the calling thread alone); returns the previous cap. Builds the kernel if needed."""
+    prepare("paged_attention")
+    return int(_handles["paged_attention"].torchtpu_cpu_attention_threads(int(n)))
+
+
+def attention_split_calls() -> tuple[int, int]:
+    """How many paged-attention calls in this process split their work over several threads,
+    and how many pieces of work XLA's pool threads ran for them (the rest: the calling thread)."""
+    prepare("paged_attention")
+    lib = _handles["paged_attention"]
+    return (int(lib.torchtpu_cpu_attention_split_calls()),
+            int(lib.torchtpu_cpu_attention_pool_pieces()))

@@ -22,10 +22,22 @@
 // L1 while every head and token of the group reads them), keeping an online softmax per
 // (token, query head). Page indices are clipped into the cache and positions past
 // the page table are not read, so malformed metadata never reads outside the buffers.
+//
+// Threads: the groups (split further into single KV heads when there are few groups) are pieces
+// that write disjoint rows of the output; a call with enough work (kParallelMin) hands them out,
+// largest first, to the calling thread and XLA's intra-op thread pool (the FFI's ThreadPool
+// context), each piece computed by the same code in the same order whichever thread runs it, so
+// the output is the same bits whatever the number of threads (TORCHTPU_CPU_ATTENTION_THREADS,
+// read by cpu_kernels.py, caps it: 1 runs every call on the calling thread).
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -73,114 +85,241 @@ struct Shape {
   int64_t T, Hq, D, P, page, Hkv, S, pps;
 };
 
-template <typename T>
-inline __attribute__((always_inline)) void attend(const Shape& sh, const T* q, const T* kv, const int32_t* kv_lens,
-            const int32_t* pages, const int32_t* cu_in, int32_t num_seqs, float scale,
-            int32_t window, float cap, float* out) {
-  const int64_t Tn = sh.T, Hq = sh.Hq, D = sh.D, page = sh.page, Hkv = sh.Hkv, S = sh.S,
-                pps = sh.pps, P = sh.P;
-  const int64_t G = Hq / Hkv, H2 = 2 * Hkv, row = H2 * D;
-  std::fill(out, out + Tn * Hq * D, 0.0f);
+// One piece of the work: a group of up to kQGroup consecutive tokens of one sequence, for the
+// KV heads [h0, h1) (their query heads); the pieces write disjoint rows of the output.
+struct Item {
+  int64_t t0, ng, seq, pos0, lo, last, h0, h1, cost;
+};
+
+// The pieces in the order of the single-threaded walk (the sequence of token t0 by
+// searchsorted(cu[1:], t0, side="right"), clipped), each group split into KV-head ranges of
+// `hstep` heads; false when there is nothing to do.
+inline void plan(const Shape& sh, const int32_t* kv_lens, const int32_t* cu_in, int32_t num_seqs,
+                 int32_t window, int64_t hstep, std::vector<Item>& items) {
+  const int64_t S = sh.S, Tn = sh.T;
   const int64_t n = std::clamp<int64_t>(num_seqs, 0, S);
   std::vector<int64_t> cu(S + 1);
   for (int64_t s = 0; s <= S; ++s) cu[s] = cu_in[std::min(s, n)];  // rows past n: empty
   const int64_t end = std::min<int64_t>(cu[n], Tn);
-  const int64_t cap_pos = pps * page;  // positions the page table can hold
-  const int64_t HG = Hq;
-  std::vector<float> qf(kQGroup * Hq * D), m(kQGroup * HG), l(kQGroup * HG),
-      acc(kQGroup * Hq * D), sc(kQGroup * HG * kChunk);
-  const T* rows[kChunk];
+  const int64_t cap_pos = sh.pps * sh.page;  // positions the page table can hold
   int64_t seq = 0;
   for (int64_t t0 = 0; t0 < end;) {
-    // the sequence of token t0: searchsorted(cu[1:], t0, side="right"), clipped
     while (seq < S - 1 && cu[seq + 1] <= t0) ++seq;
     if (cu[seq + 1] <= t0) break;  // past every real row (cu not increasing): nothing left
     const int64_t stop = std::min<int64_t>(cu[seq + 1], end);
     const int64_t ng = std::min<int64_t>(kQGroup, stop - t0);
     const int64_t q_len = cu[seq + 1] - cu[seq];
     const int64_t pos0 = static_cast<int64_t>(kv_lens[seq]) - q_len + (t0 - cu[seq]);
-    // key range of the group: [lo, hi]
+    // key range of the group: [lo, last]
     const int64_t last = std::min(pos0 + ng - 1, cap_pos - 1);
     int64_t lo = 0;
     if (window > 0) lo = std::max<int64_t>(0, pos0 - window + 1);
-    for (int64_t i = 0; i < ng * Hq * D; ++i) qf[i] = load(q, t0 * Hq * D + i);
-    std::fill(m.begin(), m.end(), kNeg);
-    std::fill(l.begin(), l.end(), 0.0f);
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    const int32_t* prow = pages + seq * pps;
-    for (int64_t j0 = lo; j0 <= last; j0 += kChunk) {
-      const int64_t j1 = std::min(last, j0 + kChunk - 1);
-      for (int64_t j = j0; j <= j1; ++j) {
-        const int64_t pid = std::clamp<int64_t>(prow[j / page], 0, P - 1);
-        rows[j - j0] = kv + (pid * page + j % page) * row;
-      }
-      for (int64_t g = 0; g < ng; ++g) {
-        const int64_t pos = pos0 + g;
-        const int64_t a = std::max(j0, window > 0 ? pos - window + 1 : int64_t(0));
-        const int64_t b = std::min(j1, pos);
-        if (a > b) continue;
-        for (int64_t h = 0; h < Hkv; ++h) {
-          for (int64_t gg = 0; gg < G; ++gg) {
-            const int64_t qh = h * G + gg;
-            const float* qv = &qf[(g * Hq + qh) * D];
-            float* s = &sc[(g * HG + qh) * kChunk];
-            float mx = kNeg;
-            for (int64_t j = a; j <= b; ++j) {
-              float x = dot(qv, rows[j - j0] + 2 * h * D, D) * scale;
-              if (cap > 0) x = cap * std::tanh(x / cap);
-              s[j - a] = x;
-              mx = std::max(mx, x);
-            }
-            float& mi = m[g * HG + qh];
-            const float mnew = std::max(mi, mx);
-            const float alpha = std::exp(mi - mnew);
-            float* ac = &acc[(g * Hq + qh) * D];
-            if (alpha != 1.0f) {
-              for (int64_t d = 0; d < D; ++d) ac[d] *= alpha;
-            }
-            float sum = 0.0f;
-            for (int64_t j = a; j <= b; ++j) {
-              const float p = std::exp(s[j - a] - mnew);
-              sum += p;
-              axpy(ac, p, rows[j - j0] + (2 * h + 1) * D, D);
-            }
-            l[g * HG + qh] = l[g * HG + qh] * alpha + sum;
-            mi = mnew;
-          }
-        }
-      }
+    const int64_t span = std::max<int64_t>(0, last - lo + 1);
+    for (int64_t h0 = 0; h0 < sh.Hkv; h0 += hstep) {
+      const int64_t h1 = std::min(sh.Hkv, h0 + hstep);
+      // keys read times query heads (each read is a dot and an axpy over D), plus a fixed part
+      const int64_t cost = (ng * span + 4) * (h1 - h0) * (sh.Hq / sh.Hkv) * sh.D;
+      items.push_back(Item{t0, ng, seq, pos0, lo, last, h0, h1, cost});
     }
-    for (int64_t g = 0; g < ng; ++g)
-      for (int64_t qh = 0; qh < Hq; ++qh) {
-        const float li = l[g * HG + qh];
-        const float inv = li > 0 ? 1.0f / li : 1.0f;
-        float* o = out + ((t0 + g) * Hq + qh) * D;
-        const float* ac = &acc[(g * Hq + qh) * D];
-        for (int64_t d = 0; d < D; ++d) o[d] = ac[d] * inv;
-      }
     t0 += ng;
   }
 }
 
-// one copy per instruction set, picked when the library loads (AVX+FMA where the CPU has them)
-__attribute__((target_clones("fma", "default"))) void attend_f32(
-    const Shape& sh, const float* q, const float* kv, const int32_t* kv_lens,
-    const int32_t* pages, const int32_t* cu, int32_t ns, float scale, int32_t window, float cap,
-    float* out) {
-  attend<float>(sh, q, kv, kv_lens, pages, cu, ns, scale, window, cap, out);
+// Per worker: the group's state (online softmax per token and query head).
+struct Scratch {
+  std::vector<float> qf, m, l, acc, sc;
+  explicit Scratch(const Shape& sh)
+      : qf(kQGroup * sh.Hq * sh.D), m(kQGroup * sh.Hq), l(kQGroup * sh.Hq),
+        acc(kQGroup * sh.Hq * sh.D), sc(kQGroup * sh.Hq * kChunk) {}
+};
+
+// One piece: each (token, query head) row is computed by the same operations in the same order
+// whatever the split (the walk over the group's keys, kChunk at a time; per chunk its tokens,
+// per token its KV heads, per KV head its query heads), so the result does not depend on it.
+template <typename T>
+inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T* q, const T* kv,
+                                                       const int32_t* pages, float scale,
+                                                       int32_t window, float cap, const Item& it,
+                                                       Scratch& w, float* out) {
+  const int64_t Hq = sh.Hq, D = sh.D, page = sh.page, Hkv = sh.Hkv, pps = sh.pps, P = sh.P;
+  const int64_t G = Hq / Hkv, H2 = 2 * Hkv, row = H2 * D;
+  const int64_t HG = Hq;
+  const int64_t t0 = it.t0, ng = it.ng, pos0 = it.pos0, lo = it.lo, last = it.last;
+  const int64_t qh0 = it.h0 * G, qh1 = it.h1 * G;
+  float* qf = w.qf.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* acc = w.acc.data();
+  float* sc = w.sc.data();
+  const T* rows[kChunk];
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t i = (g * Hq + qh0) * D; i < (g * Hq + qh1) * D; ++i)
+      qf[i] = load(q, t0 * Hq * D + i);
+  std::fill(m, m + ng * HG, kNeg);
+  std::fill(l, l + ng * HG, 0.0f);
+  std::fill(acc, acc + ng * Hq * D, 0.0f);
+  const int32_t* prow = pages + it.seq * pps;
+  for (int64_t j0 = lo; j0 <= last; j0 += kChunk) {
+    const int64_t j1 = std::min(last, j0 + kChunk - 1);
+    for (int64_t j = j0; j <= j1; ++j) {
+      const int64_t pid = std::clamp<int64_t>(prow[j / page], 0, P - 1);
+      rows[j - j0] = kv + (pid * page + j % page) * row;
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t pos = pos0 + g;
+      const int64_t a = std::max(j0, window > 0 ? pos - window + 1 : int64_t(0));
+      const int64_t b = std::min(j1, pos);
+      if (a > b) continue;
+      for (int64_t h = it.h0; h < it.h1; ++h) {
+        for (int64_t gg = 0; gg < G; ++gg) {
+          const int64_t qh = h * G + gg;
+          const float* qv = &qf[(g * Hq + qh) * D];
+          float* s = &sc[(g * HG + qh) * kChunk];
+          float mx = kNeg;
+          for (int64_t j = a; j <= b; ++j) {
+            float x = dot(qv, rows[j - j0] + 2 * h * D, D) * scale;
+            if (cap > 0) x = cap * std::tanh(x / cap);
+            s[j - a] = x;
+            mx = std::max(mx, x);
+          }
+          float& mi = m[g * HG + qh];
+          const float mnew = std::max(mi, mx);
+          const float alpha = std::exp(mi - mnew);
+          float* ac = &acc[(g * Hq + qh) * D];
+          if (alpha != 1.0f) {
+            for (int64_t d = 0; d < D; ++d) ac[d] *= alpha;
+          }
+          float sum = 0.0f;
+          for (int64_t j = a; j <= b; ++j) {
+            const float p = std::exp(s[j - a] - mnew);
+            sum += p;
+            axpy(ac, p, rows[j - j0] + (2 * h + 1) * D, D);
+          }
+          l[g * HG + qh] = l[g * HG + qh] * alpha + sum;
+          mi = mnew;
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t qh = qh0; qh < qh1; ++qh) {
+      const float li = l[g * HG + qh];
+      const float inv = li > 0 ? 1.0f / li : 1.0f;
+      float* o = out + ((t0 + g) * Hq + qh) * D;
+      const float* ac = &acc[(g * Hq + qh) * D];
+      for (int64_t d = 0; d < D; ++d) o[d] = ac[d] * inv;
+    }
 }
 
-__attribute__((target_clones("fma", "default"))) void attend_bf16(
-    const Shape& sh, const uint16_t* q, const uint16_t* kv, const int32_t* kv_lens,
-    const int32_t* pages, const int32_t* cu, int32_t ns, float scale, int32_t window, float cap,
-    float* out) {
-  attend<uint16_t>(sh, q, kv, kv_lens, pages, cu, ns, scale, window, cap, out);
+// The pieces items[k] for k taken from `next` until none is left; one copy per instruction set,
+// picked when the library loads (AVX+FMA where the CPU has them).
+struct Args {
+  Shape sh;
+  const void* q;
+  const void* kv;
+  const int32_t* pages;
+  float scale;
+  int32_t window;
+  float cap;
+  float* out;
+  const Item* items;
+  int64_t n;
+};
+
+template <typename T>
+inline __attribute__((always_inline)) int64_t drain(const Args& a, std::atomic<int64_t>& next) {
+  Scratch w(a.sh);
+  int64_t done = 0;
+  for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < a.n; ++done)
+    attend_item<T>(a.sh, static_cast<const T*>(a.q), static_cast<const T*>(a.kv), a.pages,
+                   a.scale, a.window, a.cap, a.items[k], w, a.out);
+  return done;
+}
+
+__attribute__((target_clones("fma", "default"))) int64_t drain_f32(const Args& a,
+                                                                   std::atomic<int64_t>& next) {
+  return drain<float>(a, next);
+}
+
+__attribute__((target_clones("fma", "default"))) int64_t drain_bf16(const Args& a,
+                                                                    std::atomic<int64_t>& next) {
+  return drain<uint16_t>(a, next);
+}
+
+// At most this many threads a call (0: the pool's), and the calls that used the pool's threads
+// the pieces the pool ran (the extern "C" functions below).
+std::atomic<int64_t> g_max_threads{0}, g_split_calls{0}, g_pool_pieces{0};
+
+// The state the caller shares with the pool's tasks; a task may start after the call has
+// returned (it then finds nothing left and only drops its reference).
+struct Job {
+  Args a;
+  bool bf16;
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  // counts k finished pieces; whoever finishes the last one wakes the caller
+  void finish(int64_t k) {
+    if (k && done.fetch_add(k, std::memory_order_acq_rel) + k == a.n) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
+  void work() {
+    const int64_t k = bf16 ? drain_bf16(a, next) : drain_f32(a, next);
+    g_pool_pieces.fetch_add(k, std::memory_order_relaxed);
+    finish(k);
+  }
+};
+
+// Work below this (keys read x query heads x D) runs on the calling thread alone.
+constexpr int64_t kParallelMin = 1 << 15;
+
+// XLA's intra-op pool has no way to wait for a task, and a task may run on the calling thread or
+// start late (or, on a busy pool, after the call): the caller takes pieces like every task and
+// waits only for the pieces another thread has taken (those are running), never for a task to
+// start. Small work runs on the calling thread alone.
+void attend(const Shape& sh, bool bf16, const void* q, const void* kv, const int32_t* kv_lens,
+            const int32_t* pages, const int32_t* cu, int32_t ns, float scale, int32_t window,
+            float cap, float* out, ffi::ThreadPool& pool) {
+  std::fill(out, out + sh.T * sh.Hq * sh.D, 0.0f);
+  std::vector<Item> items;
+  plan(sh, kv_lens, cu, ns, window, sh.Hkv, items);
+  int64_t total = 0;
+  for (const Item& it : items) total += it.cost;
+  int64_t workers = total >= kParallelMin ? pool.num_threads() : 1;
+  const int64_t cap_threads = g_max_threads.load(std::memory_order_relaxed);
+  if (cap_threads > 0) workers = std::min(workers, cap_threads);
+  if (workers > 1 && sh.Hkv > 1 && static_cast<int64_t>(items.size()) < 4 * workers) {
+    items.clear();  // few groups (a long prefill chunk, one long decode): a piece per KV head
+    plan(sh, kv_lens, cu, ns, window, 1, items);
+  }
+  const int64_t n = static_cast<int64_t>(items.size());
+  workers = std::max<int64_t>(1, std::min(workers, n));
+  if (workers > 1)  // largest first, so that the last pieces taken are small
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  auto job = std::make_shared<Job>();
+  job->a = Args{sh, q, kv, pages, scale, window, cap, out, items.data(), n};
+  job->bf16 = bf16;
+  if (workers > 1) g_split_calls.fetch_add(1, std::memory_order_relaxed);
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule([job] { job->work(); });
+  const int64_t mine = bf16 ? drain_bf16(job->a, job->next) : drain_f32(job->a, job->next);
+  job->finish(mine);
+  // the pieces other threads still run: a short spin (they are small, largest first), then sleep
+  for (int i = 0; i < 64 && job->done.load(std::memory_order_acquire) < n; ++i)
+    std::this_thread::yield();
+  if (job->done.load(std::memory_order_acquire) < n) {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) >= n; });
+  }
 }
 
 ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> cu,
                               ffi::Buffer<ffi::S32> num_seqs, float scale, int32_t window,
-                              float cap, ffi::ResultBuffer<ffi::F32> out) {
+                              float cap, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ThreadPool pool) {
   auto qd = q.dimensions();
   auto kd = kv.dimensions();
   auto pd = pages.dimensions();
@@ -196,23 +335,27 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<f
     std::fill(out->typed_data(), out->typed_data() + sh.T * sh.Hq * sh.D, 0.0f);
     return ffi::Error::Success();
   }
-  if (q.element_type() == ffi::F32) {
-    attend_f32(sh, reinterpret_cast<const float*>(q.untyped_data()),
-                  reinterpret_cast<const float*>(kv.untyped_data()), kv_lens.typed_data(),
-                  pages.typed_data(), cu.typed_data(), ns, scale, window, cap,
-                  out->typed_data());
-  } else if (q.element_type() == ffi::BF16) {
-    attend_bf16(sh, reinterpret_cast<const uint16_t*>(q.untyped_data()),
-                     reinterpret_cast<const uint16_t*>(kv.untyped_data()), kv_lens.typed_data(),
-                     pages.typed_data(), cu.typed_data(), ns, scale, window, cap,
-                     out->typed_data());
-  } else {
+  if (q.element_type() != ffi::F32 && q.element_type() != ffi::BF16)
     return ffi::Error::InvalidArgument("paged attention: float32 or bfloat16 only");
-  }
+  attend(sh, q.element_type() == ffi::BF16, q.untyped_data(), kv.untyped_data(),
+         kv_lens.typed_data(), pages.typed_data(), cu.typed_data(), ns, scale, window, cap,
+         out->typed_data(), pool);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// Sets the most threads a call may use (0: as many as XLA's intra-op pool has; 1: the calling
+// thread alone) and returns the previous value.
+extern "C" int64_t torchtpu_cpu_attention_threads(int64_t n) {
+  return g_max_threads.exchange(std::max<int64_t>(0, n));
+}
+
+// How many calls so far split their work over the pool's threads.
+extern "C" int64_t torchtpu_cpu_attention_split_calls() { return g_split_calls.load(); }
+
+// How many pieces so far the pool's tasks ran (the rest ran on the calling threads).
+extern "C" int64_t torchtpu_cpu_attention_pool_pieces() { return g_pool_pieces.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchtpuCpuPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
@@ -225,4 +368,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TorchtpuCpuPagedAttention, PagedAttentionImpl,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ctx<ffi::ThreadPool>());
