@@ -157,6 +157,32 @@ def kernel(fn, lowering):
     return k
 
 
+def boxed_wanted() -> bool:
+    return os.environ.get("TORCHTPU_FASTPATH_BOXED", "1") not in ("0", "")
+
+
+def bind_boxed(ns: str, name: str, fn) -> bool:
+    """Register ``fn`` as ``ns::name``'s PrivateUse1 kernel as a boxed C++ kernel when it is a
+    fast-path Kernel (the dispatcher hands it the IValue stack: no PythonKernelHolder); False
+    where it is not one, or ``TORCHTPU_FASTPATH_BOXED=0`` (the caller binds it through
+    torch.library, as a Python callable)."""
+    ext = _state["ext"]
+    if ext is None or type(fn) is not ext.Kernel or not boxed_wanted():
+        return False
+    ext.bind_boxed(ns, name, fn)
+    _metrics.count("eager_fastpath_boxed_bound")
+    return True
+
+
+def check_keys(flag: bool) -> None:
+    """Tests: make every boxed call also build the key ``Kernel_serve`` makes from the Python
+    arguments PythonKernelHolder would pass, counting ``eager_fastpath_key_mismatches`` where
+    the two differ."""
+    ext = _state["ext"]
+    if ext is not None:
+        ext.set_check_keys(bool(flag))
+
+
 def cpu_redispatch(op) -> bool:
     """Bind metadata-only op ``op``'s PrivateUse1 kernel to PyTorch's CPU kernel in C++ (the
     boxed redispatch eager/kernels.py does from Python, without the Python frame); False
