@@ -984,10 +984,13 @@ done:
 
 // The recording path of Kernel_serve (the key made): replay an entry, or run `record` with
 // this thread's pending key set (it may install one).
+
 PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs);
 
-PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::string& key,
-                        const Tensors& ts, bool* served) {
+// `fwd()`: the Python kernel's call (new reference or nullptr with a Python error set), made
+// with this thread's pending key set where no entry serves the call.
+template <class Fwd>
+PyObject* record_or(Kernel* self, Fwd&& fwd, std::string& key, const Tensors& ts, bool* served) {
   FusedHold hold;  // not held: another thread owns the graph, the Python path waits for it
   auto it = hold.held ? self->ftable->find(key) : self->ftable->end();
   if (it != self->ftable->end()) {
@@ -1029,9 +1032,14 @@ PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::str
   pending.fused = true;
   Pending* saved = tl_pending;
   tl_pending = &pending;
-  PyObject* res = forward(self, args, kwargs);
+  PyObject* res = fwd();
   tl_pending = saved;
   return res;
+}
+
+PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::string& key,
+                        const Tensors& ts, bool* served) {
+  return record_or(self, [&]() { return forward(self, args, kwargs); }, key, ts, served);
 }
 
 // ---- the Kernel type ----
@@ -1575,7 +1583,7 @@ PyObject* m_cpu_redispatch(PyObject*, PyObject* args) {
 // Python once, as the holder does, and calls the Kernel (Kernel_call: what ran before).
 
 struct Boxed;
-PyObject *c_boxed_hits, *c_key_mismatches;
+PyObject *c_boxed_hits, *c_boxed_records, *c_key_mismatches;
 bool g_check_keys = false;  // tests: compare every boxed key with Kernel_serve's
 
 // An argument's kind by its schema type (Optional[T] counts as T), as the holder converts it.
@@ -1885,10 +1893,14 @@ struct Boxed final : public c10::OperatorKernel {
       return;
     }
     PyObject* mode = PyDict_GetItemWithError(g_mode_state, s_mode);  // borrowed
-    if (mode != g_strict) {  // Debug, Fused (recording), or unreadable: the Python route
+    bool fused = false;
+    if (mode != g_strict) {  // Debug, Fused before setup_fused, or unreadable: the Python route
       if (mode == nullptr) PyErr_Clear();
-      python(op, stack, s);
-      return;
+      if (mode == nullptr || g_fused == nullptr || mode != g_fused) {
+        python(op, stack, s);
+        return;
+      }
+      fused = true;  // DEFER_AND_FUSE: recorded (record_or), from the stack
     }
     std::string key;
     key.swap(tl_key_spare);
@@ -1945,6 +1957,26 @@ struct Boxed final : public c10::OperatorKernel {
         if (kernel->reads_precision && !key_precision(pk)) throw python_error();
       }
       if (!pok || pk != key) bump(c_key_mismatches);
+    }
+    if (fused) {
+      bool dropped = false;
+      PyObject* res = record_or(kernel, [&]() -> PyObject* {
+        PyObject *pargs = nullptr, *pkw = nullptr;  // (as the holder: arguments off the stack)
+        if (!to_python(schema, kinds, args, s, &pargs, &pkw)) return nullptr;
+        torch::jit::drop(*stack, n);
+        dropped = true;
+        PyObject* out = forward(kernel, pargs, pkw);
+        Py_DECREF(pargs);
+        Py_XDECREF(pkw);
+        return out;
+      }, key, ts, served);
+      if (res == nullptr) throw python_error();
+      py::object hold = py::reinterpret_steal<py::object>(res);
+      ts.clear();
+      if (!dropped) torch::jit::drop(*stack, n);
+      if (*served) bump(c_boxed_records);
+      push_result(op.schema().returns(), stack, res);
+      return;
     }
     auto it = kernel->table->find(key);
     if (it == kernel->table->end()) {
@@ -2414,6 +2446,7 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   c_installs = intern("eager_fastpath_installs");
   c_full = intern("eager_fastpath_table_resets");
   c_boxed_hits = intern("eager_fastpath_boxed_hits");
+  c_boxed_records = intern("fused_fastpath_boxed_records");
   c_key_mismatches = intern("eager_fastpath_key_mismatches");
   s_nodes = intern("nodes");
   s_inputs = intern("inputs");
