@@ -181,6 +181,20 @@ def test_opinfo_subset_keys_match():
     assert _c("eager_fastpath_boxed_hits") > bh
 
 
+@pytest.mark.slow
+def test_opinfo_all_keys_match():
+    """Every OpInfo op test_fastpath compares (its slow set included): no key differs."""
+    from test_fastpath import _opinfo_case, _opinfo_keys
+
+    mm = _c("eager_fastpath_key_mismatches")
+    for key in _opinfo_keys(1):
+        try:
+            _opinfo_case(key)
+        except pytest.skip.Exception:
+            pass
+    assert _c("eager_fastpath_key_mismatches") == mm
+
+
 SWITCH = r'''
 import torch, torchtpu
 a = torch.ones(3, device="tpu")
@@ -202,3 +216,26 @@ def test_boxed_switch(value, want):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")] == [want], r.stdout[-2000:]
+
+
+def test_fused_recording_from_the_stack():
+    """Fused mode: a key recorded before is replayed by the boxed kernel (no holder, no
+    Python arguments); results equal the Python recording's, keys equal Kernel_serve's."""
+    a, b = _rand(8, 8), _rand(8, 8, seed=1)
+
+    def step():
+        c = torch.add(a, b, alpha=2) * 2.5
+        return torch.cat([c, a], 0).sum(1, keepdim=True).cpu()
+
+    fastpath.set_enabled(False)
+    torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE)
+    ref = step()
+    fastpath.set_enabled(True)
+    step()
+    r, br = _c("fused_fastpath_records"), _c("fused_fastpath_boxed_records")
+    mm = _c("eager_fastpath_key_mismatches")
+    got = step()
+    assert _c("fused_fastpath_boxed_records") - br == 4
+    assert _c("fused_fastpath_records") - r == 4
+    assert _c("eager_fastpath_key_mismatches") == mm
+    assert torch.equal(got, ref)
