@@ -177,8 +177,17 @@ def bind_boxed(ns: str, name: str, fn) -> bool:
     if ext is None or type(fn) is not ext.Kernel or not boxed_wanted():
         return False
     ext.bind_boxed(ns, name, fn)
+    _boxed.append(f"{ns}::{name}")
     _metrics.count("eager_fastpath_boxed_bound")
     return True
+
+
+_boxed: list = []  # the ops whose Kernel is bound boxed
+
+
+def boxed_bound() -> list:
+    """The ops (``ns::name.overload``) whose PrivateUse1 kernel is the boxed Kernel."""
+    return list(_boxed)
 
 
 def check_keys(flag: bool) -> None:
