@@ -11,11 +11,13 @@ the leaf up:
     execute          PJRT's Execute (with synchronous XLA:CPU dispatch, the program's run)
   ready check        ArrayImpl.is_ready on the result (inflight.note's first check, in C++)
   output             the output tensor, its storage and Buffer (fastpath.cpp ``wrap``)
-  our code           the rest of ``Kernel_serve``: the key (``key_of``), the table lookup, the
+  our code           the rest of ``Kernel_serve`` (or of the boxed kernel, ``Boxed``, keying
+                     the IValue stack: ``key_ivalue``): the key (``key_of``), the table lookup, the
                      input storages' Buffers and arrays (``storage_buffer``, ``gather``: mostly
                      inlined), the entry match, the counters (``bump``)
   kernel holder      torch.library's PythonKernelHolder: the IValues to Python arguments and the
-                     Python result back (what a boxed C++ kernel would not pay)
+                     Python result back (the boxed kernel does not pay it on a hit;
+                     TORCHTPU_FASTPATH_BOXED=0 binds the Kernels through it, as before)
   dispatcher         the rest of torch's call (Python argument parsing, autograd, dispatch)
   free result        deallocating the previous result (tensor, storage, Buffer, jax array)
   other              the Python loop itself and what no stage above holds
@@ -44,6 +46,7 @@ STAGES = [  # (stage, frame substring), first match from the leaf up
     ("output", "(anonymous namespace)::wrap"),
     ("output", "(anonymous namespace)::tensor_on"),
     ("our code", "(anonymous namespace)::Kernel_serve"),
+    ("our code", "(anonymous namespace)::Boxed::"),
     ("kernel holder", "PythonKernelHolder::operator()"),
     ("free result", "THPVariable_dealloc"),
     ("free result", "subtype_dealloc"),

@@ -30,6 +30,10 @@
 #include <torch/csrc/MemoryFormat.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
 
 #include <torch/library.h>
 
@@ -980,10 +984,13 @@ done:
 
 // The recording path of Kernel_serve (the key made): replay an entry, or run `record` with
 // this thread's pending key set (it may install one).
+
 PyObject* forward(Kernel* self, PyObject* args, PyObject* kwargs);
 
-PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::string& key,
-                        const Tensors& ts, bool* served) {
+// `fwd()`: the Python kernel's call (new reference or nullptr with a Python error set), made
+// with this thread's pending key set where no entry serves the call.
+template <class Fwd>
+PyObject* record_or(Kernel* self, Fwd&& fwd, std::string& key, const Tensors& ts, bool* served) {
   FusedHold hold;  // not held: another thread owns the graph, the Python path waits for it
   auto it = hold.held ? self->ftable->find(key) : self->ftable->end();
   if (it != self->ftable->end()) {
@@ -1025,9 +1032,14 @@ PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::str
   pending.fused = true;
   Pending* saved = tl_pending;
   tl_pending = &pending;
-  PyObject* res = forward(self, args, kwargs);
+  PyObject* res = fwd();
   tl_pending = saved;
   return res;
+}
+
+PyObject* Kernel_record(Kernel* self, PyObject* args, PyObject* kwargs, std::string& key,
+                        const Tensors& ts, bool* served) {
+  return record_or(self, [&]() { return forward(self, args, kwargs); }, key, ts, served);
 }
 
 // ---- the Kernel type ----
@@ -1558,6 +1570,485 @@ PyObject* m_cpu_redispatch(PyObject*, PyObject* args) {
 }
 
 
+// ---- the boxed kernel: the dispatcher's IValue stack, without PythonKernelHolder ----
+// A functional op's PrivateUse1 kernel is registered as this boxed C++ functor (bind_boxed):
+// the dispatcher calls it with the IValue stack, where torch.library's PythonKernelHolder
+// turned the stack into a Python argument tuple and keyword dict for the Kernel and its
+// result back into IValues. It keys the stack itself, with the key `Kernel_serve` makes from
+// the Python arguments the holder would have built (parseIValuesToPyArgsKwargs: positional
+// arguments up to the last one that is not its default, keyword-only ones that are not their
+// default, by name; dtypes, layouts and memory formats by the schema's type); so entries the
+// Python executor installs under Kernel_serve's key match here. A Strict hit is served from
+// the stack (the output tensors pushed as at::Tensors); anything else converts the stack to
+// Python once, as the holder does, and calls the Kernel (Kernel_call: what ran before).
+
+struct Boxed;
+PyObject *c_boxed_hits, *c_boxed_records, *c_key_mismatches;
+bool g_check_keys = false;  // tests: compare every boxed key with Kernel_serve's
+
+// An argument's kind by its schema type (Optional[T] counts as T), as the holder converts it.
+enum ArgKind : int8_t { A_OTHER, A_DTYPE, A_LAYOUT, A_MFORMAT };
+
+bool key_ivalue(const c10::IValue& v, std::string& k, Tensors& ts, int depth);
+
+bool key_at_tensor(const at::Tensor& t, std::string& k, Tensors& ts) {
+  if (!t.defined()) { k.push_back('N'); return true; }  // (the holder passes None)
+  auto* impl = t.unsafeGetTensorImpl();
+  PyObject* obj = impl->pyobj_slot()->load_pyobj();
+  if (impl->is_wrapped_number()) {
+    // `x * 2.5`: the holder passes the Python scalar (toPyObject: by the tensor's dtype;
+    // one with a Python object may carry its own `_wrapped_number`: the Python route)
+    if (obj != nullptr || t.device().type() != c10::DeviceType::CPU) return false;
+    switch (t.scalar_type()) {
+      case c10::ScalarType::Double:
+        k.push_back('f');
+        put<double>(k, *t.const_data_ptr<double>());
+        return true;
+      case c10::ScalarType::Long:
+        k.push_back('i');
+        put<int64_t>(k, *t.const_data_ptr<int64_t>());
+        return true;
+      case c10::ScalarType::Bool:
+        k.push_back(*t.const_data_ptr<bool>() ? 'B' : 'b');
+        return true;
+      case c10::ScalarType::ComplexDouble: {
+        auto c = *t.const_data_ptr<c10::complex<double>>();
+        k.push_back('c');
+        put<double>(k, c.real());
+        put<double>(k, c.imag());
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+  // the holder passes the tensor's own Python object if it has one: Kernel_serve keys only an
+  // exact torch.Tensor
+  if (obj != nullptr && !THPVariable_CheckTypeExact(Py_TYPE(obj))) return false;
+  const auto& dev = impl->device();
+  if (dev.type() != c10::DeviceType::PrivateUse1 || dev.index() != 0) return false;
+  if (impl->layout() != c10::kStrided || impl->is_nested() || !impl->has_storage()) return false;
+  if (impl->key_set().has(c10::DispatchKey::Python)) return false;
+  k.push_back('T');
+  put<int8_t>(k, static_cast<int8_t>(impl->dtype().toScalarType()));
+  put<int8_t>(k, static_cast<int8_t>(impl->is_conj() | (impl->is_neg() << 1)));
+  auto sizes = impl->sizes();
+  auto strides = impl->strides();
+  put<int32_t>(k, static_cast<int32_t>(sizes.size()));
+  for (auto s : sizes) put<int64_t>(k, s);
+  for (auto s : strides) put<int64_t>(k, s);
+  put<int64_t>(k, impl->storage_offset());
+  ts.push_back(t);
+  return true;
+}
+
+// key_of of what torch::jit::toPyObject(v) returns (schema-unaware: list items).
+bool key_ivalue(const c10::IValue& v, std::string& k, Tensors& ts, int depth) {
+  if (v.isTensor()) return key_at_tensor(v.toTensor(), k, ts);
+  if (v.isNone()) { k.push_back('N'); return true; }
+  if (v.isBool()) { k.push_back(v.toBool() ? 'B' : 'b'); return true; }
+  if (v.isInt()) { k.push_back('i'); put<int64_t>(k, v.toInt()); return true; }
+  if (v.isSymInt()) {
+    auto s = v.toSymInt();
+    auto m = s.maybe_as_int();
+    if (!m.has_value()) return false;  // a symbolic int: a SymInt object in Python
+    k.push_back('i');
+    put<int64_t>(k, *m);
+    return true;
+  }
+  if (v.isDouble()) { k.push_back('f'); put<double>(k, v.toDouble()); return true; }
+  if (v.isComplexDouble()) {
+    auto c = v.toComplexDouble();
+    k.push_back('c');
+    put<double>(k, c.real());
+    put<double>(k, c.imag());
+    return true;
+  }
+  if (v.isString()) {
+    const auto& s = v.toStringRef();
+    k.push_back('s');
+    put<int64_t>(k, static_cast<int64_t>(s.size()));
+    k.append(s.data(), s.size());
+    return true;
+  }
+  if (v.isDevice()) {
+    auto d = v.toDevice();
+    k.push_back('D');
+    put<int8_t>(k, static_cast<int8_t>(d.type()));
+    put<int8_t>(k, static_cast<int8_t>(d.index()));
+    return true;
+  }
+  if (v.isList()) {  // (a Python list)
+    if (depth > 2) return false;
+    auto list = v.toListRef();
+    k.push_back('L');
+    put<int64_t>(k, static_cast<int64_t>(list.size()));
+    for (const auto& item : list)
+      if (!key_ivalue(item, k, ts, depth + 1)) return false;
+    return true;
+  }
+  if (v.isTuple()) {
+    if (depth > 2) return false;
+    const auto& elems = v.toTupleRef().elements();
+    k.push_back('U');
+    put<int64_t>(k, static_cast<int64_t>(elems.size()));
+    for (const auto& item : elems)
+      if (!key_ivalue(item, k, ts, depth + 1)) return false;
+    return true;
+  }
+  return false;  // generators, symbolic floats, ...: the Python path
+}
+
+bool key_arg(ArgKind kind, const c10::IValue& v, std::string& k, Tensors& ts) {
+  if (v.isNone()) { k.push_back('N'); return true; }
+  switch (kind) {
+    case A_DTYPE:
+      k.push_back('d');
+      put<int8_t>(k, static_cast<int8_t>(v.toInt()));
+      return true;
+    case A_LAYOUT:
+      k.push_back('l');
+      put<int8_t>(k, static_cast<int8_t>(v.toInt()));
+      return true;
+    case A_MFORMAT:
+      k.push_back('m');
+      put<int8_t>(k, static_cast<int8_t>(v.toInt()));
+      return true;
+    default:
+      return key_ivalue(v, k, ts, 0);
+  }
+}
+
+ArgKind arg_kind(const c10::Argument& arg) {
+  auto is = [&](c10::TypeKind kind) {
+    const auto& t = arg.real_type();
+    if (t->kind() == kind) return true;
+    if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType()->kind() == kind;
+    return false;
+  };
+  if (is(c10::ScalarTypeType::Kind)) return A_DTYPE;
+  if (is(c10::LayoutType::Kind)) return A_LAYOUT;
+  if (is(c10::MemoryFormatType::Kind)) return A_MFORMAT;
+  return A_OTHER;
+}
+
+// The split the holder makes (parseIValuesToPyArgsKwargs): positional arguments [0, npos),
+// keyword arguments from kw_start on that are not their default.
+struct ArgSplit {
+  size_t npos = 0, kw_start = 0, n = 0;
+};
+
+inline bool is_default(const c10::Argument& a, const c10::IValue& v) {
+  const auto& d = a.default_value();
+  return d.has_value() && *d == v;
+}
+
+ArgSplit split_args(const std::vector<c10::Argument>& schema, const c10::IValue* args, size_t n) {
+  ArgSplit s;
+  s.n = n;
+  size_t kwarg_only_start = n;
+  for (; kwarg_only_start > 0; kwarg_only_start--)
+    if (!schema[kwarg_only_start - 1].kwarg_only()) break;
+  s.npos = kwarg_only_start;
+  for (; s.npos > 0; s.npos--)
+    if (!is_default(schema[s.npos - 1], args[s.npos - 1])) break;
+  s.kw_start = kwarg_only_start;
+  return s;
+}
+
+// The Python (args, kwargs) the holder would pass; false with a Python error set.
+bool to_python(const std::vector<c10::Argument>& schema, const std::vector<ArgKind>& kinds,
+               const c10::IValue* args, const ArgSplit& s, PyObject** pargs, PyObject** pkw) {
+  auto conv = [&](size_t i) -> PyObject* {
+    const c10::IValue& v = args[i];
+    if (v.isNone()) Py_RETURN_NONE;
+    switch (kinds[i]) {
+      case A_DTYPE:
+        return Py_NewRef(reinterpret_cast<PyObject*>(
+            torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+      case A_LAYOUT:
+        return Py_NewRef(reinterpret_cast<PyObject*>(
+            torch::getTHPLayout(static_cast<c10::Layout>(v.toInt()))));
+      case A_MFORMAT:
+        return Py_NewRef(torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(v.toInt())));
+      default:
+        return torch::jit::toPyObject(v).release().ptr();
+    }
+  };
+  PyObject* tup = PyTuple_New(static_cast<Py_ssize_t>(s.npos));
+  if (tup == nullptr) return false;
+  for (size_t i = 0; i < s.npos; i++) {
+    PyObject* o = conv(i);
+    if (o == nullptr) { Py_DECREF(tup); return false; }
+    PyTuple_SET_ITEM(tup, i, o);
+  }
+  PyObject* kw = nullptr;
+  for (size_t i = s.kw_start; i < s.n; i++) {
+    if (is_default(schema[i], args[i])) continue;
+    if (kw == nullptr && (kw = PyDict_New()) == nullptr) { Py_DECREF(tup); return false; }
+    PyObject* o = conv(i);
+    if (o == nullptr || PyDict_SetItemString(kw, schema[i].name().c_str(), o) < 0) {
+      Py_XDECREF(o);
+      Py_DECREF(kw);
+      Py_DECREF(tup);
+      return false;
+    }
+    Py_DECREF(o);
+  }
+  *pargs = tup;
+  *pkw = kw;
+  return true;
+}
+
+// Push the Kernel's Python result as the holder does (pushPyOutToStack).
+void push_result(const std::vector<c10::Argument>& rets, torch::jit::Stack* stack, PyObject* out) {
+  size_t nr = rets.size();
+  if (nr == 0) {
+    TORCH_CHECK(out == Py_None, "Expected the fast path's kernel to return None");
+    return;
+  }
+  auto one = [&](PyObject* o, const c10::Argument& r) {
+    if (THPVariable_CheckExact(o) && r.real_type()->kind() == c10::TypeKind::TensorType) {
+      stack->emplace_back(THPVariable_Unpack(o));  // (toIValue's answer, without its checks)
+      return;
+    }
+    stack->emplace_back(torch::jit::toIValue(o, r.real_type()));
+  };
+  if (nr == 1) {
+    one(out, rets[0]);
+    return;
+  }
+  if (PyTuple_CheckExact(out) && PyTuple_GET_SIZE(out) == static_cast<Py_ssize_t>(nr)) {
+    for (size_t i = 0; i < nr; i++) one(PyTuple_GET_ITEM(out, i), rets[i]);
+    return;
+  }
+  auto seq = py::reinterpret_borrow<py::sequence>(out);
+  for (size_t i = 0; i < seq.size(); i++) one(seq[i].ptr(), rets[i]);
+}
+
+struct Boxed final : public c10::OperatorKernel {
+  Kernel* kernel;  // owned (never released: the registration lives as long as the process)
+  std::vector<ArgKind> kinds;  // per schema argument (set on the first call)
+  bool ready = false;
+  explicit Boxed(Kernel* k) : kernel(k) { Py_INCREF(reinterpret_cast<PyObject*>(k)); }
+
+  // the Python route: the stack to Python once, the Kernel (what the holder called), back
+  void python(const c10::OperatorHandle& op, torch::jit::Stack* stack, const ArgSplit& s) {
+    const auto& schema = op.schema().arguments();
+    const c10::IValue* args = stack->data() + (stack->size() - s.n);
+    PyObject *pargs = nullptr, *pkw = nullptr;
+    if (!to_python(schema, kinds, args, s, &pargs, &pkw)) throw python_error();
+    torch::jit::drop(*stack, s.n);
+    PyObject* out = Kernel_call(reinterpret_cast<PyObject*>(kernel), pargs, pkw);
+    Py_DECREF(pargs);
+    Py_XDECREF(pkw);
+    if (out == nullptr) throw python_error();
+    py::object hold = py::reinterpret_steal<py::object>(out);
+    push_result(op.schema().returns(), stack, out);
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    py::gil_scoped_acquire gil;
+    bool served = false;
+    if (!g_timing.on) {
+      serve(op, stack, &served);
+      return;
+    }
+    // timed as Kernel_call times (a Kernel_call inside is not outermost)
+    tl_depth++;
+    long long t0 = tl_depth == 1 ? now_ns() : 0;
+    if (tl_depth == 1) tl_call_ns = 0;
+    try {
+      serve(op, stack, &served);
+    } catch (...) {
+      tl_depth--;
+      throw;
+    }
+    if (tl_depth == 1) {
+      long long dt = now_ns() - t0;
+      if (served) {
+        g_timing.hits++;
+        g_timing.hit_ns += dt;
+        g_timing.call_ns += tl_call_ns;
+      } else {
+        g_timing.python++;
+        g_timing.python_ns += dt;
+      }
+    }
+    tl_depth--;
+  }
+
+  void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool* served) {
+    const auto& schema = op.schema().arguments();
+    size_t n = schema.size();
+    if (!ready) {
+      kinds.clear();
+      for (const auto& a : schema) kinds.push_back(arg_kind(a));
+      ready = true;
+    }
+    const c10::IValue* args = stack->data() + (stack->size() - n);
+    ArgSplit s = split_args(schema, args, n);
+    if (!g_enabled || g_mode_state == nullptr) {
+      python(op, stack, s);
+      return;
+    }
+    PyObject* mode = PyDict_GetItemWithError(g_mode_state, s_mode);  // borrowed
+    bool fused = false;
+    if (mode != g_strict) {  // Debug, Fused before setup_fused, or unreadable: the Python route
+      if (mode == nullptr) PyErr_Clear();
+      if (mode == nullptr || g_fused == nullptr || mode != g_fused) {
+        python(op, stack, s);
+        return;
+      }
+      fused = true;  // DEFER_AND_FUSE: recorded (record_or), from the stack
+    }
+    std::string key;
+    key.swap(tl_key_spare);
+    key.clear();
+    if (key.capacity() < 128) key.reserve(128);
+    struct KeyBack {
+      std::string& k;
+      ~KeyBack() {
+        if (k.capacity() > tl_key_spare.capacity()) tl_key_spare.swap(k);
+      }
+    } key_back{key};
+    Tensors ts;
+    bool ok = true;
+    put<int32_t>(key, static_cast<int32_t>(s.npos));
+    for (size_t i = 0; ok && i < s.npos; i++) ok = key_arg(kinds[i], args[i], key, ts);
+    for (size_t i = s.kw_start; ok && i < n; i++) {
+      if (is_default(schema[i], args[i])) continue;
+      key.push_back('k');
+      const auto& nm = schema[i].name();
+      key.append(nm.c_str(), nm.size() + 1);
+      ok = key_arg(kinds[i], args[i], key, ts);
+    }
+    if (!ok) {  // Kernel_serve decides (and counts it uncacheable)
+      python(op, stack, s);
+      return;
+    }
+    put<int8_t>(key, static_cast<int8_t>(c10::get_default_dtype_as_scalartype()));
+    if (kernel->reads_precision && !key_precision(key)) throw python_error();
+    if (g_check_keys) {  // the key Kernel_serve makes from the holder's arguments
+      PyObject *pargs = nullptr, *pkw = nullptr;
+      if (!to_python(schema, kinds, args, s, &pargs, &pkw)) throw python_error();
+      std::string pk;
+      Tensors pts;
+      bool pok = true;
+      Py_ssize_t np = PyTuple_GET_SIZE(pargs);
+      put<int32_t>(pk, static_cast<int32_t>(np));
+      for (Py_ssize_t i = 0; pok && i < np; i++) pok = key_of(PyTuple_GET_ITEM(pargs, i), pk, pts, 0);
+      if (pok && pkw != nullptr) {
+        Py_ssize_t pos = 0;
+        PyObject *kk, *vv;
+        while (pok && PyDict_Next(pkw, &pos, &kk, &vv)) {
+          Py_ssize_t len = 0;
+          const char* cs = PyUnicode_AsUTF8AndSize(kk, &len);
+          if (cs == nullptr) { PyErr_Clear(); pok = false; break; }
+          pk.push_back('k');
+          pk.append(cs, len + 1);
+          pok = key_of(vv, pk, pts, 0);
+        }
+      }
+      Py_DECREF(pargs);
+      Py_XDECREF(pkw);
+      if (pok) {
+        put<int8_t>(pk, static_cast<int8_t>(c10::get_default_dtype_as_scalartype()));
+        if (kernel->reads_precision && !key_precision(pk)) throw python_error();
+      }
+      if (!pok || pk != key) bump(c_key_mismatches);
+    }
+    if (fused) {
+      bool dropped = false;
+      PyObject* res = record_or(kernel, [&]() -> PyObject* {
+        PyObject *pargs = nullptr, *pkw = nullptr;  // (as the holder: arguments off the stack)
+        if (!to_python(schema, kinds, args, s, &pargs, &pkw)) return nullptr;
+        torch::jit::drop(*stack, n);
+        dropped = true;
+        PyObject* out = forward(kernel, pargs, pkw);
+        Py_DECREF(pargs);
+        Py_XDECREF(pkw);
+        return out;
+      }, key, ts, served);
+      if (res == nullptr) throw python_error();
+      py::object hold = py::reinterpret_steal<py::object>(res);
+      ts.clear();
+      if (!dropped) torch::jit::drop(*stack, n);
+      if (*served) bump(c_boxed_records);
+      push_result(op.schema().returns(), stack, res);
+      return;
+    }
+    auto it = kernel->table->find(key);
+    if (it == kernel->table->end()) {
+      python(op, stack, s);  // a miss: Kernel_serve counts it, may install
+      return;
+    }
+    std::shared_ptr<Entry> e;  // kept alive while the GIL may be released
+    InArrays in;
+    if (gather(ts, in)) {
+      for (auto& v : it->second)
+        if (matches(*v, in)) { e = v; break; }
+    }
+    if (!e) {
+      in.clear();
+      python(op, stack, s);  // Kernel_serve counts the fallback
+      return;
+    }
+    ts.clear();  // (the stack's own references remain until the drop)
+    PyObject* res = nullptr;
+    HitResult r = hit(kernel, *e, in, &res);
+    if (r == HIT_ERROR) throw python_error();
+    if (r == HIT_FALLBACK) {
+      auto again = kernel->table->find(key);  // (the call may have changed the table)
+      if (again != kernel->table->end()) {
+        auto& vs = again->second;
+        for (size_t i = 0; i < vs.size(); i++)
+          if (vs[i] == e) { vs.erase(vs.begin() + i); break; }
+        if (vs.empty()) kernel->table->erase(again);
+      }
+      python(op, stack, s);
+      return;
+    }
+    bump(c_hits);
+    bump(c_cache_hits);
+    bump(c_boxed_hits);
+    *served = true;
+    torch::jit::drop(*stack, n);
+    py::object hold = py::reinterpret_steal<py::object>(res);
+    push_result(op.schema().returns(), stack, res);
+  }
+};
+
+// bind_boxed(namespace, name, kernel): register `kernel` (a Kernel) as `namespace::name`'s
+// PrivateUse1 kernel, boxed (name with its overload, "add.Tensor").
+PyObject* m_bind_boxed(PyObject*, PyObject* args) {
+  const char *ns, *name;
+  PyObject* k;
+  if (!PyArg_ParseTuple(args, "ssO!", &ns, &name, &KernelType, &k)) return nullptr;
+  try {
+    auto& libs = libraries();
+    auto it = libs.find(ns);
+    if (it == libs.end())
+      it = libs.emplace(ns, new torch::Library(torch::Library::IMPL, ns,
+                                               c10::DispatchKey::PrivateUse1, __FILE__, __LINE__))
+               .first;
+    it->second->impl(name, torch::CppFunction::makeFromBoxedFunctor(
+                               std::make_unique<Boxed>(reinterpret_cast<Kernel*>(k))));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* m_set_check_keys(PyObject*, PyObject* arg) {
+  int v = PyObject_IsTrue(arg);
+  if (v < 0) return nullptr;
+  g_check_keys = v != 0;
+  Py_RETURN_NONE;
+}
+
+
 // ---- the device guard, without its Python frame ----
 // PyTorch's Python backend registration (torch._C._acc) makes the PrivateUse1 device guard a
 // pybind11 object whose type() calls the Python method `type_` (device/registration.py's
@@ -1899,6 +2390,10 @@ PyMethodDef module_methods[] = {
     {"set_device_count", m_set_device_count, METH_O,
      "the device count the guard answers (0: the guard behind's)"},
     {"setup", m_setup, METH_VARARGS, "the Python objects the hot path reads"},
+    {"bind_boxed", m_bind_boxed, METH_VARARGS,
+     "register a Kernel as an op's boxed PrivateUse1 kernel (no PythonKernelHolder)"},
+    {"set_check_keys", m_set_check_keys, METH_O,
+     "tests: compare each boxed key with the one Kernel_serve makes (eager_fastpath_key_mismatches)"},
     {"set_enabled", m_set_enabled, METH_O, "serve hits (True) or run every call in Python"},
     {"set_precision_state", m_set_precision_state, METH_O,
      "JAX's default_matmul_precision config state, read for ops that read the precision"},
@@ -1950,6 +2445,9 @@ PyMODINIT_FUNC PyInit_torchtpu_fastpath(void) {
   c_errors = intern("eager_fastpath_fallbacks");
   c_installs = intern("eager_fastpath_installs");
   c_full = intern("eager_fastpath_table_resets");
+  c_boxed_hits = intern("eager_fastpath_boxed_hits");
+  c_boxed_records = intern("fused_fastpath_boxed_records");
+  c_key_mismatches = intern("eager_fastpath_key_mismatches");
   s_nodes = intern("nodes");
   s_inputs = intern("inputs");
   s_input_ids = intern("input_ids");

@@ -1,8 +1,14 @@
 """The Strict executor's hot path for cached programs, in C++ (``fastpath.cpp``).
 
-Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C++ callable
-that torch.library calls in place of the Python kernel it wraps. While the eager mode is
-Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset and
+Every functional op's PrivateUse1 kernel is a ``torchtpu_fastpath.Kernel``: a C++ object in
+front of the Python kernel it wraps, registered as a boxed C++ kernel (``bind_boxed``; the
+dispatcher hands it the IValue stack: no PythonKernelHolder, no Python argument tuple). It keys
+the stack with the key it would make from the Python arguments the holder passes (so entries
+installed from the Python path match; ``check_keys`` compares both in tests), serves a Strict
+hit or a Fused replay from the stack, and for anything else converts the stack to Python once
+and runs what ran before (``Kernel_call``). ``TORCHTPU_FASTPATH_BOXED=0`` registers the Kernels
+through torch.library instead (the holder calls them as Python callables). While the eager
+mode is Strict, it keys the call's arguments (each tensor's dtype, sizes, strides, storage offset and
 conj/neg bits; Python scalars by their bits; lists, dtypes, devices, layouts, memory formats;
 the default dtype; for an op that reads the matmul precision, torch's and JAX's settings) and looks the key up in the
 op's table. A hit gathers the input storages' arrays and picks the key's entry made for arrays
@@ -27,7 +33,8 @@ before (and offered, ``offer_fused``) is replayed in C++ (the node appended to t
 graph, PendingBuffer outputs made), as docs/ARCHITECTURE.md "Fused" describes; anything else
 runs ``record``.
 
-``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
+``eager_fastpath_boxed_hits`` and ``fused_fastpath_boxed_records`` count what the boxed
+kernel served itself. ``TORCHTPU_FASTPATH=0`` binds the Python kernels themselves (the reference path);
 ``set_enabled(False)`` makes every Kernel run its Python kernel (the same path, in-process,
 for tests and benchmarks). Without a C++ compiler the Python kernels are bound and
 ``eager_fastpath_unavailable`` is counted. ``torch.tpu.metrics()`` counts
@@ -155,6 +162,41 @@ def kernel(fn, lowering):
     k = ext.Kernel(fn, lowering, lowering.name, bool(lowering.reads_precision))
     _kernels.append(k)
     return k
+
+
+def boxed_wanted() -> bool:
+    return os.environ.get("TORCHTPU_FASTPATH_BOXED", "1") not in ("0", "")
+
+
+def bind_boxed(ns: str, name: str, fn) -> bool:
+    """Register ``fn`` as ``ns::name``'s PrivateUse1 kernel as a boxed C++ kernel when it is a
+    fast-path Kernel (the dispatcher hands it the IValue stack: no PythonKernelHolder); False
+    where it is not one, or ``TORCHTPU_FASTPATH_BOXED=0`` (the caller binds it through
+    torch.library, as a Python callable)."""
+    ext = _state["ext"]
+    if ext is None or type(fn) is not ext.Kernel or not boxed_wanted():
+        return False
+    ext.bind_boxed(ns, name, fn)
+    _boxed.append(f"{ns}::{name}")
+    _metrics.count("eager_fastpath_boxed_bound")
+    return True
+
+
+_boxed: list = []  # the ops whose Kernel is bound boxed
+
+
+def boxed_bound() -> list:
+    """The ops (``ns::name.overload``) whose PrivateUse1 kernel is the boxed Kernel."""
+    return list(_boxed)
+
+
+def check_keys(flag: bool) -> None:
+    """Tests: make every boxed call also build the key ``Kernel_serve`` makes from the Python
+    arguments PythonKernelHolder would pass, counting ``eager_fastpath_key_mismatches`` where
+    the two differ."""
+    ext = _state["ext"]
+    if ext is not None:
+        ext.set_check_keys(bool(flag))
 
 
 def cpu_redispatch(op) -> bool:

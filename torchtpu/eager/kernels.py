@@ -39,7 +39,8 @@ def _bind(op: OpOverload, fn) -> None:
     lib = _libs.get(ns)
     if lib is None:
         lib = _libs[ns] = torch.library.Library(ns, "IMPL")
-    lib.impl(_qualname(op), skip(fn), "PrivateUse1")
+    if not _fastpath.bind_boxed(ns, _qualname(op), fn):  # a fast-path Kernel: boxed, in C++
+        lib.impl(_qualname(op), skip(fn), "PrivateUse1")
     _bound.add(op)
 
 
