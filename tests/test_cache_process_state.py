@@ -177,3 +177,39 @@ def test_exported_linear_algebra_runs_in_a_new_process(tmp_path):
                        timeout=300, env=dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "c")))
     assert r.returncode == 0, r.stderr[-3000:]
     assert eval(r.stdout.strip().splitlines()[-1]) == out.tolist()
+
+
+# A compiled function that writes its inputs in place and returns views of what it wrote: the
+# program leaves those outputs to the runtime as views of the written inputs (lower.py
+# _mutation_views), which the lowering finds from the written values' metadata. A later process
+# loads the graph from AOTAutogradCache (the metadata aot_cache keeps) and the program from the
+# disk cache: before, it found no such views and the call died with KeyError.
+MUTVIEW_SCRIPT = r"""
+import json, torch
+
+def f(x, y):
+    x.mul_(2)
+    y[1:3].add_(x[0])
+    return x.t(), y[1:3], y[:, ::2]
+
+out = []
+for dev in ("cpu", "tpu"):
+    x = torch.arange(12.).reshape(3, 4).to(dev)
+    y = torch.arange(20.).reshape(5, 4).to(dev)
+    fn = torch.compile(f, backend="tpu") if dev == "tpu" else f
+    r = fn(x, y)
+    r[1].fill_(-1)  # outputs are views of the inputs: the write shows in y
+    out.append([t.cpu().tolist() for t in (*r, x, y)])
+c = torch.tpu.metrics()["counters"]
+print(json.dumps({"cpu": out[0], "tpu": out[1], "counters": {k: v for k, v in c.items()
+                  if "compile" in k or "aot" in k}}))
+"""
+
+
+def test_later_process_runs_cached_graphs_returning_views_of_written_inputs(tmp_path):
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
+    for run in ("cold", "warm"):
+        r = run_json(MUTVIEW_SCRIPT, env, timeout=300)  # warm was: KeyError in backend.py
+        assert r["tpu"] == r["cpu"], run
+    assert r["counters"].get("compile_disk_cache_hits", 0) >= 1, r["counters"]
+    assert r["counters"].get("compile_disk_cache_mismatches", 0) == 0, r["counters"]

@@ -94,9 +94,12 @@ class GraphCode(OutputCode):
 
 def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
     """The graph with only the node metadata our lowering reads: every placeholder's "val",
-    and "val" of nodes that hold no device tensor (host-side values, which ``host_plan``
-    looks for; a node without "val" counts as a device node). Recreating the FakeTensor of
-    every device node would cost more than the rest of a warm start's load."""
+    "val" of nodes that hold no device tensor (host-side values, which ``host_plan`` looks
+    for; a node without "val" counts as a device node), and "val" of each value a ``copy_``
+    writes back into an input (``lower._mutation_views`` compares it with the input's: without
+    it a later process's lowering found no mutation views while the program it loaded from the
+    disk cache returned them, and the call failed). Recreating the FakeTensor of every device
+    node would cost more than the rest of a warm start's load."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx._graph_pickler import GraphPickler, Options
 
@@ -106,10 +109,14 @@ def _dump_graph(gm: torch.fx.GraphModule) -> bytes:
     dynamic = any(isinstance(s, torch.SymInt) or (isinstance(s, torch.Tensor) and any(
         isinstance(d, torch.SymInt) for d in s.shape))
         for n in gm.graph.nodes if n.op == "placeholder" for s in [n.meta.get("val")])
+    written = {n.args[1] for n in gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+               and len(n.args) > 1 and isinstance(n.args[0], torch.fx.Node)
+               and n.args[0].op == "placeholder"}
     for n in gm.graph.nodes:
         saved[n] = n.meta
         v = n.meta.get("val")
-        keep = "val" in n.meta and (dynamic or n.op == "placeholder"
+        keep = "val" in n.meta and (dynamic or n.op == "placeholder" or n in written
                                     or not _holds_device_tensor(v))
         n.meta = {"val": v} if keep else {}
     try:

@@ -509,6 +509,13 @@ class CompiledGraph:
         return _cache.graph_key(gm.code, consts, (sig, devs), donate, self.n_random, copts,
                                 lowerings)
 
+    def _consts_fit(self, consts) -> bool:
+        """Whether a stored program's output plan (``const_outputs``) is one this graph's
+        lowering can serve: every output it leaves to the runtime as a view of a written input
+        is one the lowering knows."""
+        outs, _ = consts
+        return all(kind != "mutview" or v in self._run.mut_views for kind, v in outs)
+
     def _compile(self, arrays, slots, statics, donate, sig=None):
         if any(isinstance(v, (torch.SymInt,)) for v in statics.values()):
             raise _lower.Unsupported("symbolic inputs without hints")
@@ -536,6 +543,12 @@ class CompiledGraph:
                 gkey = self._graph_key(sig, arrays, donate, copts)
                 hit = _cache.load_graph(gkey, dev)
             except Exception:  # noqa: BLE001
+                hit = None
+            if hit is not None and not self._consts_fit(hit[1]["consts"]):
+                # the stored program returns what this process's lowering of the graph does
+                # not expect (facts derived from metadata the graph's code does not show):
+                # compile it here instead of running it
+                count("compile_disk_cache_mismatches")
                 hit = None
             if hit is not None:
                 count("compile_ms", int((time.perf_counter() - t0) * 1000))
