@@ -196,9 +196,10 @@ using Tensors = c10::SmallVector<at::Tensor, 6>;  // an op's input tensors (no h
 
 bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth);
 
-bool key_tensor(PyObject* x, std::string& k, Tensors& ts) {
-  const at::Tensor& t = THPVariable_Unpack(x);
-  if (!t.defined()) return false;
+// a tpu:0 strided tensor's part of a key (dtype, conj/neg bits, sizes, strides, offset); false
+// for any other tensor (the Python path serves it). Shared by both routes' keys (key_tensor:
+// the Python argument; key_at_tensor: the IValue), which must stay byte-identical.
+inline bool key_tensor_impl(const at::Tensor& t, std::string& k, Tensors& ts) {
   auto* impl = t.unsafeGetTensorImpl();
   const auto& dev = impl->device();
   if (dev.type() != c10::DeviceType::PrivateUse1 || dev.index() != 0) return false;
@@ -215,6 +216,12 @@ bool key_tensor(PyObject* x, std::string& k, Tensors& ts) {
   put<int64_t>(k, impl->storage_offset());
   ts.push_back(t);
   return true;
+}
+
+bool key_tensor(PyObject* x, std::string& k, Tensors& ts) {
+  const at::Tensor& t = THPVariable_Unpack(x);
+  if (!t.defined()) return false;
+  return key_tensor_impl(t, k, ts);
 }
 
 bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth) {
@@ -284,6 +291,28 @@ bool key_of(PyObject* x, std::string& k, Tensors& ts, int depth) {
     return true;
   }
   return false;  // anything else (generators, ...): the Python path
+}
+
+// the key of a Python call's arguments: their count, each positional argument, then each
+// keyword argument as 'k', its name and its value (the order the holder builds them in)
+bool key_args(PyObject* args, PyObject* kwargs, std::string& key, Tensors& ts) {
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  put<int32_t>(key, static_cast<int32_t>(n));
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < n; i++) ok = key_of(PyTuple_GET_ITEM(args, i), key, ts, 0);
+  if (ok && kwargs != nullptr) {
+    Py_ssize_t pos = 0;
+    PyObject *kk, *vv;
+    while (ok && PyDict_Next(kwargs, &pos, &kk, &vv)) {
+      Py_ssize_t len = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(kk, &len);
+      if (s == nullptr) { PyErr_Clear(); return false; }
+      key.push_back('k');
+      key.append(s, len + 1);
+      ok = key_of(vv, key, ts, 0);
+    }
+  }
+  return ok;
 }
 
 // ---- the hit path ----
@@ -1084,6 +1113,34 @@ bool key_precision(std::string& key) {
 PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* served);
 thread_local std::string tl_key_spare;  // Kernel_serve's key buffer between calls
 
+// a call's key buffer: this thread's spare one (its capacity kept between calls; a nested call
+// finds none and allocates its own), handed back on return unless moved on (a miss)
+struct SpareKey {
+  std::string key;
+  SpareKey() {
+    key.swap(tl_key_spare);
+    key.clear();
+    if (key.capacity() < 128) key.reserve(128);
+  }
+  ~SpareKey() {
+    if (key.capacity() > tl_key_spare.capacity()) tl_key_spare.swap(key);
+  }
+};
+
+// the timing of one outermost kernel call (set_timing): a hit's time and its executable call's,
+// or the Python path's
+inline void note_timing(long long t0, bool served) {
+  long long dt = now_ns() - t0;
+  if (served) {
+    g_timing.hits++;
+    g_timing.hit_ns += dt;
+    g_timing.call_ns += tl_call_ns;
+  } else {
+    g_timing.python++;
+    g_timing.python_ns += dt;
+  }
+}
+
 PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<Kernel*>(obj);
   if (!g_timing.on) {
@@ -1095,17 +1152,7 @@ PyObject* Kernel_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   long long t0 = tl_depth == 1 ? now_ns() : 0;
   tl_call_ns = tl_depth == 1 ? 0 : tl_call_ns;
   PyObject* res = Kernel_serve(self, args, kwargs, &served);
-  if (tl_depth == 1) {
-    long long dt = now_ns() - t0;
-    if (served) {
-      g_timing.hits++;
-      g_timing.hit_ns += dt;
-      g_timing.call_ns += tl_call_ns;
-    } else {
-      g_timing.python++;
-      g_timing.python_ns += dt;
-    }
-  }
+  if (tl_depth == 1) note_timing(t0, served);
   tl_depth--;
   return res;
 }
@@ -1123,36 +1170,12 @@ PyObject* Kernel_serve(Kernel* self, PyObject* args, PyObject* kwargs, bool* ser
     }
     fused = true;  // DEFER_AND_FUSE: the op is recorded (Kernel_record)
   }
-  // the key's buffer: this thread's spare one (its capacity kept between calls; a nested call
-  // finds none and allocates its own), handed back on return unless moved on (a miss)
-  std::string key;
-  key.swap(tl_key_spare);
-  key.clear();
-  if (key.capacity() < 128) key.reserve(128);
-  struct KeyBack {
-    std::string& k;
-    ~KeyBack() {
-      if (k.capacity() > tl_key_spare.capacity()) tl_key_spare.swap(k);
-    }
-  } key_back{key};
+  SpareKey spare;
+  std::string& key = spare.key;
   Tensors ts;
   bool ok = true;
   try {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    put<int32_t>(key, static_cast<int32_t>(n));
-    for (Py_ssize_t i = 0; ok && i < n; i++) ok = key_of(PyTuple_GET_ITEM(args, i), key, ts, 0);
-    if (ok && kwargs != nullptr) {
-      Py_ssize_t pos = 0;
-      PyObject *kk, *vv;
-      while (ok && PyDict_Next(kwargs, &pos, &kk, &vv)) {
-        Py_ssize_t len = 0;
-        const char* s = PyUnicode_AsUTF8AndSize(kk, &len);
-        if (s == nullptr) { PyErr_Clear(); ok = false; break; }
-        key.push_back('k');
-        key.append(s, len + 1);
-        ok = key_of(vv, key, ts, 0);
-      }
-    }
+    ok = key_args(args, kwargs, key, ts);
   } catch (...) {
     PyErr_Clear();
     ok = false;
@@ -1625,21 +1648,7 @@ bool key_at_tensor(const at::Tensor& t, std::string& k, Tensors& ts) {
   // the holder passes the tensor's own Python object if it has one: Kernel_serve keys only an
   // exact torch.Tensor
   if (obj != nullptr && !THPVariable_CheckTypeExact(Py_TYPE(obj))) return false;
-  const auto& dev = impl->device();
-  if (dev.type() != c10::DeviceType::PrivateUse1 || dev.index() != 0) return false;
-  if (impl->layout() != c10::kStrided || impl->is_nested() || !impl->has_storage()) return false;
-  if (impl->key_set().has(c10::DispatchKey::Python)) return false;
-  k.push_back('T');
-  put<int8_t>(k, static_cast<int8_t>(impl->dtype().toScalarType()));
-  put<int8_t>(k, static_cast<int8_t>(impl->is_conj() | (impl->is_neg() << 1)));
-  auto sizes = impl->sizes();
-  auto strides = impl->strides();
-  put<int32_t>(k, static_cast<int32_t>(sizes.size()));
-  for (auto s : sizes) put<int64_t>(k, s);
-  for (auto s : strides) put<int64_t>(k, s);
-  put<int64_t>(k, impl->storage_offset());
-  ts.push_back(t);
-  return true;
+  return key_tensor_impl(t, k, ts);
 }
 
 // key_of of what torch::jit::toPyObject(v) returns (schema-unaware: list items).
@@ -1864,17 +1873,7 @@ struct Boxed final : public c10::OperatorKernel {
       tl_depth--;
       throw;
     }
-    if (tl_depth == 1) {
-      long long dt = now_ns() - t0;
-      if (served) {
-        g_timing.hits++;
-        g_timing.hit_ns += dt;
-        g_timing.call_ns += tl_call_ns;
-      } else {
-        g_timing.python++;
-        g_timing.python_ns += dt;
-      }
-    }
+    if (tl_depth == 1) note_timing(t0, served);
     tl_depth--;
   }
 
@@ -1902,16 +1901,8 @@ struct Boxed final : public c10::OperatorKernel {
       }
       fused = true;  // DEFER_AND_FUSE: recorded (record_or), from the stack
     }
-    std::string key;
-    key.swap(tl_key_spare);
-    key.clear();
-    if (key.capacity() < 128) key.reserve(128);
-    struct KeyBack {
-      std::string& k;
-      ~KeyBack() {
-        if (k.capacity() > tl_key_spare.capacity()) tl_key_spare.swap(k);
-      }
-    } key_back{key};
+    SpareKey spare;
+    std::string& key = spare.key;
     Tensors ts;
     bool ok = true;
     put<int32_t>(key, static_cast<int32_t>(s.npos));
@@ -1934,22 +1925,7 @@ struct Boxed final : public c10::OperatorKernel {
       if (!to_python(schema, kinds, args, s, &pargs, &pkw)) throw python_error();
       std::string pk;
       Tensors pts;
-      bool pok = true;
-      Py_ssize_t np = PyTuple_GET_SIZE(pargs);
-      put<int32_t>(pk, static_cast<int32_t>(np));
-      for (Py_ssize_t i = 0; pok && i < np; i++) pok = key_of(PyTuple_GET_ITEM(pargs, i), pk, pts, 0);
-      if (pok && pkw != nullptr) {
-        Py_ssize_t pos = 0;
-        PyObject *kk, *vv;
-        while (pok && PyDict_Next(pkw, &pos, &kk, &vv)) {
-          Py_ssize_t len = 0;
-          const char* cs = PyUnicode_AsUTF8AndSize(kk, &len);
-          if (cs == nullptr) { PyErr_Clear(); pok = false; break; }
-          pk.push_back('k');
-          pk.append(cs, len + 1);
-          pok = key_of(vv, pk, pts, 0);
-        }
-      }
+      bool pok = key_args(pargs, pkw, pk, pts);
       Py_DECREF(pargs);
       Py_XDECREF(pkw);
       if (pok) {
