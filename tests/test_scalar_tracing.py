@@ -169,3 +169,30 @@ def test_changing_triangle_diagonals_compile_once(mode):
     assert counts[-1] == counts[1], f"compiles per step: {counts}"
     for g, e in zip(got, exp):
         assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("fastpath", [True, False])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_scalars_equal_in_python_but_of_other_types_get_their_own_programs(mode, fastpath):
+    """1 == 1.0 == True == 1 + 0j in Python (with equal hashes): a program keyed by the bare
+    value served ``x * (1 + 0j)`` with ``x * 1``'s program, a float32 result where PyTorch
+    gives complex64."""
+    from torchtpu.eager import fastpath as _fp
+
+    old = _fp.set_enabled(fastpath) if _fp.available() else None
+    try:
+        with torch.tpu.set_eager_mode(MODES[mode]):
+            x = torch.arange(6.0).reshape(2, 3) - 2
+            xt = x.to("tpu")
+            for s in (1, True, 1.0, 1 + 0j, 1 - 0j, -0j, 0, 0.0, False, 2, 2.0, 2 + 0j):
+                for _ in range(2):  # the second call is a cache hit
+                    got = xt * s
+                want = x * s
+                assert got.dtype == want.dtype, (s, got.dtype, want.dtype)
+                g, w = got.cpu(), want
+                if w.is_complex():
+                    g, w = torch.view_as_real(g), torch.view_as_real(w)
+                assert torch.equal(g, w), s
+    finally:
+        if old is not None:
+            _fp.set_enabled(old)

@@ -367,3 +367,25 @@ def test_strided_spec_memo_matches_planning():
             assert spec == want and off == v.storage_offset()
         torch.testing.assert_close((v * 2).cpu(), f(base_cpu) * 2, rtol=0, atol=0)
     assert len(views._STRIDED) == len(cases)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_negative_view_over_a_whole_storage(mode, dtype):
+    """PyTorch's lazy negative bit on a tensor that is its storage's whole array
+    (``torch._neg_view``, as autograd formulas and ``.imag`` of a conjugate make): every read
+    applies it and every write stores its inverse. Such a tensor read as its plain array
+    before (wrong sign everywhere: ops, ``.cpu()``, ``clone``, ``resolve_neg``)."""
+    base = torch.tensor([1.0, 2.0, -3.0]).to(dtype)
+    with torch.tpu.set_eager_mode(mode):
+        bt = base.to(DEV)
+        n, nt = torch._neg_view(base.clone()), torch._neg_view(bt)
+        assert nt.is_neg()
+        for _ in range(2):  # a cached program (the C++ fast path's hit) the second time
+            torch.testing.assert_close((nt * 2).cpu(), n * 2)
+            torch.testing.assert_close((nt + 1).cpu(), n + 1)
+        torch.testing.assert_close(nt.clone().cpu(), n.clone())
+        torch.testing.assert_close(nt.resolve_neg().cpu(), n.resolve_neg())
+        torch.testing.assert_close(nt.cpu().resolve_neg(), n.resolve_neg())
+        nt.add_(10)  # the write stores -(value) in the base
+        torch.testing.assert_close(bt.cpu(), -(n.resolve_neg() + 10))

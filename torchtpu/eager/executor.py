@@ -179,6 +179,10 @@ def _key(x, tensors):
         return (float, x) if x == x and x != 0.0 else (float, repr(x))
     if tx is bool:
         return (bool, x)
+    if tx is complex:
+        # 1 + 0j == 1 == True (and hashes alike): keyed bare, ``x * (1 + 0j)`` found the
+        # program of ``x * 1`` and returned a real tensor. By spelling, as floats: -0.0, nan
+        return (complex, repr(x))
     if isinstance(x, Tensor):
         tensors.append(x)
         return Tensor
@@ -811,7 +815,7 @@ def cpu_scalar(t, lowering, tensors):
 def spec_for(t, arr):
     """(view spec, offset) of tensor ``t`` over a storage array (or its aval)."""
     shape = t.shape
-    if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
+    if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() and not t.is_neg() \
             and arr.shape == shape and _NP[t.dtype] == arr.dtype:
         return None, None
     return views.spec_of(t, arr)
@@ -861,7 +865,7 @@ def run(lowering, kind, args, kwargs, mode=None):
             continue
         flat.append(arr)
         # spec_for's fast path, inlined: this loop runs for every tensor of every op
-        if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
+        if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() and not t.is_neg() \
                 and arr.shape == t.shape and _NP[t.dtype] == arr.dtype:
             specs.append(None)
             continue

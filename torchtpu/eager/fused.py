@@ -253,7 +253,7 @@ def _record(lowering, kind, args, kwargs):
                     aval = _aval(v.shape, v.dtype)
                 # executor.spec_for, inlined
                 if t.storage_offset() == 0 and t.is_contiguous() and aval.shape == t.shape \
-                        and not t.is_conj() and _NP[t.dtype] == aval.dtype:
+                        and not t.is_conj() and not t.is_neg() and _NP[t.dtype] == aval.dtype:
                     spec = None
                 else:
                     spec, off = views.spec_of(t, aval)
