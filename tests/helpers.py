@@ -52,3 +52,8 @@ def run_json(script: str, env: dict, timeout: float):
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     return json_result(proc, timeout)
+
+
+def counter(name: str) -> int:
+    """A ``torch.tpu.metrics()`` counter's value (0 when never counted)."""
+    return torch.tpu.metrics()["counters"].get(name, 0)

@@ -24,13 +24,13 @@ from torchtpu.eager import fastpath
 from torchtpu.runtime import inflight
 
 from dist_launch import child_env
+from helpers import counter
 
 pytestmark = pytest.mark.skipif(not fastpath.available(),
                                 reason="the fast path is not bound (TORCHTPU_FASTPATH=0)")
 
 
-def _c(name):
-    return torch.tpu.metrics()["counters"].get(name, 0)
+_c = counter  # helpers.counter
 
 
 @pytest.fixture(autouse=True)

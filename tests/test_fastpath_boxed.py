@@ -20,13 +20,13 @@ import torchtpu  # noqa: F401
 from torchtpu.eager import fastpath
 
 from dist_launch import child_env
+from helpers import counter
 
 pytestmark = pytest.mark.skipif(not fastpath.available() or not fastpath.boxed_wanted(),
                                 reason="the fast path is not bound boxed")
 
 
-def _c(name):
-    return torch.tpu.metrics()["counters"].get(name, 0)
+_c = counter  # helpers.counter
 
 
 @pytest.fixture(autouse=True)

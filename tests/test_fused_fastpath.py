@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from torchtpu.eager import fastpath, fused
+from helpers import counter
 from test_fastpath import _detach, _opinfo_keys, _same, _sharing
 
 pytestmark = pytest.mark.skipif(not fastpath.available(),
@@ -24,8 +25,7 @@ pytestmark = pytest.mark.skipif(not fastpath.available(),
 FUSE = torch.tpu.EagerMode.DEFER_AND_FUSE
 
 
-def _c(name):
-    return torch.tpu.metrics()["counters"].get(name, 0)
+_c = counter  # helpers.counter
 
 
 @pytest.fixture(autouse=True)

@@ -1354,12 +1354,15 @@ PyObject* m_set_precision_state(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-PyObject* m_set_enabled(PyObject*, PyObject* arg) {
+// a module-level switch set from Python's truth value of ``arg``
+PyObject* set_flag(PyObject* arg, bool& flag) {
   int v = PyObject_IsTrue(arg);
   if (v < 0) return nullptr;
-  g_enabled = v != 0;
+  flag = v != 0;
   Py_RETURN_NONE;
 }
+
+PyObject* m_set_enabled(PyObject*, PyObject* arg) { return set_flag(arg, g_enabled); }
 
 PyObject* m_enabled(PyObject*, PyObject*) { return PyBool_FromLong(g_enabled); }
 
@@ -1572,19 +1575,24 @@ std::unordered_map<std::string, torch::Library*>& libraries() {
   return *m;  // a registration lives as long as the process (as the Python bindings do)
 }
 
+// the PrivateUse1 IMPL library of namespace ``ns`` (made once, kept for the process)
+torch::Library& library_for(const char* ns) {
+  auto& libs = libraries();
+  auto it = libs.find(ns);
+  if (it == libs.end())
+    it = libs.emplace(ns, new torch::Library(torch::Library::IMPL, ns,
+                                             c10::DispatchKey::PrivateUse1, __FILE__, __LINE__))
+             .first;
+  return *it->second;
+}
+
 // cpu_redispatch(namespace, name): bind `namespace::name` (name with its overload, "view.dtype")
 // for PrivateUse1 to the CPU key's kernel.
 PyObject* m_cpu_redispatch(PyObject*, PyObject* args) {
   const char *ns, *name;
   if (!PyArg_ParseTuple(args, "ss", &ns, &name)) return nullptr;
   try {
-    auto& libs = libraries();
-    auto it = libs.find(ns);
-    if (it == libs.end())
-      it = libs.emplace(ns, new torch::Library(torch::Library::IMPL, ns,
-                                               c10::DispatchKey::PrivateUse1, __FILE__, __LINE__))
-               .first;
-    it->second->impl(name, torch::CppFunction::makeFromBoxedFunction<&redispatch_cpu>());
+    library_for(ns).impl(name, torch::CppFunction::makeFromBoxedFunction<&redispatch_cpu>());
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -2002,13 +2010,7 @@ PyObject* m_bind_boxed(PyObject*, PyObject* args) {
   PyObject* k;
   if (!PyArg_ParseTuple(args, "ssO!", &ns, &name, &KernelType, &k)) return nullptr;
   try {
-    auto& libs = libraries();
-    auto it = libs.find(ns);
-    if (it == libs.end())
-      it = libs.emplace(ns, new torch::Library(torch::Library::IMPL, ns,
-                                               c10::DispatchKey::PrivateUse1, __FILE__, __LINE__))
-               .first;
-    it->second->impl(name, torch::CppFunction::makeFromBoxedFunctor(
+    library_for(ns).impl(name, torch::CppFunction::makeFromBoxedFunctor(
                                std::make_unique<Boxed>(reinterpret_cast<Kernel*>(k))));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -2017,12 +2019,7 @@ PyObject* m_bind_boxed(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* m_set_check_keys(PyObject*, PyObject* arg) {
-  int v = PyObject_IsTrue(arg);
-  if (v < 0) return nullptr;
-  g_check_keys = v != 0;
-  Py_RETURN_NONE;
-}
+PyObject* m_set_check_keys(PyObject*, PyObject* arg) { return set_flag(arg, g_check_keys); }
 
 
 // ---- the device guard, without its Python frame ----
