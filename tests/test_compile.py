@@ -450,9 +450,10 @@ def test_torch_source_hash_is_kept_in_the_cache_folder_under_a_stamp_of_the_file
     finally:
         orig.clear()
         orig.set(real)
-    # the stamp changes with any importable file's size, time, presence or name
+    # the stamp changes with any importable file's size, time, presence or name in a package
     root = tmp_path / "pkg"
     (root / "sub").mkdir(parents=True)
+    (root / "sub" / "__init__.py").write_text("")
     f = root / "sub" / "m.py"
     f.write_text("x = 1\n")
     (root / "notes.txt").write_text("not importable")
@@ -470,6 +471,53 @@ def test_torch_source_hash_is_kept_in_the_cache_folder_under_a_stamp_of_the_file
     stamps.append(aot_cache._torch_stamp(str(root), []))
     stamps.append(aot_cache._torch_stamp(str(root), [str(root / "notes.txt")]))
     assert len(set(stamps)) == len(stamps)
+
+
+def test_torch_stamp_covers_every_file_torch_key_reads_and_skips_other_folders(tmp_path):
+    """The stamp walks packages only (``build_code_hash`` descends into nothing else): a change
+    that changes PyTorch's own hash of a tree changes the stamp; a folder that is no package
+    (C++ headers, ``__pycache__``) is not walked until it becomes one."""
+    import hashlib
+
+    from torch._inductor import codecache
+
+    from torchtpu.compile import aot_cache
+
+    root = tmp_path / "pkg"
+
+    def both():
+        h = hashlib.sha256()
+        codecache.build_code_hash([str(root)], "", h)
+        return h.hexdigest(), aot_cache._torch_stamp(str(root), [])
+
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "include" / "deep").mkdir(parents=True)
+    (root / "__pycache__").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a" / "__init__.py").write_text("")
+    (root / "a" / "b" / "__init__.py").write_text("")
+    (root / "a" / "b" / "m.py").write_text("x = 1\n")
+    (root / "include" / "deep" / "h.py").write_text("y = 1\n")
+    (root / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"1")
+    seen = [both()]
+    for change in (lambda: (root / "a" / "b" / "m.py").write_text("x = 22\n"),
+                   lambda: (root / "a" / "b" / "n.py").write_text(""),
+                   lambda: (root / "a" / "b" / "n.py").rename(root / "a" / "b" / "o.py"),
+                   lambda: (root / "include" / "deep" / "h.py").write_text("y = 22\n"),
+                   lambda: (root / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"22"),
+                   lambda: (root / "include" / "__init__.py").write_text(""),
+                   lambda: (root / "include" / "deep" / "__init__.py").write_text(""),
+                   lambda: (root / "include" / "deep" / "h.py").write_text("y = 333\n"),
+                   lambda: (root / "a" / "b" / "__init__.py").unlink()):
+        change()
+        now = both()
+        if now[0] != seen[-1][0]:  # PyTorch's hash changed: so must the stamp
+            assert now[1] != seen[-1][1]
+        seen.append(now)
+    # the C++-header-like folder and __pycache__ left the stamp alone while no package
+    assert seen[4][1] == seen[3][1] and seen[5][1] == seen[4][1]
+    # and torch's hash did change on every other step here (so the check above was exercised)
+    assert all(seen[i][0] != seen[i - 1][0] for i in (1, 2, 3, 7, 8, 9))
 
 
 def test_persistent_cache_hit_and_corrupt_entry(tmp_path, monkeypatch):
