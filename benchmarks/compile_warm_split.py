@@ -107,7 +107,8 @@ def main() -> None:
         print(f"  {k:<44}{v:8.3f} s  ({v / warm['cpu']:5.1%})  calls {warm['calls'][k]}")
     rest = warm["cpu"] - parts.get("dynamo (frame compiles, all)", 0) \
         - parts.get("ours: CompiledGraph calls", 0)
-    print(f"  {'rest (transformers, eager programs)':<44}{rest:8.3f} s  ({rest / warm['cpu']:5.1%})")
+    label = "rest (transformers, eager programs)"
+    print(f"  {label:<44}{rest:8.3f} s  ({rest / warm['cpu']:5.1%})")
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
 
 
