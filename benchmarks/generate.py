@@ -17,7 +17,8 @@ In-process: warm calls, the cases interleaved call by call, each call ending wit
 fresh folder the first process filled), and of later processes of the same command line (which
 load the working set the one before recorded ahead, runtime/working_set.py; and with that off),
 against a fresh CPU process's first call; the children report what they compiled and loaded
-(``torch.tpu.metrics()``). Every "tpu" case's tokens are compared
+(``torch.tpu.metrics()``) and their main thread's CPU time in their first and second calls (on
+a loaded host the wall times swing several-fold; that CPU time much less). Every "tpu" case's tokens are compared
 with CPU greedy's. Per token it also prints the aten ops dispatched (a counting dispatch mode,
 Strict, outside the timed calls), the eager ops that ran as programs or were recorded
 (``eager_cache_hits/misses``, ``fused_ops_recorded``) and the XLA programs run (Programs called,
@@ -231,15 +232,20 @@ def child(case, tokens):
         torch.tpu.reset_metrics()
     setup = time.perf_counter() - t0
     t1 = time.perf_counter()
+    c1 = time.thread_time()
     out = r()
     first = time.perf_counter() - t1
+    first_cpu = time.thread_time() - c1  # this thread's CPU: what a loaded host shares least
+    c2 = time.thread_time()
     t2 = time.perf_counter()
     r()
     second = time.perf_counter() - t2
+    second_cpu = time.thread_time() - c2
     c = torch.tpu.metrics()["counters"] if r.device == "tpu" else {}
     keep = {k: v for k, v in c.items() if "compile" in k or "disk_cache" in k or "traces" in k
             or "working_set" in k or k.endswith("_loads")}
     print(json.dumps({"setup_s": setup, "first_s": first, "second_s": second,
+                      "first_cpu_s": first_cpu, "second_cpu_s": second_cpu,
                       "tokens": out.cpu().tolist(), "counters": keep}))
 
 
@@ -296,6 +302,11 @@ def second_process(cases, tokens, runs, cache_dir, expect):
         cnt = (later or [second])[-1]["counters"]
         cells.append("  " + ", ".join(f"{k}={v}" for k, v in sorted(cnt.items())))
         print("".join(cells))
+    for c, (second, later, later_off) in rows.items():
+        if later:
+            print(f"{c}: main thread's CPU in the later process's first call "
+                  f"{med(later, 'first_cpu_s'):.3f} s, in its second (warm) call "
+                  f"{med(later, 'second_cpu_s'):.3f} s (medians of {len(later)})")
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
 
 

@@ -98,3 +98,45 @@ def torch_ref(n):
     import torch
 
     return torch.arange(n, dtype=torch.float32).mul(3).add(1).sin().sum().item()
+
+
+def test_executables_loaded_ahead_have_their_mappings_counted_by_the_loading_thread(
+        monkeypatch):
+    # the working-set thread counts the mappings of what it loads ahead (runtime/program_cache
+    # ``_check_ahead``); the caller tracking such an executable does not read the count again
+    # (~4 ms a read on a warm generate's first call), but does as soon as the thread saw the
+    # process above half its limit, and evicts there
+    import collections
+
+    from torchtpu.runtime import program_cache as pc
+
+    reads = []
+    now = [0]
+    monkeypatch.setattr(pc, "mappings", lambda: reads.append(1) or now[0])
+    monkeypatch.setattr(pc, "MAP_LIMIT", 1000)
+    monkeypatch.setattr(pc, "_live", collections.OrderedDict())
+    monkeypatch.setattr(pc, "_loads_since_check", [0])
+    monkeypatch.setattr(pc, "_loaded_ahead", [1])
+    prog = pc.Program("eager", lambda x: x)
+    for i in range(3 * pc._CHECK_EVERY):
+        prog.by_sig[("ahead", i)] = object()
+        pc._track(prog, ("ahead", i), mapped_ahead=True)
+    assert not reads
+    now[0] = 100  # the thread's own reads: every _CHECK_EVERY loads, nothing to do below half
+    for _ in range(pc._CHECK_EVERY):
+        pc._check_ahead()
+    assert len(reads) == 1 and pc._loads_since_check[0] == 0
+    now[0] = 600  # above half: the next track reads the count and drops the older half
+    for _ in range(pc._CHECK_EVERY):
+        pc._check_ahead()
+    assert len(reads) == 2
+    prog.by_sig[("ahead", "last")] = object()
+    pc._track(prog, ("ahead", "last"), mapped_ahead=True)
+    assert len(reads) == 4  # the count, and again after evicting (a warning above 3/4)
+    assert len(pc._live) == (3 * pc._CHECK_EVERY + 1) - (3 * pc._CHECK_EVERY + 1) // 2
+    # loads the caller made itself are counted as before
+    now[0] = 100
+    for i in range(pc._CHECK_EVERY):
+        prog.by_sig[("own", i)] = object()
+        pc._track(prog, ("own", i))
+    assert len(reads) == 5

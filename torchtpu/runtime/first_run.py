@@ -10,8 +10,15 @@ one run here on zeros, the program's first call with real arguments cost 0.26-0.
 (the C++ call's own cache entry, filled by the call).
 
 So the working-set thread, after loading an executable ahead, runs it once on zero-filled
-inputs of its own (allocated with ``device_put``: nothing is traced or compiled) and sets its
-C++ call. Results cannot change: the run's outputs are dropped, its inputs are its own (donated
+inputs of its own (allocated with ``device_put``: nothing is traced or compiled) through its
+C++ call, and sets that call. The run goes through the C++ call itself, with arguments of the
+kinds the executor passes (committed arrays on the device; a weakly typed 0-d input as an
+uncommitted device scalar, as ``executor._device_scalar`` makes; the arguments jit dropped
+too): that call's first run on a signature is JAX's Python ``aot_cache_miss`` (~0.4 ms),
+which builds the C++ entry the program's first real call then takes (a warm generate's first
+call made 354 of them on its path, 24 after this). Where the dropped arguments' abstract values
+are not known, the executable is run directly (``execute_sharded``) and the entry is left to
+the first call. Results cannot change: the run's outputs are dropped, its inputs are its own (donated
 ones included), and an executable's later runs do not depend on its earlier ones. Only plain
 programs are run ahead: no effects, host callbacks or mutable state (``create_cpp_call`` would
 refuse them too), no custom calls at all (a kernel reading an index table or a LAPACK routine
@@ -62,6 +69,31 @@ def _nbytes(avals) -> int | None:
     return n
 
 
+def _call_avals(ex, params, kept_avals):
+    """The abstract values of every argument the program is called with (jit dropped the
+    unused ones from ``in_avals``), or None when they are not known."""
+    n = params.in_tree.num_leaves
+    if len(kept_avals) == n:
+        return list(kept_avals)
+    info = getattr(ex, "_all_args_info", None)
+    every = getattr(info, "in_avals", None)
+    if every is not None and len(every) == n:
+        return list(every)
+    return None
+
+
+def _zeros(aval, device):
+    import jax
+
+    if aval.weak_type and aval.shape == () and aval.dtype.kind in "ifc":
+        # a weakly typed scalar: the executor passes an uncommitted device scalar of a Python
+        # number (executor._device_scalar), and the C++ call keys its entry on that
+        x = jax.device_put(np.zeros((), aval.dtype).item())
+        if x.dtype == aval.dtype and x.weak_type:
+            return x
+    return jax.device_put(np.zeros(aval.shape, aval.dtype), device)
+
+
 def run_ahead(compiled, device, targets) -> bool:
     """Run the deserialized ``compiled`` (a ``jax.stages.Compiled`` on ``device``) once on
     zero-filled inputs and set its C++ call; False when it is not a program run ahead."""
@@ -80,13 +112,20 @@ def run_ahead(compiled, device, targets) -> bool:
         return False
     t0 = time.perf_counter()
     try:
-        # ``in_avals`` are the arguments XLA takes (after jit dropped unused ones), in order
-        args = [jax.device_put(np.zeros(a.shape, a.dtype), device) for a in in_avals]
-        results = ex.xla_executable.execute_sharded(args)
-        for shards in results.disassemble_into_single_device_arrays():
-            for out in shards:
-                out.block_until_ready()
         call = ex.create_cpp_call(compiled._params)
+        if call is None:
+            return False
+        every = _call_avals(ex, compiled._params, in_avals)
+        if every is not None:
+            # through the C++ call: its first call fills its entry for arguments like these
+            # (Python's aot_cache_miss, ~0.4 ms), which the program's first real call then hits
+            jax.block_until_ready(call(*[_zeros(a, device) for a in every]))
+        else:  # ``in_avals`` are the arguments XLA takes (after jit dropped unused ones)
+            args = [jax.device_put(np.zeros(a.shape, a.dtype), device) for a in in_avals]
+            results = ex.xla_executable.execute_sharded(args)
+            for shards in results.disassemble_into_single_device_arrays():
+                for out in shards:
+                    out.block_until_ready()
     except Exception:  # noqa: BLE001 - its first call runs it as it would have
         return False
     if call is not None and compiled._call is None:

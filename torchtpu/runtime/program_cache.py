@@ -168,14 +168,17 @@ def _evict_oldest(n: int) -> None:
         fn(dropped)
 
 
-def _track(program, sig) -> None:
+def _track(program, sig, mapped_ahead: bool = False) -> None:
+    """``mapped_ahead``: an executable the working-set thread loaded, whose mappings that
+    thread counted already (``_check_ahead``): not a load towards the next count here."""
     key = (id(program), sig)
     with _live_lock:
         _live[key] = weakref.ref(program)
         _live.move_to_end(key)
         if len(_live) > MAX_LIVE:
             _evict_oldest(len(_live) - MAX_LIVE)
-        _loads_since_check[0] += 1
+        if not mapped_ahead:
+            _loads_since_check[0] += 1
         if _loads_since_check[0] < _CHECK_EVERY or not MAP_LIMIT:
             return
         _loads_since_check[0] = 0
@@ -195,6 +198,25 @@ def _warn_mappings(n: int) -> None:
                   "were dropped; compiled graphs (torch.compile) hold the rest of their XLA "
                   "code until they are freed (torch._dynamo.reset()). Past the limit XLA "
                   "cannot map new code and the process crashes.", RuntimeWarning, stacklevel=3)
+
+
+_loaded_ahead = [0]
+
+
+def _check_ahead() -> None:
+    """The working-set thread counts the mappings of what it loads, as ``_track`` does for the
+    loads it sees, every ``_CHECK_EVERY`` loads: reading the count costs ~4 ms with a warm
+    generate's executables mapped, and ~5 such reads on the first call's path were 37 ms of
+    it. Above half the limit, the next ``_track`` counts again and evicts there (the calling
+    thread owns the Programs)."""
+    _loaded_ahead[0] += 1
+    if _loaded_ahead[0] == 1:
+        fingerprint()  # hashes every source file (~8 ms): here, not in the first disk key
+    if _loaded_ahead[0] % _CHECK_EVERY or not MAP_LIMIT:
+        return
+    if mappings() > MAP_LIMIT // 2:
+        with _live_lock:
+            _loads_since_check[0] = _CHECK_EVERY
 
 
 def _forget(program_id: int, sigs) -> None:
@@ -589,7 +611,7 @@ class Program:
                 out = compiled(*flat)
         else:
             out = compiled(*flat)
-        self._remember(sig, compiled)
+        self._remember(sig, compiled, info[0] == "disk" and info[4])
         # an executable the working set lists (loaded ahead): the last run of this command line
         # used it, and the next signature of its progression too if it grew that far (listed
         # as well). A guess would only build its disk key to find that out (~0.2 ms a miss,
@@ -608,14 +630,14 @@ class Program:
     def _build(self, args, dkey, fast, precision=None):
         """(executable, info) for ``args`` (arrays or their abstract values): loaded from the
         disk cache, else traced, lowered and compiled (and stored). ``info``: ("disk", key,
-        fast, whether the working set lists it) or ("xla", compile ms, XLA options). Runs on
+        fast, whether the working set lists it, whether it was loaded ahead) or ("xla", compile ms, XLA options). Runs on
         prefetch workers too, and counts there: a guess that goes unused was compiled all the
         same."""
         if dkey is not None:
             key, device_id = dkey
-            compiled, listed = _load(self.kind, key, device_id)
+            compiled, listed, ahead = _load(self.kind, key, device_id)
             if compiled is not None:
-                return compiled, ("disk", key, fast, listed)
+                return compiled, ("disk", key, fast, listed, ahead)
         jitted = jax.jit(_uncached(self.fn), **self.jit_kwargs)
         if precision is None:
             lowered = jitted.lower(*args)
@@ -633,9 +655,9 @@ class Program:
         if dkey is None and self.key is BY_TEXT and _disk.cache_dir() is not None:
             dkey = self._text_key(args, text(), opts)
             if dkey is not None:
-                compiled, listed = _load(self.kind, *dkey)
+                compiled, listed, ahead = _load(self.kind, *dkey)
                 if compiled is not None:
-                    return compiled, ("disk", dkey[0], fast, listed)
+                    return compiled, ("disk", dkey[0], fast, listed, ahead)
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts or None)
         ms = int((time.perf_counter() - t0) * 1000)
@@ -735,9 +757,9 @@ class Program:
             self._pending[sig] = [job, 0]
             count(f"{self.kind}_prefetches")
 
-    def _remember(self, sig, compiled) -> None:
+    def _remember(self, sig, compiled, mapped_ahead: bool = False) -> None:
         c = self.by_sig[sig] = _fast(compiled)
-        _track(self, sig)
+        _track(self, sig, mapped_ahead)
         self._last = c if not _MULTI[0] and len(self.by_sig) == 1 else None
 
 
@@ -783,17 +805,18 @@ def _sig_elements(sig) -> int:
 
 
 def _load(kind: str, key: str, device_id: int):
-    """(the executable stored under ``key`` or None, whether the working set lists it): loaded
-    ahead (``working_set.py``) or now."""
+    """(the executable stored under ``key`` or None, whether the working set lists it, whether
+    it was loaded ahead): loaded ahead (``working_set.py``) or now."""
     compiled = _working_set.take(key)
-    if compiled is not None:
+    ahead = compiled is not None
+    if ahead:
         count(f"{kind}_disk_cache_hits")  # counted when used, as a load on demand is
         count(f"{kind}_working_set_hits")
     else:
         compiled = _load_now(kind, key, device_id)
     if compiled is not None:
         _working_set.note(kind, key, device_id)
-    return compiled, _working_set.listed(key)
+    return compiled, _working_set.listed(key), ahead
 
 
 def _load_now(kind: str, key: str, device_id: int, ahead: bool = False):
@@ -825,6 +848,7 @@ def _load_now(kind: str, key: str, device_id: int, ahead: bool = False):
         count(f"{kind}_disk_cache_hits")
     else:  # its costly first run on this thread too, off the call that needs it
         _first_run.run_ahead(compiled, device, targets)
+        _check_ahead()
     return compiled
 
 
@@ -875,6 +899,10 @@ def load_working_set() -> bool:
 
 def _start_working_set() -> bool:
     from jax.experimental.serialize_executable import deserialize_and_load  # noqa: F401
+    import jaxlib  # noqa: F401 - fingerprint's imports (the thread computes it: _check_ahead)
+    import torch  # noqa: F401
+
+    from .. import _version  # noqa: F401
 
     _custom_calls._known()
     return _working_set.start(_load_now, min(_working_set.MAX_ENTRIES, MAX_LIVE // 2))
