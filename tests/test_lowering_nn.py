@@ -75,6 +75,31 @@ def test_convolution(case):
 
 X4 = _r(2, 3, 9, 8)
 X5 = _r(1, 2, 5, 6, 7)
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_conv_transpose_of_int64_matches_cpu(mode):
+    # CPU computes int64 transposed convolutions; the lowering's jax.linear_transpose has no
+    # integer cotangents and the kernel crashed on a float0 result
+    g = torch.Generator().manual_seed(90)
+    cases = [  # (conv, x shape, w shape, keywords)
+        (F.conv_transpose1d, (2, 4, 5), (4, 3, 3), dict(stride=3, padding=1, output_padding=2, dilation=2)),
+        (F.conv_transpose2d, (2, 4, 4, 3), (4, 2, 2, 3), dict(stride=(2, 1), padding=(1, 2), groups=2,
+                                                              dilation=(1, 2), output_padding=(1, 0))),
+        (F.conv_transpose3d, (1, 2, 3, 2, 3), (2, 2, 2, 1, 2), dict(stride=2, output_padding=(1, 0, 1))),
+        (F.conv_transpose2d, (3, 4, 5), (3, 2, 2, 2), dict(stride=2)),  # unbatched
+    ]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx:
+        for conv, xs, ws, kw in cases:
+            x = torch.randint(-9, 9, xs, generator=g)
+            w = torch.randint(-9, 9, ws, generator=g)
+            b = torch.randint(-9, 9, (ws[1] * kw.get("groups", 1),), generator=g)
+            want = conv(x, w, b, **kw)
+            got = conv(x.to(DEV), w.to(DEV), b.to(DEV), **kw)
+            assert got.dtype == torch.int64
+            assert torch.equal(got.cpu(), want), (conv, kw)
+
+
 POOL = {
     "max2d_ceil_pad": (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True), X4),
     "max2d_dilation": (lambda x: F.max_pool2d(x, 2, 1, 0, dilation=2, return_indices=True), X4),

@@ -64,6 +64,21 @@ def _conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
     out_sp = tuple((i - 1) * s - 2 * p + d * (kk - 1) + op + 1 for i, s, p, d, kk, op in
                    zip(x.shape[2:], stride, padding, dilation, k, output_padding))
     z_shape = (x.shape[0], w.shape[1] * groups) + out_sp
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        # jax.linear_transpose has no integer cotangents (float0): the transposed convolution
+        # written out instead, a stride-dilated input against the flipped, I/O-swapped weight
+        nd = len(k)
+        cin, cpg = w.shape[0], w.shape[1]
+        wt = w.reshape((groups, cin // groups, cpg) + k)
+        wt = jnp.swapaxes(wt, 1, 2).reshape((groups * cpg, cin // groups) + k)
+        wt = jnp.flip(wt, axis=tuple(range(2, 2 + nd)))
+        sp = _SPATIAL[nd]
+        dn = lax.conv_dimension_numbers(x.shape, wt.shape, ("NC" + sp, "OI" + sp, "NC" + sp))
+        pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op)
+                for kk, p, d, op in zip(k, padding, dilation, output_padding)]
+        return lax.conv_general_dilated(x, wt, window_strides=(1,) * nd, padding=pads,
+                                        lhs_dilation=tuple(stride), rhs_dilation=tuple(dilation),
+                                        dimension_numbers=dn, feature_group_count=groups)
     fwd = lambda z: _conv_fwd(z, w, stride, padding, dilation, groups)  # noqa: E731
     (y,) = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(z_shape, x.dtype))(x)
     return y
