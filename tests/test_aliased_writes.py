@@ -401,3 +401,36 @@ def test_storage_resize_frees_and_reallocates(mode):
         assert q.untyped_storage().nbytes() == 0
         torch.ops.inductor.resize_storage_bytes_(q, 24)
         assert q.untyped_storage().nbytes() == 24
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_tensor_resize_growth_keeps_views_on_the_storage(mode):
+    # Tensor.resize_ past its storage grows that storage in place on CPU: views taken before
+    # keep sharing memory with the tensor. A new storage left them on a stale copy (reads missed
+    # later writes, writes through them were lost)
+    def program(dev):
+        r = torch.arange(6., device=dev).view(2, 3)
+        v = r[1]
+        r.resize_(10)
+        r[4] = 99.0  # (r[6:] is uninitialised on CPU)
+        seen = v.clone()
+        v.mul_(2)
+        a = torch.arange(6., device=dev)
+        b = a.view(torch.int32)
+        b.resize_(9)
+        b[7] = 5
+        o = torch.zeros(2, device=dev)
+        keep = o[:]
+        torch.add(torch.ones(5, device=dev), 1, out=o)  # out= growth
+        keep.add_(1)
+        return (seen, r[:6], r[4:5], a, b[:6], b[7:8], o, keep, r.untyped_storage().nbytes(),
+                v.untyped_storage().data_ptr() == r.untyped_storage().data_ptr())
+
+    want = program("cpu")
+    with torch.tpu.set_eager_mode(MODES[mode]):
+        got = program("tpu")
+    for w, g in zip(want, got):
+        if isinstance(w, torch.Tensor):
+            assert torch.equal(g.cpu(), w), (g, w)
+        else:
+            assert g == w

@@ -75,6 +75,31 @@ def test_convolution(case):
 
 X4 = _r(2, 3, 9, 8)
 X5 = _r(1, 2, 5, 6, 7)
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_conv_transpose_of_int64_matches_cpu(mode):
+    # CPU computes int64 transposed convolutions; the lowering's jax.linear_transpose has no
+    # integer cotangents and the kernel crashed on a float0 result
+    g = torch.Generator().manual_seed(90)
+    cases = [  # (conv, x shape, w shape, keywords)
+        (F.conv_transpose1d, (2, 4, 5), (4, 3, 3), dict(stride=3, padding=1, output_padding=2, dilation=2)),
+        (F.conv_transpose2d, (2, 4, 4, 3), (4, 2, 2, 3), dict(stride=(2, 1), padding=(1, 2), groups=2,
+                                                              dilation=(1, 2), output_padding=(1, 0))),
+        (F.conv_transpose3d, (1, 2, 3, 2, 3), (2, 2, 2, 1, 2), dict(stride=2, output_padding=(1, 0, 1))),
+        (F.conv_transpose2d, (3, 4, 5), (3, 2, 2, 2), dict(stride=2)),  # unbatched
+    ]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx:
+        for conv, xs, ws, kw in cases:
+            x = torch.randint(-9, 9, xs, generator=g)
+            w = torch.randint(-9, 9, ws, generator=g)
+            b = torch.randint(-9, 9, (ws[1] * kw.get("groups", 1),), generator=g)
+            want = conv(x, w, b, **kw)
+            got = conv(x.to(DEV), w.to(DEV), b.to(DEV), **kw)
+            assert got.dtype == torch.int64
+            assert torch.equal(got.cpu(), want), (conv, kw)
+
+
 POOL = {
     "max2d_ceil_pad": (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True), X4),
     "max2d_dilation": (lambda x: F.max_pool2d(x, 2, 1, 0, dilation=2, return_indices=True), X4),
@@ -160,6 +185,63 @@ for _ac in (False, True):
 def test_upsample(case):
     fn, x = UP[case]
     _compare(fn, x, atol=1e-4 if "bicubic" in case else ATOL)
+
+
+def _uint8_image(h, w, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (2, 3, h, w), generator=g, dtype=torch.uint8)
+
+
+UINT8_UP = [  # (input h, w, interpolate's keywords): up, down, mixed, a side left alone
+    (6, 5, dict(size=(3, 7))), (4, 9, dict(size=(11, 13))), (2, 3, dict(size=(7, 1))),
+    (7, 6, dict(scale_factor=(1.7, 0.6))), (9, 5, dict(scale_factor=(0.9, 1.06))),
+    (5, 8, dict(size=(5, 17))), (1, 4, dict(size=(3, 6)))]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_upsample_uint8_bit_exact(kind, align_corners, mode):
+    # CPU resizes uint8 images (torchvision's resize) with fixed-point weights and clamps after
+    # each pass; the float matrices cast to uint8 gave all zeros (align_corners=False) or zeros
+    # between the corners
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx:
+        for k, (h, w, kw) in enumerate(UINT8_UP):
+            if align_corners and "scale_factor" in kw:
+                continue
+            x = _uint8_image(h, w, seed=80 + k)
+            for layout in (torch.contiguous_format, torch.channels_last):
+                xl = x.contiguous(memory_format=layout)
+                want = F.interpolate(xl, mode=kind, align_corners=align_corners, **kw)
+                got = F.interpolate(xl.to(DEV), mode=kind, align_corners=align_corners, **kw)
+                assert got.dtype == torch.uint8
+                assert torch.equal(got.cpu(), want), (h, w, kw, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic", "area"])
+def test_upsample_of_other_integer_dtypes_raises_like_cpu(kind, dtype):
+    x = torch.ones(1, 2, 3, 4, dtype=dtype)
+    with pytest.raises(NotImplementedError):
+        F.interpolate(x, size=(5, 6), mode=kind)
+    with pytest.raises(NotImplementedError):
+        F.interpolate(x.to(DEV), size=(5, 6), mode=kind).cpu()
+
+
+def test_uint8_area_and_1d_3d_linear_raise_like_cpu():
+    # CPU has no uint8 kernel for these; the float-weight lowerings returned zeros
+    cases = [(lambda x: F.interpolate(x, size=(2, 3), mode="area"), (1, 2, 4, 6)),
+             (lambda x: F.adaptive_avg_pool3d(x, 2), (1, 2, 4, 4, 4)),
+             (lambda x: F.interpolate(x, size=7, mode="linear"), (1, 2, 4)),
+             (lambda x: F.interpolate(x, size=(3, 3, 3), mode="trilinear"), (1, 1, 2, 3, 4))]
+    for fn, shape in cases:
+        x = torch.full(shape, 200, dtype=torch.uint8)
+        with pytest.raises(NotImplementedError):
+            fn(x)
+        with pytest.raises(NotImplementedError):
+            fn(x.to(DEV)).cpu()
 
 
 GRID = (_r(2, 3, 5, 6, seed=70), torch.rand(2, 4, 7, 2, generator=torch.Generator().manual_seed(71)) * 2.6 - 1.3)

@@ -189,6 +189,36 @@ def test_reproducibility():
     assert torch.equal(a, torch.randn(6, device=D, generator=g).cpu())
 
 
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_explicit_generator_is_seeded_and_advances(mode):
+    # the dispatcher hands a kernel a plain wrapper of a tpu Generator's C++ generator: its seed
+    # was ignored and every draw from it repeated the first (same noise for every step of a
+    # sampler seeded with torch.Generator("tpu").manual_seed(s))
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx:
+        g = torch.Generator(device=D).manual_seed(5)
+        a, b = (torch.rand(8, device=D, generator=g).cpu() for _ in range(2))
+        assert not torch.equal(a, b)
+        assert g.get_offset() == 2
+        torch.tpu.manual_seed(5)  # the same seed gives the default generator's stream
+        assert torch.equal(torch.rand(8, device=D).cpu(), a)
+        g7 = torch.Generator(device=D).manual_seed(7)
+        assert not torch.equal(torch.rand(8, device=D, generator=g7).cpu(), a)
+        g.manual_seed(5)
+        assert torch.equal(torch.rand(8, device=D, generator=g).cpu(), a)
+        state = g.get_state()
+        c = torch.randn(8, device=D, generator=g).cpu()
+        torch.randn(3, device=D)  # the default generator's draws leave g alone
+        d = torch.empty(8, device=D).normal_(generator=g).cpu()
+        assert not torch.equal(c, d)
+        g.set_state(state)
+        assert torch.equal(torch.randn(8, device=D, generator=g).cpu(), c)
+        assert torch.equal(torch.empty(8, device=D).normal_(generator=g).cpu(), d)
+        with pytest.raises(RuntimeError, match="device type for generator"):
+            torch.rand(3, device=D, generator=torch.Generator().manual_seed(5)).cpu()
+
+
 def test_random_ops_have_lowerings():
     torch.tpu.reset_metrics()
     x = torch.empty(10, device=D)

@@ -73,6 +73,7 @@ class Generator(_BaseGenerator, metaclass=_GeneratorMeta):
         self = _BaseGenerator.__new__(cls, "cpu")
         self._tpu_device = torch.device("tpu", idx)
         self._tpu_state = _rng.GeneratorState(_rng._DEFAULT_SEED)
+        _rng.register_generator(self)
         return self
 
     @property

@@ -158,17 +158,12 @@ def resize(t: torch.Tensor, shape) -> None:
     st = t.untyped_storage()
     have = st.nbytes() // t.element_size()
     if need > have:
-        old = _buffer.buffer_of(t).array
-        jd = np.dtype(to_jax(t.dtype))
-        if old.dtype != jd:  # a view of another dtype (x.view(torch.int32)): reinterpret
-            old = views.bitcast_flat(old, jd)[:have]
-        old = old.reshape(-1)
-        grown = jnp.concatenate([old, jnp.zeros((need - have,), old.dtype)])
-        new_st = _buffer.new_storage(need * t.element_size(), t.device.index or 0)
-        _buffer.buffer_of_storage(new_st, grown)
-        _set_storage(t, new_st, t.storage_offset(), shape)
-    else:
-        _set_storage(t, st, t.storage_offset(), shape)
+        # the storage grows in place, as PyTorch's resize_ does (UntypedStorage.resize_, the
+        # device layer's: prefix kept, new fake data pointer swapped into the same storage), so
+        # views taken before the resize_ keep sharing memory with the tensor; a new storage
+        # left them reading and writing a stale copy
+        st.resize_(need * t.element_size())
+    _set_storage(t, st, t.storage_offset(), shape)
 
 
 def _set_storage(t, st, offset, shape):

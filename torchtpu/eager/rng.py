@@ -44,12 +44,37 @@ def default_state(index: int = 0) -> GeneratorState:
     return s
 
 
+# A tpu Generator (device/extras.py) is a Python subclass of torch._C.Generator over a CPU
+# generator. The dispatcher hands a kernel that C++ generator in a fresh plain wrapper, without
+# the subclass's attributes; so each tpu generator seeds its CPU generator with a tag of its own,
+# which finds it again here (it once read the plain wrapper's CPU seed at offset 0 on every call:
+# an explicit generator's seed was ignored and every draw repeated the first).
+_TAG_BASE = 0x7470755F00000000  # "tpu_" in the high bytes
+_tags = [0]
+_by_tag: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def register_generator(gen) -> None:
+    """Tag ``gen`` (a tpu Generator carrying ``_tpu_state``) so ``state_for`` finds it from the
+    plain wrapper the dispatcher passes."""
+    _tags[0] += 1
+    tag = _TAG_BASE | _tags[0]
+    torch._C.Generator.manual_seed(gen, tag)
+    _by_tag[tag] = gen
+
+
 def state_for(gen) -> GeneratorState:
     if gen is None:
         return default_state(0)
     s = getattr(gen, "_tpu_state", None)
     if s is not None:
         return s
+    owner = _by_tag.get(gen.initial_seed())
+    if owner is not None:
+        return owner._tpu_state
+    if gen.device.type != "tpu":
+        raise RuntimeError(f"Expected a 'tpu' device type for generator but found "
+                           f"'{gen.device.type}'")
     s = _generators.get(gen)
     if s is None:
         s = _generators[gen] = GeneratorState(gen.initial_seed())

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..runtime.dtypes import scalar_type_name as _tname
 from .registry import aten, register
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -63,6 +64,21 @@ def _conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
     out_sp = tuple((i - 1) * s - 2 * p + d * (kk - 1) + op + 1 for i, s, p, d, kk, op in
                    zip(x.shape[2:], stride, padding, dilation, k, output_padding))
     z_shape = (x.shape[0], w.shape[1] * groups) + out_sp
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        # jax.linear_transpose has no integer cotangents (float0): the transposed convolution
+        # written out instead, a stride-dilated input against the flipped, I/O-swapped weight
+        nd = len(k)
+        cin, cpg = w.shape[0], w.shape[1]
+        wt = w.reshape((groups, cin // groups, cpg) + k)
+        wt = jnp.swapaxes(wt, 1, 2).reshape((groups * cpg, cin // groups) + k)
+        wt = jnp.flip(wt, axis=tuple(range(2, 2 + nd)))
+        sp = _SPATIAL[nd]
+        dn = lax.conv_dimension_numbers(x.shape, wt.shape, ("NC" + sp, "OI" + sp, "NC" + sp))
+        pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op)
+                for kk, p, d, op in zip(k, padding, dilation, output_padding)]
+        return lax.conv_general_dilated(x, wt, window_strides=(1,) * nd, padding=pads,
+                                        lhs_dilation=tuple(stride), rhs_dilation=tuple(dilation),
+                                        dimension_numbers=dn, feature_group_count=groups)
     fwd = lambda z: _conv_fwd(z, w, stride, padding, dilation, groups)  # noqa: E731
     (y,) = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(z_shape, x.dtype))(x)
     return y
@@ -335,6 +351,8 @@ def _adaptive_ranges(n, o):
 
 
 def _adaptive_avg(x, output_size, nd):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise NotImplementedError(f'"adaptive_avg_pool{nd}d" not implemented for \'{_tname(x.dtype)}\'')
     out_sizes = tuple(output_size)
     acc = _acc(x.dtype)
     y = x.astype(acc)
@@ -791,8 +809,86 @@ def _cubic_matrix(in_size, out_size, align_corners, scale, ftype):
     return m
 
 
+def _int16_weights(m, taps):
+    """PyTorch's uint8 interpolation weights: the float weight of each (output, input) pair
+    rounded to a fixed-point integer at the largest precision (< 22 bits) whose doubled largest
+    weight stays below 2**15 (``_compute_index_ranges_int16_weights``). ``taps`` is (rows,
+    columns, weights) per tap; taps clamped onto the same input pixel add up first."""
+    for rows, cols, w in taps:
+        np.add.at(m, (rows, cols), w.astype(np.float64))
+    wmax = float(m.max()) if m.size else 0.0
+    prec = 0
+    while prec < 22 and int(0.5 + wmax * (1 << (prec + 1))) < (1 << 15):
+        prec += 1
+    v = m * (1 << prec)
+    return np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int64), prec
+
+
+def _uint8_linear_taps(in_size, out_size, align_corners, scale):
+    # upsample_bilinear2d on uint8 (CPU's separable uint8 kernel): the antialias helper's taps
+    # without antialiasing, shifted by half a pixel under align_corners; taps that fall outside
+    # the input are dropped and the rest renormalized
+    s = float(_scale(in_size, out_size, align_corners, scale, float))
+    delta = 0.5 if align_corners else 0.0
+    rows, cols, ws = [], [], []
+    for i in range(out_size):
+        c = s * (i + 0.5 - delta)
+        xmin = max(int(c - 1.0 + 0.5 + delta), 0)
+        xs = min(max(min(int(c + 1.0 + 0.5 + delta), in_size) - xmin, 0), 2)
+        w = [max(0.0, 1.0 - abs(j + xmin - c + 0.5 - delta)) for j in range(xs)]
+        t = sum(w)
+        for j, wj in enumerate(w):
+            rows.append(i)
+            cols.append(xmin + j)
+            ws.append(wj / t if t != 0.0 else wj)
+    return [(np.asarray(rows, np.int64), np.asarray(cols, np.int64), np.asarray(ws, np.float64))]
+
+
+def _uint8_cubic_taps(in_size, out_size, align_corners, scale):
+    # upsample_bicubic2d on uint8: the float kernel's four taps (a = -0.75, indices clamped to
+    # the border), each rounded on its own
+    A = -0.75
+    s = float(_scale(in_size, out_size, align_corners, scale, float))
+    dst = np.arange(out_size, dtype=np.float64)
+    src = dst * s if align_corners else (dst + 0.5) * s - 0.5
+    fl = np.floor(src)
+    t = src - fl
+    i = fl.astype(np.int64)
+    c1 = lambda x: ((A + 2) * x - (A + 3)) * x * x + 1  # noqa: E731
+    c2 = lambda x: ((A * x - 5 * A) * x + 8 * A) * x - 4 * A  # noqa: E731
+    ws = [c2(t + 1), c1(t), c1(1 - t), c2(2 - t)]
+    rows = np.arange(out_size)
+    return [(rows, np.clip(i - 1 + k, 0, in_size - 1), w) for k, w in enumerate(ws)]
+
+
+def _separable_uint8(x, output_size, make, align_corners, scales):
+    """PyTorch CPU's uint8 bilinear/bicubic kernel, bit for bit: one pass per dimension, the last
+    first, skipping a dimension whose size does not change; each pass sums integer weights times
+    the pixels, adds half a unit, shifts the precision away and clamps to [0, 255]."""
+    taps_of = _uint8_cubic_taps if make is _cubic_matrix else _uint8_linear_taps
+    nd = len(output_size)
+    y = x.astype(jnp.int32)
+    for j in reversed(range(nd)):
+        axis = x.ndim - nd + j
+        n, o = x.shape[axis], output_size[j]
+        if n == o:
+            continue
+        sc = scales[j] if scales is not None and j < len(scales) else None
+        m, prec = _int16_weights(np.zeros((o, n), np.float64), taps_of(n, o, align_corners, sc))
+        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(m, jnp.int32), axes=[[axis], [1]]), -1, axis)
+        y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255)
+    return y.astype(jnp.uint8)
+
+
 def _separable(x, output_size, make, align_corners, scales):
     nd = len(output_size)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        # CPU computes uint8 bilinear/bicubic with fixed-point weights and refuses every other
+        # integer or bool dtype (and uint8 in 1-d and 3-d)
+        if x.dtype == jnp.uint8 and nd == 2:
+            return _separable_uint8(x, output_size, make, align_corners, scales)
+        what = "compute_indices_weights_cubic" if make is _cubic_matrix else "compute_indices_weights_linear"
+        raise NotImplementedError(f'"{what}" not implemented for \'{_tname(x.dtype)}\'')
     acc = _acc(x.dtype)
     ftype = _np_dtype(acc)
     y = x.astype(acc)
