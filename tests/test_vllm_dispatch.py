@@ -80,3 +80,53 @@ def test_weights_in_place_are_seen_and_replaced_ones_go_back_through_the_guards(
     g = _n("vllm_steps_guarded", 0)
     _check(d, m, x, 4, 2)
     assert _n("vllm_steps_guarded", 0) == g + 1
+
+
+class _CacheNet(torch.nn.Module):
+    """A step that writes a cache buffer in place (as the attention writes a KV cache) and
+    reads it back: the graph-level direct call must leave the write done."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(16, 8))
+
+    def forward(self, x, slots, T: int):
+        h = self.lin(x[:T])
+        self.cache.index_copy_(0, slots[:T], h)
+        return h, self.cache.sum(dim=0)
+
+
+@torch.inference_mode()
+def test_a_bucket_runs_its_graph_alone_after_its_first_direct_call_and_writes_its_cache():
+    torch._dynamo.reset()
+    m = _CacheNet().to("tpu")
+    ref = _CacheNet()
+    ref.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
+    d = BucketDispatch(m, torch.compile(m, backend="tpu", fullgraph=True, dynamic=False))
+    before = {k: _n(k) for k in ("vllm_steps_direct", "vllm_steps_graph_direct",
+                                 "vllm_steps_guarded")}
+    g = torch.Generator().manual_seed(3)
+    for step in range(6):
+        x = torch.randn(8, 8, generator=g)
+        slots = torch.randperm(16, generator=g)[:8]
+        h, s = d(x.to("tpu"), slots.to("tpu"), 4)
+        eh, es = ref(x, slots, 4)
+        torch.testing.assert_close(h.cpu(), eh)
+        torch.testing.assert_close(s.cpu(), es)
+        torch.testing.assert_close(m.cache.cpu(), ref.cache)
+    got = {k: _n(k) - v for k, v in before.items()}
+    # guarded (compiles), direct through Dynamo's code (finds the graph), then the graph alone
+    assert got == {"vllm_steps_guarded": 1, "vllm_steps_direct": 5,
+                   "vllm_steps_graph_direct": 4}
+    assert len(d.graphs) == 1
+    # the cache replaced (new KV caches): every bucket back through the guards
+    m.cache = torch.zeros(16, 8).to("tpu")
+    ref.cache = torch.zeros(16, 8)
+    x = torch.randn(8, 8, generator=g)
+    slots = torch.arange(8)
+    gd = _n("vllm_steps_graph_direct")
+    h, s = d(x.to("tpu"), slots.to("tpu"), 4)
+    eh, es = ref(x, slots, 4)
+    torch.testing.assert_close(s.cpu(), es)
+    assert _n("vllm_steps_graph_direct") == gd and not d.graphs
