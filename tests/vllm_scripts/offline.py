@@ -85,12 +85,6 @@ if mode == "compiled":
     # every step called its bucket's program directly, without Dynamo's guards (dispatch.py):
     # warm-up built and held every bucket once
     assert c.get("vllm_steps_direct", 0) >= MAX_TOKENS and not c.get("vllm_steps_guarded"), c
-    # and after a bucket's first direct call, its graph alone (dispatch.py's _probe): at most
-    # one call per token bucket went through Dynamo's code
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
-        .model_runner
-    assert c.get("vllm_steps_direct", 0) - c.get("vllm_steps_graph_direct", 0) \
-        <= len(runner.token_buckets), c
 # one sync per step (the greedy ids); no more than the number of decode steps plus prefill
 # chunks
 assert c.get("host_syncs", 0) <= MAX_TOKENS + 3, c

@@ -22,13 +22,6 @@ LoRA wrapper, new KV caches) every bucket goes back through the guarded path
 a tensor-metadata read per parameter per step): a parameter's ``.data`` swapped in place for a
 tensor of another dtype or shape -- vLLM does that only while loading, before warm-up.
 ``invalidate`` drops the kept code explicitly (new KV caches).
-
-One layer further: a bucket's first direct call watches the compiled graph (the backend's
-``CompiledGraph``) that Dynamo's code calls through its eval-frame and aot_autograd wrappers
-(``_probe``); where that call is plain (one graph, its inputs the step's tensors and objects
-``_holds`` checks, its outputs exactly the step's), later calls of the bucket call the graph
-alone (``vllm_steps_graph_direct``, counted in ``vllm_steps_direct`` too); the graphs are
-dropped with the kept code.
 """
 from __future__ import annotations
 
@@ -48,8 +41,6 @@ class BucketDispatch:
         self.kv_layers = list(kv_layers)
         self.code = type(step).forward.__code__
         self.fns: dict = {}
-        self.graphs: dict = {}  # key -> the bucket's graph called without Dynamo's code
-        self._probed: set = set()
         self._items = self._mode = None
         self._local = threading.local()
         # the hook holds no reference to the runner's model: removed when this object dies
@@ -71,8 +62,6 @@ class BucketDispatch:
 
     def invalidate(self) -> None:
         self.fns.clear()
-        self.graphs.clear()
-        self._probed.clear()
         self._items = self._mode = None
 
     def set_kv_layers(self, layers) -> None:
@@ -116,16 +105,6 @@ class BucketDispatch:
         fn = self.fns.get(key)
         if fn is not None:
             count("vllm_steps_direct")
-            graph = self.graphs.get(key)
-            if graph is not None:
-                count("vllm_steps_graph_direct")
-                return graph(args)
-            if key not in self._probed:  # the bucket's first direct call: find its graph
-                self._probed.add(key)
-                out, graph = _probe(fn, self.step, args, self._items)
-                if graph is not None:
-                    self.graphs[key] = graph
-                return out
             return fn(self.step, *args)
         count("vllm_steps_guarded")
         self._local.pending, self._local.captured = True, None
@@ -142,69 +121,3 @@ class BucketDispatch:
             self.fns[key] = types.FunctionType(code, fwd.__globals__, fwd.__name__,
                                                fwd.__defaults__, fwd.__closure__)
         return out
-
-
-def _probe(fn, step, args, items):
-    """Run ``fn`` (Dynamo's code for a bucket) once, watching the compiled graph it calls
-    (``compile.backend.CompiledGraph``, through Dynamo's and aot_autograd's wrappers): returns
-    ``(fn's output, call)`` where ``call(args)`` runs that graph alone with the step's tensor
-    arguments put in their places, or None where the call is not that simple. It is when the
-    code called exactly one graph, whose inputs are this call's tensor arguments (each once)
-    and otherwise only objects ``_holds`` checks (the step's parameters, buffers, KV caches),
-    and whose outputs are exactly the step's outputs, the same objects in some order (no
-    extra output: aot_autograd had no input mutation, alias or other output to apply after the
-    graph; the KV caches are written by the graph itself)."""
-    try:
-        from ..compile.backend import CompiledGraph
-    except ImportError:
-        return fn(step, *args), None
-    seen = []
-    orig = CompiledGraph.__dict__["__call__"]
-
-    def spy(self, inputs):
-        snap = list(inputs)  # the callee clears the list (boxed calling convention)
-        res = orig(self, inputs)
-        seen.append((self, snap, res))
-        return res
-
-    CompiledGraph.__call__ = spy
-    try:
-        out = fn(step, *args)
-    finally:
-        CompiledGraph.__call__ = orig
-    return out, _graph_call(seen, args, out, items)
-
-
-def _graph_call(seen, args, out, items):
-    if len(seen) != 1 or not isinstance(out, tuple):
-        return None
-    graph, inputs, res = seen[0]
-    if not isinstance(res, (list, tuple)) or len(res) != len(out):
-        return None
-    held = {id(v) for _, _, v in (items or ()) if isinstance(v, torch.Tensor)}
-    places = []  # (position in the graph's inputs, position in args)
-    for pos, x in enumerate(inputs):
-        at = [i for i, a in enumerate(args) if a is x]
-        if len(at) == 1 and isinstance(x, torch.Tensor):
-            places.append((pos, at[0]))
-        elif at or not isinstance(x, torch.Tensor) or id(x) not in held:
-            return None
-    if sorted(i for _, i in places) != [i for i, a in enumerate(args)
-                                        if isinstance(a, torch.Tensor)]:
-        return None
-    outs = []
-    for o in out:
-        at = [j for j, r in enumerate(res) if r is o]
-        if len(at) != 1:
-            return None
-        outs.append(at[0])
-    template = list(inputs)
-
-    def call(a):
-        inp = list(template)
-        for pos, i in places:
-            inp[pos] = a[i]
-        got = graph(inp)
-        return tuple(got[j] for j in outs)
-
-    return call
