@@ -11,9 +11,11 @@ the host itself spends, less sensitive to the load than the wall) per engine ste
 round of ``--rounds`` after a warm-up round. Every step ends with the sampled tokens on the
 host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
 through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
-the bucket's program called directly (the runner's path) and through torch.compile's guards,
-and (where torchtpu's CPU paged-attention kernel is used) directly with the kernel held to the
-calling thread (``cpu_kernels.set_attention_threads(1)``): the three alternate in one process,
+the bucket's program called directly (the runner's path, torchtpu/vllm/dispatch.py), the same
+with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
+the ids), and through torch.compile's guards, and (where torchtpu's CPU paged-attention kernel
+is used) directly with the kernel held to the
+calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
 an A/B that the host's load shifts alike. The load average is printed with the table: compare
 runs taken on a quiet host. ``--profile N`` also
 traces N replays of that step with XLA's profiler and prints the program's HLO operations by
@@ -150,7 +152,9 @@ def _replay(runner, last):
         runner._model_forward(input_ids=last["ids"], positions=last["pos"])
     ids = runner._step_out[2]
     runner._step_out = None
-    ids.cpu()
+    from torchtpu.vllm import model_runner
+
+    model_runner._read(ids)  # as the runner's _sample reads them
 
 
 def _profile_last_step(runner, last, n):
@@ -222,19 +226,26 @@ def _replay_last_step(llm, runner, last):
     own threads) per call."""
     import torch
 
+    from torchtpu.eager.copy import tensor_from_numpy
     from torchtpu.runtime import cpu_kernels
+    from torchtpu.vllm import model_runner
 
     T = int(last["ids"].shape[0])
     dispatch = runner._forward
-    paths = {"direct": (dispatch, None),
-             "guarded": (getattr(dispatch, "compiled", dispatch), None)}
+    io = (model_runner._put_int32, model_runner._read)
+    old_io = (lambda host, index=0: tensor_from_numpy(host, index), lambda t: t.cpu())
+    # (forward, attention threads, the runner's transfers)
+    paths = {"direct": (dispatch, None, io),
+             "direct, tensor_from_numpy and .cpu()": (dispatch, None, old_io),
+             "guarded": (getattr(dispatch, "compiled", dispatch), None, io)}
     if cpu_kernels.available("paged_attention"):  # the kernel's threads, A/B in this process
-        paths["direct, attention on 1 thread"] = (dispatch, 1)
+        paths["direct, attention on 1 thread"] = (dispatch, 1, io)
     times = {k: ([], [], []) for k in paths}
     with torch.inference_mode():
         for _ in range(5):
-            for name, (fwd, threads) in paths.items():
+            for name, (fwd, threads, (put, read)) in paths.items():
                 runner._forward = fwd
+                model_runner._put_int32, model_runner._read = put, read
                 prev = None if threads is None else cpu_kernels.set_attention_threads(threads)
                 t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
                 for _ in range(30):
@@ -245,6 +256,7 @@ def _replay_last_step(llm, runner, last):
                 if prev is not None:
                     cpu_kernels.set_attention_threads(prev)
     runner._forward = dispatch
+    model_runner._put_int32, model_runner._read = io
     res = dict(program_bucket=T, program_seqs=last["n"],
                program_s=statistics.median(times["direct"][0]))
     for name, (wall, cpu, pcpu) in times.items():
@@ -304,7 +316,8 @@ def main():
                   f"token bucket {results[n]['program_bucket']}) replayed through the forward "
                   "call alone (inputs sent, program, greedy ids back): "
                   f"{results[n]['program_s'] * 1e3:.2f} ms per call")
-            for path in ("direct", "guarded", "direct, attention on 1 thread"):
+            for path in ("direct", "direct, tensor_from_numpy and .cpu()", "guarded",
+                         "direct, attention on 1 thread"):
                 if f"program_{path}_s" in results[n]:
                     print(f"  {path} call of the bucket's program: "
                           f"{results[n][f'program_{path}_s'] * 1e3:.2f} ms wall / "

@@ -41,7 +41,7 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
-from ..eager.copy import tensor_from_numpy
+from ..eager.copy import device_to_host, tensor_from_numpy, to_numpy_dtype
 from ..ops._kv_storage import kv_storage_dtype
 from ..runtime.metrics import count
 from . import attention as _attn
@@ -347,8 +347,8 @@ class TpuModelRunner(GPUModelRunner):
         if mds:
             parts += mds[0].host_parts()
         parts.append(rows)
-        packed = tensor_from_numpy(np.concatenate(
-            [np.asarray(p, np.int32).reshape(-1) for p in parts]), self.device_tpu.index or 0)
+        packed = _put_int32(np.concatenate([np.asarray(p, np.int32).reshape(-1)
+                                            for p in parts]), self.device_tpu.index or 0)
         for i, md in enumerate(mds):
             if i == 0:
                 md.packed, md.base = packed, 2 * T
@@ -431,8 +431,79 @@ class TpuModelRunner(GPUModelRunner):
             # TpuAsyncOutput brings them back when the engine asks for the step's output
             return SamplerOutput(sampled_token_ids=_ids_placeholder(ids, n),
                                  logprobs_tensors=None)
-        return SamplerOutput(sampled_token_ids=ids.cpu()[:n].view(n, 1),
+        return SamplerOutput(sampled_token_ids=_read(ids)[:n].view(n, 1),
                              logprobs_tensors=None)
+
+
+def _put_int32(host: np.ndarray, device_index: int = 0) -> torch.Tensor:
+    """A tpu tensor holding ``host`` (a 1-D int32 array the caller made for this and never
+    writes again: the device may alias it), as ``tensor_from_numpy`` makes it, with the
+    transfer's fixed host cost cut: ``jax.device_put``'s argument handling (its tree walk,
+    sharding inference, transfer guards) and ``tensor_from_numpy``'s torch round trip and copy
+    skipped, jax's batched transfer called with the step's one shape. Every step sends one
+    such array, so this is on the per-step path; on any failure of that internal call (another
+    jax), ``tensor_from_numpy``."""
+    fast = _FAST_PUT.get(device_index)
+    if fast is None:
+        fast = _FAST_PUT[device_index] = _fast_put_for(device_index)
+    if fast is not False and host.dtype == np.int32 and host.ndim == 1:
+        try:
+            arr = fast(host)
+        except Exception:  # noqa: BLE001 - jax's internals moved: the documented path
+            _FAST_PUT[device_index] = False
+        else:
+            count("bytes_host_to_device", host.nbytes)
+            count("transfers_host_to_device")
+            count("vllm_inputs_fast_transfers")
+            return _wrap_array(arr)
+    return tensor_from_numpy(host, device_index)
+
+
+_FAST_PUT: dict = {}
+
+
+def _fast_put_for(device_index: int):
+    """``host -> jax array`` on tpu:``device_index`` through ``pxla.batched_device_put`` (what
+    ``jax.device_put`` ends in for one numpy array on one device), or False."""
+    try:
+        from jax._src import core as _jcore
+        from jax._src.interpreters import pxla as _pxla
+        from jax.sharding import SingleDeviceSharding
+
+        from ..runtime import devices as _devices
+
+        dev = _devices.jax_device(device_index)
+        sharding = SingleDeviceSharding(dev)
+        avals: dict = {}
+
+        def put(host):
+            aval = avals.get(host.shape[0])
+            if aval is None:
+                aval = avals[host.shape[0]] = _jcore.ShapedArray(host.shape, host.dtype)
+            return _pxla.batched_device_put(aval, sharding, [host], [dev], True)
+
+        return put
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _wrap_array(arr) -> torch.Tensor:
+    from ..runtime import buffer as _buffer
+
+    return _buffer.wrap(arr)
+
+
+def _read(t: torch.Tensor) -> torch.Tensor:
+    """``t.cpu()`` for a tpu tensor that is its storage's whole array (a program's output):
+    the array read directly (``copy.device_to_host``: the same sync, checks and counters),
+    without the tensor copy's dispatch; any other tensor through ``.cpu()``."""
+    buf = getattr(t.untyped_storage(), "_tpu_buffer", None)
+    arr = getattr(buf, "array", None)
+    if arr is None or tuple(arr.shape) != tuple(t.shape) or t.storage_offset() \
+            or not t.is_contiguous() or t.is_conj() or t.is_neg() \
+            or to_numpy_dtype(t.dtype) != arr.dtype:
+        return t.cpu()
+    return device_to_host(arr)
 
 
 class _LogitsHook:
@@ -461,7 +532,7 @@ class _LogitsHook:
                 return logits
             R = _buckets.pick(r.request_buckets, n)
             # a request bucket of rows comes back (a device-side [:n] would be a program per n)
-            return _rows(logits, R).cpu()[:n]
+            return _read(_rows(logits, R))[:n]
         out = self.original(hidden_states)
         return out.cpu() if isinstance(out, torch.Tensor) else out
 
@@ -525,7 +596,7 @@ class TpuAsyncOutput(AsyncModelRunnerOutput):
         # the whole program output comes back (a device-side [:n] is a program per n); the
         # host tensor was made in the step's inference mode
         with torch.inference_mode():
-            self.sampled_token_ids_cpu.copy_(base.cpu().reshape(-1)[:n, None])
+            self.sampled_token_ids_cpu.copy_(_read(base).reshape(-1)[:n, None])
 
     def get_output(self):
         self.async_copy_ready_event.synchronize()
