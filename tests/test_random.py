@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import pytest
 import torch
 
@@ -217,6 +219,28 @@ def test_explicit_generator_is_seeded_and_advances(mode):
         assert torch.equal(torch.empty(8, device=D).normal_(generator=g).cpu(), d)
         with pytest.raises(RuntimeError, match="device type for generator"):
             torch.rand(3, device=D, generator=torch.Generator().manual_seed(5)).cpu()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_explicit_generator_drives_random_ops_run_on_cpu(mode):
+    # a random op without a lowering runs on CPU (randperm with a generator): it drew from the
+    # tpu generator's own C++ generator, which holds only its tag, so re-seeding the tpu
+    # generator did not repeat the draw
+    before = torch.tpu.metrics()["per_op"].get("cpu_fallbacks", {})
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = torch.Generator(device=D).manual_seed(3)
+        a, b = (torch.randperm(64, generator=g, device=D).cpu() for _ in range(2))
+        assert sorted(a.tolist()) == list(range(64)) and not torch.equal(a, b)
+        assert g.get_offset() == 2
+        g.manual_seed(3)
+        assert torch.equal(torch.randperm(64, generator=g, device=D).cpu(), a)
+        g.manual_seed(4)
+        assert not torch.equal(torch.randperm(64, generator=g, device=D).cpu(), a)
+    after = torch.tpu.metrics()["per_op"].get("cpu_fallbacks", {})
+    assert sum(after.values()) > sum(before.values())  # the path under test ran
 
 
 def test_random_ops_have_lowerings():

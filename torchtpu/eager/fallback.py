@@ -12,6 +12,7 @@ import torch
 
 from ..runtime.metrics import count
 from . import copy as _copy
+from . import rng as _rng
 from .dynamo_skip import skip
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -42,6 +43,8 @@ def _to_cpu(x, dev_box):
         return c.reshape(x.shape).clone()
     if isinstance(x, (list, tuple)):
         return type(x)(_to_cpu(e, dev_box) for e in x)
+    if isinstance(x, torch._C.Generator):  # a tpu generator's draws follow its seed
+        return _rng.cpu_generator_for(x)
     if isinstance(x, torch.device) and x.type == "tpu":
         if dev_box[0] is None:
             dev_box[0] = x

@@ -6,6 +6,7 @@ entry is independent of the seed.
 """
 from __future__ import annotations
 
+import hashlib
 import random as _pyrandom
 import weakref
 
@@ -81,13 +82,34 @@ def state_for(gen) -> GeneratorState:
     return s
 
 
-def next_state(gen=None) -> np.ndarray:
-    """The (seed, offset) words for one random op; advances the generator."""
-    s = state_for(gen)
+def cpu_generator_for(gen):
+    """The CPU generator a CPU fallback of a random op draws from in place of ``gen``: for a tpu
+    generator a fresh CPU generator seeded from its (seed, offset), which advances as one random
+    op does, so re-seeding the tpu generator draws the same values again (the tpu generator's
+    own C++ generator holds only its tag); any other generator as it is."""
+    s = getattr(gen, "_tpu_state", None)
+    if s is None:
+        owner = _by_tag.get(gen.initial_seed())
+        s = owner._tpu_state if owner is not None else _generators.get(gen)
+    if s is None:
+        return gen
+    words = next_state_of(s)
+    digest = hashlib.sha256(words.tobytes()).digest()
+    cpu = torch.Generator("cpu")
+    cpu.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return cpu
+
+
+def next_state_of(s: GeneratorState) -> np.ndarray:
     off = s.offset
     s.offset = off + 1
     seed = s.seed
     return np.array([seed & 0xFFFFFFFF, seed >> 32, off & 0xFFFFFFFF, off >> 32], dtype=np.uint32)
+
+
+def next_state(gen=None) -> np.ndarray:
+    """The (seed, offset) words for one random op; advances the generator."""
+    return next_state_of(state_for(gen))
 
 
 def key_from(words):
