@@ -91,6 +91,9 @@ def _kernel_kinds():
     from torchtpu.eager import fastpath
 
     kinds = {}
+    # a functional op's boxed Kernel is registered from fastpath.cpp too (bind_boxed), like
+    # the metadata ops' CPU redispatch: told apart by the list of boxed-bound ops
+    boxed = set(fastpath.boxed_bound())  # "aten::mul.Tensor", as op_name below
 
     def kind(func):
         name = str(func)
@@ -104,7 +107,7 @@ def _kernel_kinds():
         else:
             dump = torch._C._dispatch_dump(op_name)
             line = next((ln for ln in dump.splitlines() if ln.startswith("PrivateUse1")), "")
-            if "fastpath.cpp" in line:
+            if "fastpath.cpp" in line and op_name not in boxed:
                 kinds[name] = "metadata op bound in C++"
             else:
                 from torchtpu.lowering import registry
@@ -129,11 +132,13 @@ def split(run, tokens):
 
     kind = _kernel_kinds()
     ops = collections.Counter()
+    kind_of = {}
     by_kind = collections.Counter()
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             ops[str(func)] += 1
+            kind_of[str(func)] = kind(func)
             by_kind[kind(func)] += 1
             return func(*args, **(kwargs or {}))
 
@@ -167,6 +172,7 @@ def split(run, tokens):
     return {"aten": per(sum(ops.values())),
             "by_kind": {k: per(v) for k, v in by_kind.most_common()},
             "top_ops": [(k, per(v)) for k, v in ops.most_common(12)],
+            "ops_by_kind": [(k, kind_of[k], per(v)) for k, v in ops.most_common()],
             "counters": {k: per(v) for k, v in sorted(c.items())
                          if v and (k.startswith("eager_") or k in ("host_syncs",))},
             "torchtpu_frames": per(frames[0]),
@@ -275,6 +281,10 @@ def main():
     print("  torchtpu Python entered from C++: "
           + ", ".join(f"{k} {v}" for k, v in sp["python_entries"]))
     print("  most frequent ops: " + ", ".join(f"{k} {v}" for k, v in sp["top_ops"]))
+    short = {"metadata op bound in C++": "meta", "no PrivateUse1 kernel (composite, C++)": "comp",
+             "program op (C++ Kernel)": "prog", "Python kernel": "py"}
+    print("  every op (meta: metadata op in C++, comp: composite, prog: program op, py: Python "
+          "kernel): " + ", ".join(f"{k} {short.get(kd, kd)} {v}" for k, kd, v in sp["ops_by_kind"]))
     print()
     med = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
     head = f"{'ms/token (median of rounds)':<34}{'async (JAX default)':>20}{'sync':>10}"
