@@ -76,6 +76,14 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
                   output=llm.llm_engine.output_processor, engine=llm.llm_engine)
     wall: dict = collections.defaultdict(float)
     cpu: dict = collections.defaultdict(float)
+    # the same for the decode steps alone (every scheduled request one token, no new request):
+    # the replayed floor below is such a step, while the all-steps rows average in the prefill
+    # (and mixed) steps, several times as long each
+    dwall: dict = collections.defaultdict(float)
+    dcpu: dict = collections.defaultdict(float)
+    cur_wall: dict = collections.defaultdict(float)  # this engine step's parts
+    cur_cpu: dict = collections.defaultdict(float)
+    cur = dict(decode=False)
 
     def timed(obj, name, label):
         fn = getattr(obj, name)
@@ -85,19 +93,39 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
             try:
                 return fn(*a, **k)
             finally:
-                wall[label] += time.perf_counter() - t
-                cpu[label] += time.thread_time() - c
+                cur_wall[label] += time.perf_counter() - t
+                cur_cpu[label] += time.thread_time() - c
 
         setattr(obj, name, wrapper)
 
     for label, owner, name in PARTS:
         timed(owners[owner], name, label)
-    steps = [0]
+    schedule = core.scheduler.schedule
+
+    def classifying_schedule(*a, **k):
+        so = schedule(*a, **k)
+        n = so.num_scheduled_tokens
+        cur["decode"] = bool(n) and so.total_num_scheduled_tokens == len(n) and \
+            not so.scheduled_new_reqs
+        return so
+
+    core.scheduler.schedule = classifying_schedule
+    steps = [0, 0]  # engine steps, of which decode steps
     step = llm.llm_engine.step
 
     def counting_step(*a, **k):
         steps[0] += 1
-        return step(*a, **k)
+        cur["decode"] = False
+        try:
+            return step(*a, **k)
+        finally:
+            steps[1] += cur["decode"]
+            for tot, dtot, c in ((wall, dwall, cur_wall), (cpu, dcpu, cur_cpu)):
+                for key, v in c.items():
+                    tot[key] += v
+                    if cur["decode"]:
+                        dtot[key] += v
+                c.clear()
 
     llm.llm_engine.step = counting_step
     last = {}
@@ -123,16 +151,19 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
     llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
     runs = []
     for _ in range(rounds):
-        wall.clear()
-        cpu.clear()
-        steps[0] = 0
+        for d in (wall, cpu, dwall, dcpu):
+            d.clear()
+        steps[:] = [0, 0]
         t = time.perf_counter()
         outs = llm.generate(reqs, sp, use_tqdm=False)
         dt = time.perf_counter() - t
         n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append(dict(s=dt, tok_s=n_tok / dt, steps=steps[0],
                          wall={k: v / steps[0] for k, v in wall.items()},
-                         cpu={k: v / steps[0] for k, v in cpu.items()}))
+                         cpu={k: v / steps[0] for k, v in cpu.items()},
+                         decode_steps=steps[1],
+                         decode_wall={k: v / max(steps[1], 1) for k, v in dwall.items()},
+                         decode_cpu={k: v / max(steps[1], 1) for k, v in dcpu.items()}))
     res = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
     if contender.startswith("tpu"):
         res.update(_replay_last_step(llm, runner, last))
@@ -310,6 +341,17 @@ def main():
         print(f"| {label} | " + " | ".join(cells) + " |")
     print("| steps per round | " + " | ".join(str(results[n]["steps"]) for n in ok) + " |")
     print("| output tok/s | " + " | ".join(f"{results[n]['tok_s']:.0f}" for n in ok) + " |")
+    print("\nthe decode steps alone (every scheduled request one token, no new request; the "
+          "replayed floor below is the largest of them): ms per decode step, wall / "
+          "main-thread CPU\n")
+    print("| part | " + " | ".join(ok) + " |")
+    print("|---|" + "---|" * len(ok))
+    for label, _, _ in PARTS:
+        cells = [f"{results[n]['decode_wall'].get(label, 0) * 1e3:.2f} / "
+                 f"{results[n]['decode_cpu'].get(label, 0) * 1e3:.2f}" for n in ok]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print("| decode steps per round | " + " | ".join(str(results[n]["decode_steps"])
+                                                   for n in ok) + " |")
     for n in ok:
         if "program_s" in results[n]:
             print(f"\n{n}: the largest decode step ({results[n]['program_seqs']} sequences, "
