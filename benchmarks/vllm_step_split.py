@@ -57,7 +57,7 @@ PARTS = [  # (label, owner, method)
 ]
 
 
-def child(contender, n_requests, rounds, profile=0, model="vllm"):
+def child(contender, n_requests, rounds, profile=0, model="vllm", profile_step="decode"):
     import vllm_serving as bench
     from tiny_models import save_tiny_model
     from vllm import SamplingParams
@@ -129,6 +129,7 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
 
     llm.llm_engine.step = counting_step
     last = {}
+    lastp = {}  # the largest step that is not a decode step (prefill, or prefill and decode)
     if contender.startswith("tpu"):
         forward = runner._model_forward
 
@@ -143,6 +144,10 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
                 if decode and n >= last.get("n", 0):
                     last.update(ids=input_ids.clone(), pos=positions.clone(), n=n,
                                 rows=runner._step_rows, attn=attn)
+                tokens = int(md.host["cu_q_lens"][n])
+                if not decode and tokens >= lastp.get("tokens", 0):
+                    lastp.update(ids=input_ids.clone(), pos=positions.clone(), n=n,
+                                 tokens=tokens, rows=runner._step_rows, attn=attn)
             return forward(input_ids=input_ids, positions=positions, **k)
 
         runner._model_forward = recording_forward
@@ -167,8 +172,11 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
     res = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
     if contender.startswith("tpu"):
         res.update(_replay_last_step(llm, runner, last))
+        if lastp:
+            res.update(_replay_prefill_step(runner, lastp))
         if profile:
-            res["program_ops"] = _profile_last_step(runner, last, profile)
+            res["program_ops"] = _profile_last_step(
+                runner, lastp if profile_step == "prefill" else last, profile)
     res["load"] = os.getloadavg()[0]
     return res
 
@@ -247,6 +255,27 @@ def _op_class(name: str) -> str:
     return "elementwise and other"
 
 
+def _replay_prefill_step(runner, lastp):
+    """The round's largest step that is not a decode step (prompt tokens in it) replayed through
+    the forward call alone, like the decode floor: wall, main-thread CPU, CPU of every thread."""
+    import torch
+
+    times = ([], [], [])
+    with torch.inference_mode():
+        _replay(runner, lastp)
+        for _ in range(5):
+            t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
+            for _ in range(5):
+                _replay(runner, lastp)
+            times[0].append((time.perf_counter() - t) / 5)
+            times[1].append((time.thread_time() - c) / 5)
+            times[2].append((time.process_time() - pc) / 5)
+    return dict(prefill_bucket=int(lastp["ids"].shape[0]), prefill_seqs=lastp["n"],
+                prefill_tokens=lastp["tokens"], prefill_s=statistics.median(times[0]),
+                prefill_cpu_s=statistics.median(times[1]),
+                prefill_process_cpu_s=statistics.median(times[2]))
+
+
 def _replay_last_step(llm, runner, last):
     """The floor of a tpu step: the round's largest decode step (one token per request) run again
     through the runner's forward call (its inputs' transfer, its program, its greedy ids
@@ -299,7 +328,7 @@ def _replay_last_step(llm, runner, last):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", nargs=5)
+    ap.add_argument("--child", nargs=6)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu",
@@ -308,12 +337,16 @@ def main():
                     "tpu-async-sync-dispatch) and tpu-async")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of tpu's largest decode step per HLO operation")
+    ap.add_argument("--profile-step", choices=("decode", "prefill"), default="decode",
+                    help="the step --profile traces: the largest decode step (default) or the "
+                    "largest step with prompt tokens")
     ap.add_argument("--model", choices=("vllm", "sglang"), default="vllm",
                     help="the tiny Llama of vllm_serving.py (default) or of sglang_serving.py")
     a = ap.parse_args()
     if a.child:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]), a.child[4])
+        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]), a.child[4],
+                  a.child[5])
         print("RESULT " + json.dumps(r), flush=True)
         return
     names = a.contenders.split(",")
@@ -324,7 +357,8 @@ def main():
         env.update(VARIANTS.get(name, {}))
         env.pop("XLA_FLAGS", None)
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
-                            str(a.requests), str(a.rounds), str(a.profile), a.model],
+                            str(a.requests), str(a.rounds), str(a.profile), a.model,
+                            a.profile_step],
                            capture_output=True, text=True,
                            env=env, timeout=3600)
         got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -367,10 +401,18 @@ def main():
                           f"{results[n][f'program_{path}_process_cpu_s'] * 1e3:.2f} ms CPU "
                           "of every thread (XLA's included) per call")
     for n in ok:
+        if "prefill_s" in results[n]:
+            r = results[n]
+            print(f"\n{n}: the largest step with prompt tokens ({r['prefill_tokens']} tokens of "
+                  f"{r['prefill_seqs']} sequences, token bucket {r['prefill_bucket']}) replayed "
+                  f"the same way: {r['prefill_s'] * 1e3:.2f} ms wall / "
+                  f"{r['prefill_cpu_s'] * 1e3:.2f} ms main-thread CPU / "
+                  f"{r['prefill_process_cpu_s'] * 1e3:.2f} ms CPU of every thread per call")
+    for n in ok:
         ops = results[n].get("program_ops")
         if ops:
             total = sum(t for _, t, _ in ops)
-            print(f"\n{n}: the largest decode step's program under XLA's profiler "
+            print(f"\n{n}: the largest {a.profile_step} step's program under XLA's profiler "
                   f"({total:.0f} us per call traced), HLO operations by exclusive time:\n")
             print("| HLO operation | us per call | share | runs per call |")
             print("|---|---|---|---|")
