@@ -8,18 +8,22 @@ the parts of a step (the engine's scheduler, the runner's input preparation, the
 the logits, the sampler, the runner's bookkeeping, the scheduler's update and the output
 processor); per part the wall time and the main thread's CPU time (``time.thread_time``: what
 the host itself spends, less sensitive to the load than the wall) per engine step, the median
-round of ``--rounds`` after a warm-up round. Every step ends with the sampled tokens on the
-host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
-through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
+round of ``--rounds`` after a warm-up round, over all steps and again over the decode steps
+alone (every scheduled request one token, no new request): the all-steps rows average in the
+round's prefill (and mixed prefill/decode) steps, several times as long each, so compare the
+decode rows, not those, with the replayed decode floor below. Every step ends with the sampled
+tokens on the host. On "tpu" also the floor: the round's largest decode step (every request
+decoding) replayed through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
 the bucket's program called directly (the runner's path, torchtpu/vllm/dispatch.py), the same
 with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
 the ids), and through torch.compile's guards, and (where torchtpu's CPU paged-attention kernel
 is used) directly with the kernel held to the
 calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
 an A/B that the host's load shifts alike. The load average is printed with the table: compare
-runs taken on a quiet host. ``--profile N`` also
-traces N replays of that step with XLA's profiler and prints the program's HLO operations by
-exclusive time per call (nested ``while``/``cond`` bodies counted in their operations), then
+runs taken on a quiet host. The round's largest step with prompt tokens is replayed
+alone too (``--profile-step prefill`` profiles it instead of the decode step). ``--profile N``
+also traces N replays of that step with XLA's profiler and prints the program's HLO operations
+by exclusive time per call (nested ``while``/``cond`` bodies counted in their operations), then
 the same by class (matrix products, gathers, transposes and copies, ...; with the part run
 inside loops, i.e. the attention's per-token loop). The tracer adds a few microseconds per
 operation, so compare the shares, not the sum, with the untraced call.
