@@ -13,8 +13,8 @@ alone (every scheduled request one token, no new request): the all-steps rows av
 round's prefill (and mixed prefill/decode) steps, several times as long each, so compare the
 decode rows, not those, with the replayed decode floor below. Every step ends with the sampled
 tokens on the host. On "tpu" also the floor: the round's largest decode step (every request
-decoding) replayed through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
-the bucket's program called directly (the runner's path, torchtpu/vllm/dispatch.py), the same
+decoding) replayed through the runner's forward call alone (inputs sent, program, greedy ids
+back), per call, with the bucket's program called directly (the runner's path, torchtpu/vllm/dispatch.py), the same
 with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
 the ids), and through torch.compile's guards, and (where torchtpu's CPU paged-attention kernel
 is used) directly with the kernel held to the
