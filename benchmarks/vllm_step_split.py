@@ -14,8 +14,8 @@ round's prefill (and mixed prefill/decode) steps, several times as long each, so
 decode rows, not those, with the replayed decode floor below. Every step ends with the sampled
 tokens on the host. On "tpu" also the floor: the round's largest decode step (every request
 decoding) replayed through the runner's forward call alone (inputs sent, program, greedy ids
-back), per call, with the bucket's program called directly (the runner's path, torchtpu/vllm/dispatch.py), the same
-with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
+back), per call, with the bucket's program called directly (the runner's path,
+torchtpu/vllm/dispatch.py), the same with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
 the ids), and through torch.compile's guards, and (where torchtpu's CPU paged-attention kernel
 is used) directly with the kernel held to the
 calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
