@@ -15,18 +15,18 @@ decode rows, not those, with the replayed decode floor below. Every step ends wi
 tokens on the host. On "tpu" also the floor: the round's largest decode step (every request
 decoding) replayed through the runner's forward call alone (inputs sent, program, greedy ids
 back), per call, with the bucket's program called directly (the runner's path,
-torchtpu/vllm/dispatch.py), the same with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
-the ids), and through torch.compile's guards, and (where torchtpu's CPU paged-attention kernel
-is used) directly with the kernel held to the
-calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
+torchtpu/vllm/dispatch.py), the same with the transfers the runner used before
+(``tensor_from_numpy`` for the inputs, ``.cpu()`` for the ids), and through torch.compile's
+guards, and (where torchtpu's CPU paged-attention kernel is used) directly with the kernel held
+to the calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
 an A/B that the host's load shifts alike. The load average is printed with the table: compare
-runs taken on a quiet host. The round's largest step with prompt tokens is replayed
-alone too (``--profile-step prefill`` profiles it instead of the decode step). ``--profile N``
-also traces N replays of that step with XLA's profiler and prints the program's HLO operations
-by exclusive time per call (nested ``while``/``cond`` bodies counted in their operations), then
-the same by class (matrix products, gathers, transposes and copies, ...; with the part run
-inside loops, i.e. the attention's per-token loop). The tracer adds a few microseconds per
-operation, so compare the shares, not the sum, with the untraced call.
+runs taken on a quiet host. The round's largest step with prompt tokens is replayed alone too
+(``--profile-step prefill`` profiles it instead of the decode step). ``--profile N`` also traces
+N replays of that step with XLA's profiler and prints the program's HLO operations by exclusive
+time per call (nested ``while``/``cond`` bodies counted in their operations), then the same by
+class (matrix products, gathers, transposes and copies, ...; with the part run inside loops,
+i.e. the attention's per-token loop). The tracer adds a few microseconds per operation, so
+compare the shares, not the sum, with the untraced call.
 """
 from __future__ import annotations
 
