@@ -8,21 +8,25 @@ the parts of a step (the engine's scheduler, the runner's input preparation, the
 the logits, the sampler, the runner's bookkeeping, the scheduler's update and the output
 processor); per part the wall time and the main thread's CPU time (``time.thread_time``: what
 the host itself spends, less sensitive to the load than the wall) per engine step, the median
-round of ``--rounds`` after a warm-up round. Every step ends with the sampled tokens on the
-host. On "tpu" also the floor: the round's largest decode step (every request decoding) replayed
-through the runner's forward call alone (inputs sent, program, greedy ids back), per call, with
-the bucket's program called directly (the runner's path, torchtpu/vllm/dispatch.py), the same
-with the transfers the runner used before (``tensor_from_numpy`` for the inputs, ``.cpu()`` for
-the ids), and through torch.compile's guards, and (where torchtpu's CPU paged-attention kernel
-is used) directly with the kernel held to the
-calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
+round of ``--rounds`` after a warm-up round, over all steps and again over the decode steps
+alone (every scheduled request one token, no new request): the all-steps rows average in the
+round's prefill (and mixed prefill/decode) steps, several times as long each, so compare the
+decode rows, not those, with the replayed decode floor below. Every step ends with the sampled
+tokens on the host. On "tpu" also the floor: the round's largest decode step (every request
+decoding) replayed through the runner's forward call alone (inputs sent, program, greedy ids
+back), per call, with the bucket's program called directly (the runner's path,
+torchtpu/vllm/dispatch.py), the same with the transfers the runner used before
+(``tensor_from_numpy`` for the inputs, ``.cpu()`` for the ids), and through torch.compile's
+guards, and (where torchtpu's CPU paged-attention kernel is used) directly with the kernel held
+to the calling thread (``cpu_kernels.set_attention_threads(1)``): all alternate in one process,
 an A/B that the host's load shifts alike. The load average is printed with the table: compare
-runs taken on a quiet host. ``--profile N`` also
-traces N replays of that step with XLA's profiler and prints the program's HLO operations by
-exclusive time per call (nested ``while``/``cond`` bodies counted in their operations), then
-the same by class (matrix products, gathers, transposes and copies, ...; with the part run
-inside loops, i.e. the attention's per-token loop). The tracer adds a few microseconds per
-operation, so compare the shares, not the sum, with the untraced call.
+runs taken on a quiet host. The round's largest step with prompt tokens is replayed alone too
+(``--profile-step prefill`` profiles it instead of the decode step). ``--profile N`` also traces
+N replays of that step with XLA's profiler and prints the program's HLO operations by exclusive
+time per call (nested ``while``/``cond`` bodies counted in their operations), then the same by
+class (matrix products, gathers, transposes and copies, ...; with the part run inside loops,
+i.e. the attention's per-token loop). The tracer adds a few microseconds per operation, so
+compare the shares, not the sum, with the untraced call.
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ PARTS = [  # (label, owner, method)
 ]
 
 
-def child(contender, n_requests, rounds, profile=0, model="vllm"):
+def child(contender, n_requests, rounds, profile=0, model="vllm", profile_step="decode"):
     import vllm_serving as bench
     from tiny_models import save_tiny_model
     from vllm import SamplingParams
@@ -76,6 +80,14 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
                   output=llm.llm_engine.output_processor, engine=llm.llm_engine)
     wall: dict = collections.defaultdict(float)
     cpu: dict = collections.defaultdict(float)
+    # the same for the decode steps alone (every scheduled request one token, no new request):
+    # the replayed floor below is such a step, while the all-steps rows average in the prefill
+    # (and mixed) steps, several times as long each
+    dwall: dict = collections.defaultdict(float)
+    dcpu: dict = collections.defaultdict(float)
+    cur_wall: dict = collections.defaultdict(float)  # this engine step's parts
+    cur_cpu: dict = collections.defaultdict(float)
+    cur = dict(decode=False)
 
     def timed(obj, name, label):
         fn = getattr(obj, name)
@@ -85,22 +97,43 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
             try:
                 return fn(*a, **k)
             finally:
-                wall[label] += time.perf_counter() - t
-                cpu[label] += time.thread_time() - c
+                cur_wall[label] += time.perf_counter() - t
+                cur_cpu[label] += time.thread_time() - c
 
         setattr(obj, name, wrapper)
 
     for label, owner, name in PARTS:
         timed(owners[owner], name, label)
-    steps = [0]
+    schedule = core.scheduler.schedule
+
+    def classifying_schedule(*a, **k):
+        so = schedule(*a, **k)
+        n = so.num_scheduled_tokens
+        cur["decode"] = bool(n) and so.total_num_scheduled_tokens == len(n) and \
+            not so.scheduled_new_reqs
+        return so
+
+    core.scheduler.schedule = classifying_schedule
+    steps = [0, 0]  # engine steps, of which decode steps
     step = llm.llm_engine.step
 
     def counting_step(*a, **k):
         steps[0] += 1
-        return step(*a, **k)
+        cur["decode"] = False
+        try:
+            return step(*a, **k)
+        finally:
+            steps[1] += cur["decode"]
+            for tot, dtot, c in ((wall, dwall, cur_wall), (cpu, dcpu, cur_cpu)):
+                for key, v in c.items():
+                    tot[key] += v
+                    if cur["decode"]:
+                        dtot[key] += v
+                c.clear()
 
     llm.llm_engine.step = counting_step
     last = {}
+    lastp = {}  # the largest step that is not a decode step (prefill, or prefill and decode)
     if contender.startswith("tpu"):
         forward = runner._model_forward
 
@@ -115,6 +148,10 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
                 if decode and n >= last.get("n", 0):
                     last.update(ids=input_ids.clone(), pos=positions.clone(), n=n,
                                 rows=runner._step_rows, attn=attn)
+                tokens = int(md.host["cu_q_lens"][n])
+                if not decode and tokens >= lastp.get("tokens", 0):
+                    lastp.update(ids=input_ids.clone(), pos=positions.clone(), n=n,
+                                 tokens=tokens, rows=runner._step_rows, attn=attn)
             return forward(input_ids=input_ids, positions=positions, **k)
 
         runner._model_forward = recording_forward
@@ -123,21 +160,27 @@ def child(contender, n_requests, rounds, profile=0, model="vllm"):
     llm.generate(reqs, sp, use_tqdm=False)  # warm-up round
     runs = []
     for _ in range(rounds):
-        wall.clear()
-        cpu.clear()
-        steps[0] = 0
+        for d in (wall, cpu, dwall, dcpu):
+            d.clear()
+        steps[:] = [0, 0]
         t = time.perf_counter()
         outs = llm.generate(reqs, sp, use_tqdm=False)
         dt = time.perf_counter() - t
         n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
         runs.append(dict(s=dt, tok_s=n_tok / dt, steps=steps[0],
                          wall={k: v / steps[0] for k, v in wall.items()},
-                         cpu={k: v / steps[0] for k, v in cpu.items()}))
+                         cpu={k: v / steps[0] for k, v in cpu.items()},
+                         decode_steps=steps[1],
+                         decode_wall={k: v / max(steps[1], 1) for k, v in dwall.items()},
+                         decode_cpu={k: v / max(steps[1], 1) for k, v in dcpu.items()}))
     res = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
     if contender.startswith("tpu"):
         res.update(_replay_last_step(llm, runner, last))
+        if lastp:
+            res.update(_replay_prefill_step(runner, lastp))
         if profile:
-            res["program_ops"] = _profile_last_step(runner, last, profile)
+            res["program_ops"] = _profile_last_step(
+                runner, lastp if profile_step == "prefill" else last, profile)
     res["load"] = os.getloadavg()[0]
     return res
 
@@ -216,6 +259,27 @@ def _op_class(name: str) -> str:
     return "elementwise and other"
 
 
+def _replay_prefill_step(runner, lastp):
+    """The round's largest step that is not a decode step (prompt tokens in it) replayed through
+    the forward call alone, like the decode floor: wall, main-thread CPU, CPU of every thread."""
+    import torch
+
+    times = ([], [], [])
+    with torch.inference_mode():
+        _replay(runner, lastp)
+        for _ in range(5):
+            t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
+            for _ in range(5):
+                _replay(runner, lastp)
+            times[0].append((time.perf_counter() - t) / 5)
+            times[1].append((time.thread_time() - c) / 5)
+            times[2].append((time.process_time() - pc) / 5)
+    return dict(prefill_bucket=int(lastp["ids"].shape[0]), prefill_seqs=lastp["n"],
+                prefill_tokens=lastp["tokens"], prefill_s=statistics.median(times[0]),
+                prefill_cpu_s=statistics.median(times[1]),
+                prefill_process_cpu_s=statistics.median(times[2]))
+
+
 def _replay_last_step(llm, runner, last):
     """The floor of a tpu step: the round's largest decode step (one token per request) run again
     through the runner's forward call (its inputs' transfer, its program, its greedy ids
@@ -268,7 +332,7 @@ def _replay_last_step(llm, runner, last):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", nargs=5)
+    ap.add_argument("--child", nargs=6)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default="tpu-compiled,vllm-cpu",
@@ -277,12 +341,16 @@ def main():
                     "tpu-async-sync-dispatch) and tpu-async")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile N replays of tpu's largest decode step per HLO operation")
+    ap.add_argument("--profile-step", choices=("decode", "prefill"), default="decode",
+                    help="the step --profile traces: the largest decode step (default) or the "
+                    "largest step with prompt tokens")
     ap.add_argument("--model", choices=("vllm", "sglang"), default="vllm",
                     help="the tiny Llama of vllm_serving.py (default) or of sglang_serving.py")
     a = ap.parse_args()
     if a.child:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]), a.child[4])
+        r = child(a.child[0], int(a.child[1]), int(a.child[2]), int(a.child[3]), a.child[4],
+                  a.child[5])
         print("RESULT " + json.dumps(r), flush=True)
         return
     names = a.contenders.split(",")
@@ -293,7 +361,8 @@ def main():
         env.update(VARIANTS.get(name, {}))
         env.pop("XLA_FLAGS", None)
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
-                            str(a.requests), str(a.rounds), str(a.profile), a.model],
+                            str(a.requests), str(a.rounds), str(a.profile), a.model,
+                            a.profile_step],
                            capture_output=True, text=True,
                            env=env, timeout=3600)
         got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -310,6 +379,17 @@ def main():
         print(f"| {label} | " + " | ".join(cells) + " |")
     print("| steps per round | " + " | ".join(str(results[n]["steps"]) for n in ok) + " |")
     print("| output tok/s | " + " | ".join(f"{results[n]['tok_s']:.0f}" for n in ok) + " |")
+    print("\nthe decode steps alone (every scheduled request one token, no new request; the "
+          "replayed floor below is the largest of them): ms per decode step, wall / "
+          "main-thread CPU\n")
+    print("| part | " + " | ".join(ok) + " |")
+    print("|---|" + "---|" * len(ok))
+    for label, _, _ in PARTS:
+        cells = [f"{results[n]['decode_wall'].get(label, 0) * 1e3:.2f} / "
+                 f"{results[n]['decode_cpu'].get(label, 0) * 1e3:.2f}" for n in ok]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print("| decode steps per round | " + " | ".join(str(results[n]["decode_steps"])
+                                                   for n in ok) + " |")
     for n in ok:
         if "program_s" in results[n]:
             print(f"\n{n}: the largest decode step ({results[n]['program_seqs']} sequences, "
@@ -325,10 +405,18 @@ def main():
                           f"{results[n][f'program_{path}_process_cpu_s'] * 1e3:.2f} ms CPU "
                           "of every thread (XLA's included) per call")
     for n in ok:
+        if "prefill_s" in results[n]:
+            r = results[n]
+            print(f"\n{n}: the largest step with prompt tokens ({r['prefill_tokens']} tokens of "
+                  f"{r['prefill_seqs']} sequences, token bucket {r['prefill_bucket']}) replayed "
+                  f"the same way: {r['prefill_s'] * 1e3:.2f} ms wall / "
+                  f"{r['prefill_cpu_s'] * 1e3:.2f} ms main-thread CPU / "
+                  f"{r['prefill_process_cpu_s'] * 1e3:.2f} ms CPU of every thread per call")
+    for n in ok:
         ops = results[n].get("program_ops")
         if ops:
             total = sum(t for _, t, _ in ops)
-            print(f"\n{n}: the largest decode step's program under XLA's profiler "
+            print(f"\n{n}: the largest {a.profile_step} step's program under XLA's profiler "
                   f"({total:.0f} us per call traced), HLO operations by exclusive time:\n")
             print("| HLO operation | us per call | share | runs per call |")
             print("|---|---|---|---|")
