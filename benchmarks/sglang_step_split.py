@@ -122,7 +122,8 @@ class _Probe:
         t = time.perf_counter()
         out = original(runner, forward_batch, key, *args, **kwargs)
         if self.active:
-            out.next_token_logits.cpu()  # wait for the program: the step's wall
+            if not os.environ.get(ENV + "_NO_EXTEND_WAIT"):
+                out.next_token_logits.cpu()  # wait for the program: the step's wall
             self.extends.append((int(forward_batch.input_ids.shape[0]),
                                  "x".join(str(k) for k in key), time.perf_counter() - t))
         if (self.extend_replay is None and key[0] >= 2048
@@ -298,6 +299,9 @@ def main():
     ap.add_argument("--py-spy", metavar="OUT", help="also record the scheduler process with "
                     "py-spy (on PATH, or $PY_SPY) during the timed rounds: raw stacks, idle "
                     "included, to OUT")
+    ap.add_argument("--no-extend-wait", action="store_true",
+                    help="time the rounds' extends to their launch only (no wait for their "
+                    "logits: SGLang's overlap as it runs unprobed)")
     ap.add_argument("--engine-args", default="{}",
                     help="JSON: more sgl.Engine arguments (e.g. {\"page_size\": 16})")
     a = ap.parse_args()
@@ -307,6 +311,8 @@ def main():
 
     folder = tempfile.mkdtemp(prefix="sglang-step-split-")
     os.environ[ENV], os.environ[ENV + "_BATCH"] = folder, str(a.requests)
+    if a.no_extend_wait:
+        os.environ[ENV + "_NO_EXTEND_WAIT"] = "1"
     os.environ.setdefault("TORCHTPU_CACHE_DIR", tempfile.mkdtemp(prefix="bench-cache-"))
     path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **bench.MODEL)
     print(f"load: {os.getloadavg()}", flush=True)
@@ -362,7 +368,8 @@ def main():
         print("  CPU ms per call by thread name: " + ", ".join(
             f"{k} {v * 1e3:.2f}" for k, v in replay.get("threads_cpu_s", {}).items()))
     for i, r in enumerate(runs):
-        print(f"  round {i}: compiled extends (tokens, bucket, ms to logits on the host): "
+        print(f"  round {i}: compiled extends (tokens, bucket, ms to logits on the host, or to the launch with "
+              "--no-extend-wait): "
               + ", ".join(f"({n}, {b}, {w * 1e3:.0f})" for n, b, w in r.get("extends", [])))
     if extend_replay:
         print(f"\nthe extend program alone (bucket {extend_replay['bucket']}; padded inputs, "
