@@ -8,7 +8,9 @@ benchmarks/vllm_serving.py.
 Each contender runs in its own process (SGLang resolves its platform once per process):
 
 - offline throughput: output tokens/s of ``Engine.generate`` over N requests of mixed prompt
-  lengths (16..400 tokens, greedy, ``ignore_eos``), median of repeats after a warm-up round,
+  lengths (16..200 tokens, greedy, ``ignore_eos``: the prompts of vllm_serving.py's offline
+  rows, so the vLLM rows serve the same work; until 2026-12-07 this drew 16..400, about
+  2.2x the vLLM rows' prompt tokens), median of repeats after a warm-up round,
   for the "torchtpu" attention backend (batched padded decode attention, the platform's
   default) and SGLang's ``torch_native`` (a loop of per-request SDPA); prefix caching off, as
   in the vLLM benchmark;
@@ -50,8 +52,9 @@ VLLM_PY = os.environ.get("TORCHTPU_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm"
 VLLM_BENCH = os.path.join(HERE, "vllm_serving.py")
 
 
-def _requests(n, seed=0, lo=16, hi=400):
-    """Seeded prompt token ids, as benchmarks/vllm_serving.py draws them, within the tiny
+def _requests(n, seed=0, lo=16, hi=200):
+    """Seeded prompt token ids, the ones benchmarks/vllm_serving.py draws (same seed, same
+    lengths: the vLLM rows of this benchmark serve exactly these prompts), within the tiny
     model's vocabulary (the tokenizer's 7 special tokens, then the words; ids past it were
     sent here before, which SGLang on "tpu" now answers with a 400)."""
     import numpy as np

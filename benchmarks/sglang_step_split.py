@@ -21,6 +21,12 @@ inputs, the program through ``torch.compile``'s guarded call, the logits brought
 per call: wall, the calling thread's CPU (the host part of a call) and the CPU of every thread
 of the process (XLA:CPU runs the program on its own threads; also per thread name from
 /proc), and the wall until the call returns (its dispatch, the program still running).
+Extend (prefill) steps: each compiled extend of the timed rounds (tokens, bucket, the step's
+wall until its logits are on the host: the probe waits for them there, so a round's extend
+does not overlap what follows it), and in the last round the first extend of a bucket of at
+least 2,048 tokens replayed alone (the bucket's padded inputs, the program through the guarded
+call, logits to the host; wall and CPU per thread name), then the whole step again (SGLang's
+tensors padded on the host + the program + logits).
 ``--py-spy OUT`` records the scheduler's Python stacks (idle included) over the timed rounds.
 Every step ends with data on the host.
 The load average is printed with the table: compare runs taken on a quiet host.
@@ -73,6 +79,8 @@ class _Probe:
         self.decode = False  # the step launched last is a steady decode step
         self.last_launch = None
         self.replay = None
+        self.extends = []  # timed rounds: (tokens, bucket name, wall s) per compiled extend
+        self.extend_replay = None
 
     def timed(self, label):
         def around(original, *args, **kwargs):
@@ -110,6 +118,25 @@ class _Probe:
             self.replay = _replay(runner, forward_batch)
         return out
 
+    def extend(self, original, runner, forward_batch, key, *args, **kwargs):
+        t = time.perf_counter()
+        out = original(runner, forward_batch, key, *args, **kwargs)
+        if self.active:
+            if not os.environ.get(ENV + "_NO_EXTEND_WAIT"):
+                out.next_token_logits.cpu()  # wait for the program: the step's wall
+            self.extends.append((int(forward_batch.input_ids.shape[0]),
+                                 "x".join(str(k) for k in key), time.perf_counter() - t))
+        if (self.extend_replay is None and key[0] >= 2048
+                and os.path.exists(os.path.join(self.folder, "replay"))):
+            self.extend_replay = _replay_extend(runner, key)
+            # the whole step again (host padding + program + logits), as the scheduler ran it
+            t = time.perf_counter()
+            for _ in range(3):
+                original(runner, forward_batch, key, *args, **kwargs).next_token_logits.cpu()
+            self.extend_replay["step_wall_s"] = (time.perf_counter() - t) / 3
+            self.extend_replay["load"] = os.getloadavg()[0]
+        return out
+
     def after_idle(self, result, scheduler, *args, **kwargs):
         ask = os.path.join(self.folder, "dump")
         if os.path.exists(ask):
@@ -119,7 +146,9 @@ class _Probe:
             if self.loops:
                 wall[LOOP], cpu[LOOP] = self.wall[LOOP] / self.loops, self.cpu[LOOP] / self.loops
             res = dict(steps=self.steps, loops=self.loops, wall=wall, cpu=cpu,
-                       replay=self.replay)
+                       replay=self.replay, extends=self.extends,
+                       extend_replay=self.extend_replay)
+            self.extends = []
             tmp = os.path.join(self.folder, "result.tmp")
             with open(tmp, "w") as f:
                 json.dump(res, f)
@@ -171,6 +200,33 @@ def _replay(runner, forward_batch, calls=20, repeats=10):
                 launch_s=statistics.median(launch))
 
 
+def _replay_extend(runner, key, calls=3, repeats=3):
+    """The extend program of bucket ``key`` alone, with the step's padded inputs (the
+    bucket's batch as ``execute`` left it; the same KV slots rewritten with the same values),
+    logits to the host: wall and CPU per call."""
+    from sglang.srt.model_executor.forward_context import ForwardContext
+    from sglang.srt.utils.common import DynamicGradMode
+
+    fb = runner.batches[key]
+    ctx = ForwardContext(attn_backend=runner.model_runner.attn_backend)
+    wall, pcpu = [], []
+    threads0 = _thread_cpu()
+    with DynamicGradMode():
+        for _ in range(repeats):
+            t, pc = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                runner._call(fb, key, ctx).next_token_logits.cpu()
+            wall.append((time.perf_counter() - t) / calls)
+            pcpu.append((time.process_time() - pc) / calls)
+    threads1 = _thread_cpu()
+    per_thread = collections.Counter()
+    for tid, (name, t1) in threads1.items():
+        per_thread[name] += (t1 - threads0.get(tid, (name, 0.0))[1]) / (calls * repeats)
+    return dict(bucket="x".join(str(k) for k in key), wall_s=statistics.median(wall),
+                process_cpu_s=statistics.median(pcpu),
+                threads_cpu_s={k: v for k, v in per_thread.most_common(6) if v > 0})
+
+
 def _thread_cpu() -> dict:
     """CPU seconds (user + system) of each thread of this process: {tid: (name, seconds)}."""
     out = {}
@@ -197,6 +253,8 @@ def _install_probe(folder, batch):
     HookRegistry.register(SCHED + "run_batch", probe.run_batch, HookType.AROUND)
     HookRegistry.register("torchtpu.sglang.graph_runner.TpuGraphRunner.execute",
                           probe.execute, HookType.AROUND)
+    HookRegistry.register("torchtpu.sglang.prefill.TpuPrefillRunner.execute",
+                          probe.extend, HookType.AROUND)
     HookRegistry.register(SCHED + "on_idle", probe.after_idle, HookType.AFTER)
 
 
@@ -241,6 +299,9 @@ def main():
     ap.add_argument("--py-spy", metavar="OUT", help="also record the scheduler process with "
                     "py-spy (on PATH, or $PY_SPY) during the timed rounds: raw stacks, idle "
                     "included, to OUT")
+    ap.add_argument("--no-extend-wait", action="store_true",
+                    help="time the rounds' extends to their launch only (no wait for their "
+                    "logits: SGLang's overlap as it runs unprobed)")
     ap.add_argument("--engine-args", default="{}",
                     help="JSON: more sgl.Engine arguments (e.g. {\"page_size\": 16})")
     a = ap.parse_args()
@@ -250,6 +311,8 @@ def main():
 
     folder = tempfile.mkdtemp(prefix="sglang-step-split-")
     os.environ[ENV], os.environ[ENV + "_BATCH"] = folder, str(a.requests)
+    if a.no_extend_wait:
+        os.environ[ENV + "_NO_EXTEND_WAIT"] = "1"
     os.environ.setdefault("TORCHTPU_CACHE_DIR", tempfile.mkdtemp(prefix="bench-cache-"))
     path = save_tiny_model(tempfile.mkdtemp(prefix="bench-llama-"), **bench.MODEL)
     print(f"load: {os.getloadavg()}", flush=True)
@@ -279,7 +342,8 @@ def main():
             spy.wait(timeout=120)
         open(os.path.join(folder, "replay"), "w").close()
         llm.generate(input_ids=reqs, sampling_params=sp)
-        replay = _ask(folder)["replay"]
+        last = _ask(folder)
+        replay, extend_replay = last["replay"], last["extend_replay"]
     finally:
         llm.shutdown()
     res = sorted(runs, key=lambda r: r["s"])[len(runs) // 2]
@@ -303,7 +367,20 @@ def main():
             f"{k} {v:g}" for k, v in sorted(replay.get("counters", {}).items())))
         print("  CPU ms per call by thread name: " + ", ".join(
             f"{k} {v * 1e3:.2f}" for k, v in replay.get("threads_cpu_s", {}).items()))
-    print("RESULT " + json.dumps(dict(start_s=start_s, runs=runs, replay=replay)))
+    for i, r in enumerate(runs):
+        print(f"  round {i}: compiled extends (tokens, bucket, ms to logits on the host, or to the launch with "
+              "--no-extend-wait): "
+              + ", ".join(f"({n}, {b}, {w * 1e3:.0f})" for n, b, w in r.get("extends", [])))
+    if extend_replay:
+        print(f"\nthe extend program alone (bucket {extend_replay['bucket']}; padded inputs, "
+              f"guarded call, logits to the host): {extend_replay['wall_s'] * 1e3:.1f} ms wall / "
+              f"{extend_replay['process_cpu_s'] * 1e3:.1f} ms CPU of every thread per call; by "
+              "thread name: " + ", ".join(f"{k} {v * 1e3:.1f}"
+                                          for k, v in extend_replay["threads_cpu_s"].items()))
+        print(f"  the whole extend step again (host padding + program + logits): "
+              f"{extend_replay['step_wall_s'] * 1e3:.1f} ms wall (load {extend_replay['load']:.1f})")
+    print("RESULT " + json.dumps(dict(start_s=start_s, runs=runs, replay=replay,
+                                      extend_replay=extend_replay)))
 
 
 if __name__ == "__main__":

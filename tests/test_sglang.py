@@ -523,3 +523,18 @@ def test_held_eager_builds_run_once_the_scheduler_idles(monkeypatch):
         assert torch.equal(torch.cat([x, x[:5]]).cpu(), y.cpu()) and calls() == c1
     finally:
         deferred.enable(old)
+
+
+def test_serving_benchmark_compares_the_same_prompts_as_the_vllm_rows():
+    """benchmarks/sglang_serving.py's offline SGLang rows and the vLLM rows it runs beside them
+    (benchmarks/vllm_serving.py's offline child) serve the same prompts: same count, lengths
+    and tokens (they once drew 16..400 vs 16..200 tokens, ~2.2x the prefill work for SGLang)."""
+    bench = os.path.join(ROOT, "benchmarks")
+    sys.path[:0] = [bench, os.path.join(ROOT, "examples")]
+    try:
+        import sglang_serving
+        import vllm_serving
+    finally:
+        del sys.path[:2]
+    for n in (16, 32):
+        assert sglang_serving._requests(n) == vllm_serving._requests(n)
