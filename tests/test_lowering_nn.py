@@ -635,7 +635,8 @@ def test_linear_upsample_leaves_an_unchanged_dimension_as_is(kind, mode):
            else torch.no_grad())
     with ctx:
         want = F.interpolate(x, mode=kind, scale_factor=sf, recompute_scale_factor=False)
-        got = F.interpolate(x.to(DEV), mode=kind, scale_factor=sf, recompute_scale_factor=False).cpu()
+        got = F.interpolate(x.to(DEV), mode=kind, scale_factor=sf,
+                            recompute_scale_factor=False).cpu()
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
     xg = x.clone().requires_grad_()
     xd = x.to(DEV).requires_grad_()
