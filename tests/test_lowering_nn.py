@@ -620,3 +620,44 @@ PDIST["no_columns"] = (lambda x: F.pdist(x, 3.0), (_r(4, 0, seed=72),))
 def test_pdist(case, mode):
     fn, inputs = PDIST[case]
     _compare_no_fallback(fn, inputs, mode)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("kind", ["linear", "bilinear", "trilinear"])
+def test_linear_upsample_leaves_an_unchanged_dimension_as_is(kind, mode):
+    # CPU's linear kernels skip a dimension whose size stays the same even when its scale_factor
+    # is not 1 (10 rows * 1.09 -> 10 rows: the rows come back as they were); the lowering
+    # resampled them at 1/1.09 and was off by up to 4
+    nd = {"linear": 1, "bilinear": 2, "trilinear": 3}[kind]
+    sf = (1.09, 1.5, 0.7)[:nd]
+    x = _r(*(2, 3, 10, 6, 5)[:2 + nd], seed=5)
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx:
+        want = F.interpolate(x, mode=kind, scale_factor=sf, recompute_scale_factor=False)
+        got = F.interpolate(x.to(DEV), mode=kind, scale_factor=sf,
+                            recompute_scale_factor=False).cpu()
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    xg = x.clone().requires_grad_()
+    xd = x.to(DEV).requires_grad_()
+    F.interpolate(xg, mode=kind, scale_factor=sf, recompute_scale_factor=False).sum().backward()
+    F.interpolate(xd, mode=kind, scale_factor=sf, recompute_scale_factor=False).sum().backward()
+    torch.testing.assert_close(xd.grad.cpu(), xg.grad, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_upsample_reads_only_its_taps(kind, mode):
+    # each output reads only the 2 (linear) / 4 (cubic) input pixels next to it: one inf pixel
+    # spoils only its neighbours, as on CPU. A dense (out x in) weight matrix multiplied the inf
+    # by the zero weights of every other output (0 * inf = nan over whole rows and columns), and
+    # cost out x in instead of out x taps
+    x = _r(1, 2, 12, 16, seed=3)
+    x[0, 1, 2, 3] = float("inf")
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    with ctx:
+        want = F.interpolate(x, size=(30, 41), mode=kind)
+        got = F.interpolate(x.to(DEV), size=(30, 41), mode=kind).cpu()
+    assert int(torch.isfinite(want).sum()) > 0.9 * want.numel()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, equal_nan=True)

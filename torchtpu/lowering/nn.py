@@ -767,7 +767,9 @@ def _upsample_nearest(x, output_size, scales, exact):
     return x
 
 
-def _linear_matrix(in_size, out_size, align_corners, scale, ftype):
+def _linear_taps(in_size, out_size, align_corners, scale, ftype):
+    """(indices, weights), each (2, out_size): the two input pixels each output reads and their
+    weights (PyTorch's compute_indices_weights_linear)."""
     s = _scale(in_size, out_size, align_corners, scale, ftype)
     dst = np.arange(out_size, dtype=ftype)
     if align_corners:
@@ -778,13 +780,12 @@ def _linear_matrix(in_size, out_size, align_corners, scale, ftype):
     i1 = np.minimum(i0 + 1, in_size - 1)
     lam1 = (src - i0.astype(ftype)).astype(ftype)
     lam0 = (ftype(1) - lam1).astype(ftype)
-    m = np.zeros((out_size, in_size), dtype=ftype)
-    np.add.at(m, (np.arange(out_size), i0), lam0)
-    np.add.at(m, (np.arange(out_size), i1), lam1)
-    return m
+    return np.stack([i0, i1]), np.stack([lam0, lam1])
 
 
-def _cubic_matrix(in_size, out_size, align_corners, scale, ftype):
+def _cubic_taps(in_size, out_size, align_corners, scale, ftype):
+    """(indices, weights), each (4, out_size): the bicubic kernel's four taps (a = -0.75),
+    indices clamped to the border (PyTorch's upsample_bicubic2d)."""
     A = ftype(-0.75)
     s = _scale(in_size, out_size, align_corners, scale, ftype)
     dst = np.arange(out_size, dtype=ftype)
@@ -803,25 +804,55 @@ def _cubic_matrix(in_size, out_size, align_corners, scale, ftype):
         return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
 
     ws = [c2(t + 1), c1(t), c1(1 - t), c2(2 - t)]
-    m = np.zeros((out_size, in_size), dtype=ftype)
-    for k, w in enumerate(ws):
-        np.add.at(m, (np.arange(out_size), np.clip(i - 1 + k, 0, in_size - 1)), w.astype(ftype))
-    return m
+    return (np.stack([np.clip(i - 1 + k, 0, in_size - 1) for k in range(4)]),
+            np.stack([w.astype(ftype) for w in ws]))
 
 
-def _int16_weights(m, taps):
+def _gather_taps(y, axis, idx, w, dtype):
+    """sum_k w[k] * y.take(idx[k], axis): each output along ``axis`` reads only its own taps, so
+    the cost grows with outputs x taps (a dense (out x in) weight matrix grew with out x in, and
+    0 * inf spread one inf pixel over the whole row). Taps add left to right, as CPU's kernel."""
+    shape = [1] * y.ndim
+    shape[axis] = idx.shape[1]
+    out = None
+    for k in range(idx.shape[0]):
+        t = jnp.take(y, jnp.asarray(idx[k], jnp.int32), axis=axis, mode="clip")
+        t = t * jnp.asarray(w[k], dtype).reshape(shape)
+        out = t if out is None else out + t
+    return out
+
+
+def _int16_weights(taps, out_size):
     """PyTorch's uint8 interpolation weights: the float weight of each (output, input) pair
     rounded to a fixed-point integer at the largest precision (< 22 bits) whose doubled largest
     weight stays below 2**15 (``_compute_index_ranges_int16_weights``). ``taps`` is (rows,
-    columns, weights) per tap; taps clamped onto the same input pixel add up first."""
-    for rows, cols, w in taps:
-        np.add.at(m, (rows, cols), w.astype(np.float64))
-    wmax = float(m.max()) if m.size else 0.0
+    columns, weights) per tap; taps clamped onto the same input pixel add up first. Returns
+    (indices, integer weights), each (taps, out_size) (a padding tap has weight 0), and the
+    precision."""
+    rows = np.concatenate([r for r, _, _ in taps]).astype(np.int64)
+    cols = np.concatenate([c for _, c, _ in taps]).astype(np.int64)
+    ws = np.concatenate([w for _, _, w in taps]).astype(np.float64)
+    n = int(cols.max()) + 1 if cols.size else 1
+    pairs, inv = np.unique(rows * n + cols, return_inverse=True)
+    merged = np.zeros(pairs.size, np.float64)
+    np.add.at(merged, inv.reshape(-1), ws)
+    prow, pcol = pairs // n, pairs % n
+    wmax = max(float(merged.max()), 0.0) if merged.size else 0.0
     prec = 0
     while prec < 22 and int(0.5 + wmax * (1 << (prec + 1))) < (1 << 15):
         prec += 1
-    v = m * (1 << prec)
-    return np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int64), prec
+    v = merged * (1 << prec)
+    iw = np.where(v < 0, np.trunc(v - 0.5), np.trunc(v + 0.5)).astype(np.int64)
+    # pairs are sorted by row: the k-th pair of each row goes to tap slot k
+    count = np.bincount(prow, minlength=out_size)
+    first = np.concatenate([[0], np.cumsum(count)[:-1]])
+    slot = np.arange(pairs.size) - first[prow]
+    k = max(int(count.max()) if count.size else 1, 1)
+    idx = np.zeros((k, out_size), np.int64)
+    wt = np.zeros((k, out_size), np.int64)
+    idx[slot, prow] = pcol
+    wt[slot, prow] = iw
+    return idx, wt, prec
 
 
 def _uint8_linear_taps(in_size, out_size, align_corners, scale):
@@ -864,8 +895,8 @@ def _uint8_cubic_taps(in_size, out_size, align_corners, scale):
 def _separable_uint8(x, output_size, make, align_corners, scales):
     """PyTorch CPU's uint8 bilinear/bicubic kernel, bit for bit: one pass per dimension, the last
     first, skipping a dimension whose size does not change; each pass sums integer weights times
-    the pixels, adds half a unit, shifts the precision away and clamps to [0, 255]."""
-    taps_of = _uint8_cubic_taps if make is _cubic_matrix else _uint8_linear_taps
+    the pixels' taps, adds half a unit, shifts the precision away and clamps to [0, 255]."""
+    taps_of = _uint8_cubic_taps if make is _cubic_taps else _uint8_linear_taps
     nd = len(output_size)
     y = x.astype(jnp.int32)
     for j in reversed(range(nd)):
@@ -874,8 +905,8 @@ def _separable_uint8(x, output_size, make, align_corners, scales):
         if n == o:
             continue
         sc = scales[j] if scales is not None and j < len(scales) else None
-        m, prec = _int16_weights(np.zeros((o, n), np.float64), taps_of(n, o, align_corners, sc))
-        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(m, jnp.int32), axes=[[axis], [1]]), -1, axis)
+        idx, wt, prec = _int16_weights(taps_of(n, o, align_corners, sc), o)
+        y = _gather_taps(y, axis, idx, wt, jnp.int32)
         y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255)
     return y.astype(jnp.uint8)
 
@@ -887,18 +918,22 @@ def _separable(x, output_size, make, align_corners, scales):
         # integer or bool dtype (and uint8 in 1-d and 3-d)
         if x.dtype == jnp.uint8 and nd == 2:
             return _separable_uint8(x, output_size, make, align_corners, scales)
-        what = "compute_indices_weights_cubic" if make is _cubic_matrix else "compute_indices_weights_linear"
+        what = "compute_indices_weights_cubic" if make is _cubic_taps else "compute_indices_weights_linear"
         raise NotImplementedError(f'"{what}" not implemented for \'{_tname(x.dtype)}\'')
     acc = _acc(x.dtype)
     ftype = _np_dtype(acc)
     y = x.astype(acc)
-    for j in range(nd):
+    for j in reversed(range(nd)):  # the last dimension first, as CPU's nested kernel sums
         axis = x.ndim - nd + j
+        if make is _linear_taps and x.shape[axis] == output_size[j]:
+            # CPU's linear kernels leave a dimension whose size does not change as it is, even
+            # under a scale_factor other than 1 (scale_factor=(1.09, 2) on 10 rows: 10 rows)
+            continue
         sc = scales[j] if scales is not None and j < len(scales) else None
-        m = make(x.shape[axis], output_size[j], align_corners, sc, ftype)
-        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(m, acc), axes=[[axis], [1]],
-                                       precision=_precision(acc)), -1, axis)
+        idx, w = make(x.shape[axis], output_size[j], align_corners, sc, ftype)
+        y = _gather_taps(y, axis, idx, w, acc)
     return y.astype(x.dtype)
+
 
 
 def _transpose_of(f, input_size, dtype, grad_output):
@@ -935,8 +970,8 @@ def _interp_ops(make):
     return fwd, bwd
 
 
-for _name, _make in (("upsample_linear1d", _linear_matrix), ("upsample_bilinear2d", _linear_matrix),
-                     ("upsample_trilinear3d", _linear_matrix), ("upsample_bicubic2d", _cubic_matrix)):
+for _name, _make in (("upsample_linear1d", _linear_taps), ("upsample_bilinear2d", _linear_taps),
+                     ("upsample_trilinear3d", _linear_taps), ("upsample_bicubic2d", _cubic_taps)):
     _f, _b = _interp_ops(_make)
     register(getattr(aten, _name).default)(_f)
     register(getattr(aten, _name + "_backward").default)(_b)
