@@ -330,6 +330,16 @@ def _replay_last_step(llm, runner, last):
     return res
 
 
+def _print_parts(results: dict, ok: list, wall: str, cpu: str) -> None:
+    """The per-part table: ms per step, wall / main-thread CPU, one column per contender."""
+    print("| part | " + " | ".join(ok) + " |")
+    print("|---|" + "---|" * len(ok))
+    for label, _, _ in PARTS:
+        cells = [f"{results[n][wall].get(label, 0) * 1e3:.2f} / "
+                 f"{results[n][cpu].get(label, 0) * 1e3:.2f}" for n in ok]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", nargs=6)
@@ -371,23 +381,13 @@ def main():
     ok = [n for n in names if "error" not in results[n]]
     print(f"\n## vLLM step split, {a.requests} requests x 32 tokens, greedy, load "
           f"{os.getloadavg()}: ms per engine step, wall / main-thread CPU\n")
-    print("| part | " + " | ".join(ok) + " |")
-    print("|---|" + "---|" * len(ok))
-    for label, _, _ in PARTS:
-        cells = [f"{results[n]['wall'].get(label, 0) * 1e3:.2f} / "
-                 f"{results[n]['cpu'].get(label, 0) * 1e3:.2f}" for n in ok]
-        print(f"| {label} | " + " | ".join(cells) + " |")
+    _print_parts(results, ok, "wall", "cpu")
     print("| steps per round | " + " | ".join(str(results[n]["steps"]) for n in ok) + " |")
     print("| output tok/s | " + " | ".join(f"{results[n]['tok_s']:.0f}" for n in ok) + " |")
     print("\nthe decode steps alone (every scheduled request one token, no new request; the "
           "replayed floor below is the largest of them): ms per decode step, wall / "
           "main-thread CPU\n")
-    print("| part | " + " | ".join(ok) + " |")
-    print("|---|" + "---|" * len(ok))
-    for label, _, _ in PARTS:
-        cells = [f"{results[n]['decode_wall'].get(label, 0) * 1e3:.2f} / "
-                 f"{results[n]['decode_cpu'].get(label, 0) * 1e3:.2f}" for n in ok]
-        print(f"| {label} | " + " | ".join(cells) + " |")
+    _print_parts(results, ok, "decode_wall", "decode_cpu")
     print("| decode steps per round | " + " | ".join(str(results[n]["decode_steps"])
                                                    for n in ok) + " |")
     for n in ok:
