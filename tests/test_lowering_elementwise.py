@@ -443,3 +443,34 @@ def test_dispatch_errors_read_like_cpu(case):
             _SAME_ERROR[case](dev)
         errs.append((type(info.value), str(info.value)))
     assert errs[1] == errs[0]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_sub_with_one_bool_operand_raises_as_cpu(mode):
+    """PyTorch's sub_check refuses a bool operand on either side (a Python bool scalar too,
+    which it wraps as a bool tensor), not only two bool tensors; the lowering raised only
+    when the promoted dtype was bool, so ``mask - 0``, ``1 - mask`` and ``ints - mask``
+    returned numbers where CPU raises."""
+    b = torch.tensor([True, False, True])
+    f = torch.tensor([1.5, 2.0, 3.0])
+    i = torch.tensor([1, 2, 3])
+    cases = [
+        lambda b, f, i: b - 0, lambda b, f, i: 1 - b, lambda b, f, i: f - True,
+        lambda b, f, i: True - f, lambda b, f, i: i - b, lambda b, f, i: b - i,
+        lambda b, f, i: torch.rsub(b, 2), lambda b, f, i: f.clone().sub_(b),
+        lambda b, f, i: torch.sub(i, b, out=torch.empty(3, dtype=torch.long, device=i.device)),
+        lambda b, f, i: f - torch.tensor(True), lambda b, f, i: b - b,
+    ]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER))
+    with ctx:
+        for fn in cases:
+            with pytest.raises(RuntimeError) as exp:
+                fn(b, f, i)
+            with pytest.raises(RuntimeError, match="Subtraction, the `-` operator") as got:
+                fn(b.to(D), f.to(D), i.to(D))
+            assert str(got.value).split(".")[0] == str(exp.value).split(".")[0]
+        _same(i.to(D) - 1, i - 1)
+        _same(torch.rsub(f.to(D), 2, alpha=3), torch.rsub(f, 2, alpha=3))
+        _same(f.to(D) - i.to(D), f - i)
+        torch.tpu.synchronize()

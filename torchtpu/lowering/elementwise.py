@@ -121,15 +121,29 @@ def add(self, other, alpha=1):
 
 @register(aten.sub.Tensor, aten.sub.Scalar, scalar_args=("alpha",))
 def sub(self, other, alpha=1):
+    _sub_check(self, other)
     dt = result_type(self, other)
-    if dt == torch.bool:
-        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
-                           "Use the `^` or `logical_xor()` operator instead.")
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
     if is_array(alpha) or alpha != 1:
         b = b * cast(alpha, dt)
     return a - b
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, bool) or (is_array(x) and x.dtype == jnp.bool_)
+
+
+def _sub_check(self, other):
+    # PyTorch's sub_check: a bool operand on either side refuses, a Python bool scalar too
+    # (it is wrapped as a bool tensor), whatever the promoted dtype
+    if _is_bool(self) and _is_bool(other):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if _is_bool(self) or _is_bool(other):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` "
+                           "operator instead.")
 
 
 @register(aten.rsub.Tensor, aten.rsub.Scalar)
@@ -138,10 +152,8 @@ def rsub(self, other, alpha=1):
 
 
 def _rsub_scalar(self, other, alpha):
+    _sub_check(other, self)
     dt = result_type(self, other)
-    if dt == torch.bool:
-        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
-                           "Use the `^` or `logical_xor()` operator instead.")
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
     if alpha != 1:
