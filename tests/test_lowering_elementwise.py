@@ -538,3 +538,35 @@ def test_reduced_float_scalar_opmath_floor_trunc_lerp_alpha(mode, dtype):
             # (atol: a cancelling a - alpha * b leaves the unfused product's rounding error)
             torch.testing.assert_close(got, exp, atol=1e-6, rtol=2 ** -7)
             assert (got != exp).sum() <= 12, (k, (got != exp).sum())  # it was 100-800 of 2006
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_foreach_scalars_use_opmath(mode, dtype):
+    """CPU runs ``_foreach_*`` tensor by tensor, so float16/bfloat16 lists get the element ops'
+    float32 opmath: ``_foreach_mul(xs, 1e5)`` was inf in half (the traced scalar rounded to the
+    dtype), ``_foreach_div``/``lerp``/``addcmul`` lost low bits the same way."""
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(n, generator=g) * 3).to(dtype) for n in (300, 7, 64)]
+    ys = [(torch.randn(n, generator=g) * 3).to(dtype) for n in (300, 7, 64)]
+    exact = [lambda a, b: torch._foreach_mul(a, 1e5), lambda a, b: torch._foreach_div(a, 1e5),
+             lambda a, b: torch._foreach_mul(a, 3.3), lambda a, b: torch._foreach_div(a, [3.3, 1e5, 0.1]),
+             lambda a, b: torch._foreach_mul(a, torch.tensor(7e4).to(a[0].device)),
+             lambda a, b: torch._foreach_add(a, 3.3), lambda a, b: torch._foreach_mul(a, b)]
+    # CPU fuses the multiply-add of add/sub with alpha, lerp and addcmul: ties may differ
+    close = [lambda a, b: torch._foreach_add(a, b, alpha=3.3),
+             lambda a, b: torch._foreach_sub(a, b, alpha=0.1),
+             lambda a, b: torch._foreach_lerp(a, b, 0.3),
+             lambda a, b: torch._foreach_addcmul(a, b, b, value=0.01)]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER))
+    with ctx:
+        for k, fn in enumerate(exact + close):
+            got = [t.cpu() for t in fn([x.to(D) for x in xs], [y.to(D) for y in ys])]
+            exp = fn(xs, ys)
+            got, exp = torch.cat(got), torch.cat(exp)
+            if k < len(exact):
+                assert torch.equal(got, exp), (k, got[got != exp][:4], exp[got != exp][:4])
+            else:
+                torch.testing.assert_close(got, exp, atol=1e-6, rtol=2 ** -7)
+                assert (got != exp).sum() <= 10, (k, (got != exp).sum())  # it was 20-150 of 371
