@@ -443,3 +443,130 @@ def test_dispatch_errors_read_like_cpu(case):
             _SAME_ERROR[case](dev)
         errs.append((type(info.value), str(info.value)))
     assert errs[1] == errs[0]
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_sub_with_one_bool_operand_raises_as_cpu(mode):
+    """PyTorch's sub_check refuses a bool operand on either side (a Python bool scalar too,
+    which it wraps as a bool tensor), not only two bool tensors; the lowering raised only
+    when the promoted dtype was bool, so ``mask - 0``, ``1 - mask`` and ``ints - mask``
+    returned numbers where CPU raises."""
+    b = torch.tensor([True, False, True])
+    f = torch.tensor([1.5, 2.0, 3.0])
+    i = torch.tensor([1, 2, 3])
+    cases = [
+        lambda b, f, i: b - 0, lambda b, f, i: 1 - b, lambda b, f, i: f - True,
+        lambda b, f, i: True - f, lambda b, f, i: i - b, lambda b, f, i: b - i,
+        lambda b, f, i: torch.rsub(b, 2), lambda b, f, i: f.clone().sub_(b),
+        lambda b, f, i: torch.sub(i, b, out=torch.empty(3, dtype=torch.long, device=i.device)),
+        lambda b, f, i: f - torch.tensor(True), lambda b, f, i: b - b,
+    ]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER))
+    with ctx:
+        for fn in cases:
+            with pytest.raises(RuntimeError) as exp:
+                fn(b, f, i)
+            with pytest.raises(RuntimeError, match="Subtraction, the `-` operator") as got:
+                fn(b.to(D), f.to(D), i.to(D))
+            assert str(got.value).split(".")[0] == str(exp.value).split(".")[0]
+        _same(i.to(D) - 1, i - 1)
+        _same(torch.rsub(f.to(D), 2, alpha=3), torch.rsub(f, 2, alpha=3))
+        _same(f.to(D) - i.to(D), f - i)
+        torch.tpu.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_mul_div_by_one_element_uses_unrounded_scalar(mode, dtype):
+    """CPU's mul and true-division kernels compute a float16/bfloat16 tensor times/over a
+    one-element second operand (a Python number, a 0-dim tensor) in float32 from the operand's
+    unrounded value. Rounding the scalar to the tensor's dtype first made ``half * 1e5`` inf
+    (1e5 is inf in half) and ``half / 1e5`` 0, and cost bfloat16 scale factors their low bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(500, generator=g) * 3,
+                   torch.tensor([1e-3, 1.0, 3.0, 6e4, -0.0, 1e-7])]).to(dtype)
+    fns = [lambda t: t * 1e5, lambda t: t / 1e5, lambda t: t * 3.3, lambda t: t / 3.3,
+           lambda t: 1e5 / t, lambda t: t * 1e-8, lambda t: t.mul(torch.tensor(7e4)),
+           lambda t: t.div(torch.tensor(7e4, dtype=torch.float64)), lambda t: t * 2,
+           lambda t: t.clone().div_(1e5), lambda t: t.clone().mul_(0.1),
+           lambda t: t * t, lambda t: t / (t + 100)]
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fns = [torch.compile(f, backend="tpu", dynamic=False) for f in fns]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER))
+    with ctx:
+        for k, fn in enumerate(fns):
+            got = fn(x.to(D)).cpu()
+            exp = fn(x)
+            if k == 4 and mode != "strict":
+                # 1e5 / t is reciprocal(t) * 1e5: a fused program may keep the reciprocal
+                # in float32 (one rounding less); compare within one ulp there
+                torch.testing.assert_close(got, exp, atol=0, rtol=2 ** -7)
+                continue
+            assert torch.equal(got, exp), (k, got[(got != exp)][:4], exp[(got != exp)][:4])
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_scalar_opmath_floor_trunc_lerp_alpha(mode, dtype):
+    """More of CPU's float32 opmath for float16/bfloat16 with a scalar: div_floor/div_trunc
+    (and floor_divide) by a one-element divisor use its unrounded value (``x // 1e-5`` was off by
+    up to 96 in half), lerp's Scalar weight is unrounded, and add/sub with alpha round alpha to
+    the dtype but compute ``a + alpha * b`` in float32 with one final rounding."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(2000, generator=g) * 3,
+                   torch.tensor([1e-3, 1.0, 3.0, 6e4, -0.0, 1e-7])]).to(dtype)
+    y = (torch.randn(2006, generator=g) * 3).to(dtype)
+    exact = [lambda a, b: a // 1e-5, lambda a, b: torch.div(a, 1e5, rounding_mode="floor"),
+             lambda a, b: torch.div(a, 3.3, rounding_mode="trunc"),
+             lambda a, b: torch.div(a, torch.tensor(1e-5), rounding_mode="trunc")]
+    # CPU's vectorised add and lerp fuse the multiply-add (one rounding in float32): a tie in
+    # a handful of elements may round the other way
+    close = [lambda a, b: a.add(b, alpha=3.3), lambda a, b: a.sub(b, alpha=3.3),
+             lambda a, b: torch.add(a, b, alpha=0.1), lambda a, b: torch.lerp(a, b, 0.3),
+             lambda a, b: torch.lerp(a, b, 0.7), lambda a, b: a.clone().lerp_(b, 0.1)]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER))
+    with ctx:
+        for k, fn in enumerate(exact):
+            got, exp = fn(x.to(D), y.to(D)).cpu(), fn(x, y)
+            assert torch.equal(got, exp), (k, got[got != exp][:4], exp[got != exp][:4])
+        for k, fn in enumerate(close):
+            got, exp = fn(x.to(D), y.to(D)).cpu(), fn(x, y)
+            # (atol: a cancelling a - alpha * b leaves the unfused product's rounding error)
+            torch.testing.assert_close(got, exp, atol=1e-6, rtol=2 ** -7)
+            assert (got != exp).sum() <= 12, (k, (got != exp).sum())  # it was 100-800 of 2006
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_float_foreach_scalars_use_opmath(mode, dtype):
+    """CPU runs ``_foreach_*`` tensor by tensor, so float16/bfloat16 lists get the element ops'
+    float32 opmath: ``_foreach_mul(xs, 1e5)`` was inf in half (the traced scalar rounded to the
+    dtype), ``_foreach_div``/``lerp``/``addcmul`` lost low bits the same way."""
+    g = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(n, generator=g) * 3).to(dtype) for n in (300, 7, 64)]
+    ys = [(torch.randn(n, generator=g) * 3).to(dtype) for n in (300, 7, 64)]
+    exact = [lambda a, b: torch._foreach_mul(a, 1e5), lambda a, b: torch._foreach_div(a, 1e5),
+             lambda a, b: torch._foreach_mul(a, 3.3), lambda a, b: torch._foreach_div(a, [3.3, 1e5, 0.1]),
+             lambda a, b: torch._foreach_mul(a, torch.tensor(7e4).to(a[0].device)),
+             lambda a, b: torch._foreach_add(a, 3.3), lambda a, b: torch._foreach_mul(a, b)]
+    # CPU fuses the multiply-add of add/sub with alpha, lerp and addcmul: ties may differ
+    close = [lambda a, b: torch._foreach_add(a, b, alpha=3.3),
+             lambda a, b: torch._foreach_sub(a, b, alpha=0.1),
+             lambda a, b: torch._foreach_lerp(a, b, 0.3),
+             lambda a, b: torch._foreach_addcmul(a, b, b, value=0.01)]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER))
+    with ctx:
+        for k, fn in enumerate(exact + close):
+            got = [t.cpu() for t in fn([x.to(D) for x in xs], [y.to(D) for y in ys])]
+            exp = fn(xs, ys)
+            got, exp = torch.cat(got), torch.cat(exp)
+            if k < len(exact):
+                assert torch.equal(got, exp), (k, got[got != exp][:4], exp[got != exp][:4])
+            else:
+                torch.testing.assert_close(got, exp, atol=1e-6, rtol=2 ** -7)
+                assert (got != exp).sum() <= 10, (k, (got != exp).sum())  # it was 20-150 of 371

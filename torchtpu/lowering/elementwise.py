@@ -112,6 +112,8 @@ def add(self, other, alpha=1):
     dt = result_type(self, other)
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
+    if (is_array(alpha) or alpha != 1) and dt in (torch.float16, torch.bfloat16):
+        return _alpha_opmath(a, b, alpha, dt)
     if is_array(alpha) or alpha != 1:
         b = b * cast(alpha, dt)
     if dt == torch.bool:
@@ -121,15 +123,38 @@ def add(self, other, alpha=1):
 
 @register(aten.sub.Tensor, aten.sub.Scalar, scalar_args=("alpha",))
 def sub(self, other, alpha=1):
+    _sub_check(self, other)
     dt = result_type(self, other)
-    if dt == torch.bool:
-        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
-                           "Use the `^` or `logical_xor()` operator instead.")
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
+    if (is_array(alpha) or alpha != 1) and dt in (torch.float16, torch.bfloat16):
+        return _alpha_opmath(a, -b, alpha, dt)
     if is_array(alpha) or alpha != 1:
         b = b * cast(alpha, dt)
     return a - b
+
+
+def _alpha_opmath(a, b, alpha, dt):
+    # CPU's add kernel rounds alpha to a float16/bfloat16 result's dtype but computes
+    # a + alpha * b in float32 and rounds once (b * alpha rounded first was one rounding more)
+    f = jnp.float32
+    return (a.astype(f) + b.astype(f) * cast(cast(alpha, dt), torch.float32)).astype(a.dtype)
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, bool) or (is_array(x) and x.dtype == jnp.bool_)
+
+
+def _sub_check(self, other):
+    # PyTorch's sub_check: a bool operand on either side refuses, a Python bool scalar too
+    # (it is wrapped as a bool tensor), whatever the promoted dtype
+    if _is_bool(self) and _is_bool(other):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if _is_bool(self) or _is_bool(other):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` "
+                           "operator instead.")
 
 
 @register(aten.rsub.Tensor, aten.rsub.Scalar)
@@ -138,10 +163,8 @@ def rsub(self, other, alpha=1):
 
 
 def _rsub_scalar(self, other, alpha):
+    _sub_check(other, self)
     dt = result_type(self, other)
-    if dt == torch.bool:
-        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
-                           "Use the `^` or `logical_xor()` operator instead.")
     _check_alpha(dt, alpha)
     a, b, _ = _binop(self, other, dt)
     if alpha != 1:
@@ -149,9 +172,26 @@ def _rsub_scalar(self, other, alpha):
     return b - a
 
 
+def _opmath_scalar(other, dt) -> bool:
+    """PyTorch's CPU mul and true-division kernels compute a float16/bfloat16 result whose
+    second operand is one element (a Python number, a 0-dim tensor, anything broadcast from a
+    single element) in float32 from that operand's unrounded value (``iter.is_scalar(2)``,
+    ``original_scalar_value<opmath_t>``): ``half * 1e5`` is finite where 1e5 rounded to half
+    is inf, ``half / 1e5`` is not 0. Rounding the scalar to the result dtype first lost that."""
+    return dt in (torch.float16, torch.bfloat16) and (not is_array(other) or other.size == 1)
+
+
+def _opmath(fn, self, other, dt):
+    a = cast(self, dt).astype(jnp.float32)
+    return fn(a, cast(other, torch.float32)).astype(to_jax(dt))
+
+
 @register(aten.mul.Tensor, aten.mul.Scalar)
 def mul(self, other):
-    a, b, dt = _binop(self, other)
+    dt = result_type(self, other)
+    if _opmath_scalar(other, dt):
+        return _opmath(lambda a, b: a * b, self, other, dt)
+    a, b, dt = _binop(self, other, dt)
     if dt == torch.bool:
         return jnp.logical_and(a, b)
     return a * b
@@ -194,6 +234,8 @@ def _floor_div(a, b, dt):
 @register(aten.div.Tensor, aten.div.Scalar, aten.true_divide.Tensor, aten.true_divide.Scalar)
 def div(self, other):
     dt = float_result_type(self, other)
+    if _opmath_scalar(other, dt):
+        return _opmath(lambda a, b: a / b, self, other, dt)
     a, b, _ = _binop(self, other, dt)
     return a / b
 
@@ -203,6 +245,10 @@ def div_mode(self, other, *, rounding_mode=None):
     if rounding_mode is None:
         return div(self, other)
     dt = result_type(self, other)
+    if rounding_mode in ("trunc", "floor") and _opmath_scalar(other, dt):
+        # CPU's div_trunc/div_floor kernels too compute in float32 from the unrounded scalar
+        fn = _trunc_div if rounding_mode == "trunc" else _floor_div
+        return _opmath(lambda a, b: fn(a, b, torch.float32), self, other, dt)
     a, b, _ = _binop(self, other, dt)
     if rounding_mode == "trunc":
         return _trunc_div(a, b, dt)
@@ -214,7 +260,10 @@ def div_mode(self, other, *, rounding_mode=None):
 
 @register(aten.floor_divide.default, aten.floor_divide.Scalar)
 def floor_divide(self, other):
-    a, b, dt = _binop(self, other)
+    dt = result_type(self, other)
+    if _opmath_scalar(other, dt):
+        return _opmath(lambda a, b: _floor_div(a, b, torch.float32), self, other, dt)
+    a, b, dt = _binop(self, other, dt)
     return _floor_div(a, b, dt)
 
 
@@ -813,7 +862,9 @@ def lerp_scalar(self, end, weight):
     dt = jdtype(self)
     if jdtype(end) != dt:
         raise RuntimeError(f"expected dtype {dt} for `end` but got dtype {jdtype(end)}")
-    return _lerp(self, end, cast(weight, dt))
+    # a float16/bfloat16 lerp computes in float32 with the weight unrounded, as CPU's does
+    return _lerp(self, end, cast(weight, torch.float32 if dt in (torch.float16, torch.bfloat16)
+                                 else dt))
 
 
 @register(aten.lerp.Tensor)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
-from . import registry
+from . import elementwise as _ew, registry
 from ._util import cast, result_type, to_jax
 from .registry import aten, register
 
@@ -39,6 +39,12 @@ def _scalars(scalars, n):
 
 def _arith(op, x, y, alpha=1):
     dt = result_type(x, y)
+    if dt in (torch.float16, torch.bfloat16):
+        # CPU runs a foreach op tensor by tensor: float16/bfloat16 take the element ops'
+        # float32 opmath (a scalar factor or divisor unrounded, alpha applied in float32)
+        if op in ("add", "sub"):
+            return getattr(_ew, op)(x, y, alpha)
+        return getattr(_ew, op)(x, y)
     a = cast(x, dt)
     b = y if not hasattr(y, "dtype") else cast(y, dt)
     if op == "add":
@@ -83,6 +89,9 @@ for _op in ("add", "sub", "mul", "div"):
 def _addc(div, x, t1, t2, value):
     dt = result_type(x, t1, t2)
     a, b, c = cast(x, dt), cast(t1, dt), cast(t2, dt)
+    if dt in (torch.float16, torch.bfloat16):  # addcmul/addcdiv's float32 opmath
+        f = jnp.float32
+        a, b, c, value = a.astype(f), b.astype(f), c.astype(f), cast(value, torch.float32)
     return (a + value * (b / c if div else b * c)).astype(to_jax(dt))
 
 
@@ -130,6 +139,8 @@ def lerp_list(self, tensors1, weights):
 def _lerp(x, y, w):
     """PyTorch's lerp: x + w*(y-x) for |w| < 0.5, else y - (y-x)*(1-w) (exact at w = 1)."""
     dt = x.dtype
+    if dt in (jnp.float16, jnp.bfloat16):  # lerp's float32 opmath, the weight unrounded
+        return _ew._lerp(x, y.astype(dt), w)
     w = jnp.asarray(w).astype(dt) if not hasattr(w, "dtype") or w.dtype != dt else w
     d = y.astype(dt) - x
     return jnp.where(jnp.abs(w) < 0.5, x + w * d, y.astype(dt) - d * (1 - w)).astype(dt)
