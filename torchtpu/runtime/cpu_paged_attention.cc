@@ -44,6 +44,12 @@
 
 namespace ffi = xla::ffi;
 
+// a * b + c in one rounding where the instruction set has it (the kernel is built in ISO mode,
+// whose default is no contraction); every thread runs the same copy, so the bits still do not
+// depend on the split
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
 namespace {
 
 constexpr float kNeg = -0.7f * 3.4028234663852886e38f;  // the lowering's mask value
@@ -64,21 +70,72 @@ inline float load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
-// dot(q, k) over D with 8 independent partial sums (vectorizable without reassociation flags)
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    for (int i = 0; i < 8; ++i) s[i] += q[d + i] * load(k, d + i);
-  float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; d < D; ++d) r += q[d] * load(k, d);
-  return r;
+// Vectors of 8 floats (GCC vector extensions): one AVX register in the AVX2/AVX-512 copies of
+// the code, two SSE registers in the default one; unaligned loads through the aligned(4) types.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline v8 load8(const uint16_t* p) {
+  u32x8 w = __builtin_convertvector(*reinterpret_cast<const u16x8*>(p), u32x8) << 16;
+  return reinterpret_cast<v8&>(w);
+}
+inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+// lanes summed pairwise: the sum of each of x's pairs of lanes, then y's
+inline v8 pairs(v8 x, v8 y) {
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
+// lane i: the sum of a[i]'s lanes (a fixed tree)
+inline v8 hsum8(const v8* a) {
+  return pairs(pairs(pairs(a[0], a[1]), pairs(a[2], a[3])),
+               pairs(pairs(a[4], a[5]), pairs(a[6], a[7])));
+}
+
+// s[i] = dot(q, k[i]) over D for the n <= 8 key rows k[i]: a vector of partial sums per row
+// (8 rows in flight), reduced together; the D % 8 tail added last, in order.
 template <typename T>
-inline void axpy(float* acc, float a, const T* v, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] += a * load(v, d);
+inline void dots8(const float* q, const T* const* k, int n, int64_t D, float* s) {
+  const T* kp[8];
+  for (int i = 0; i < 8; ++i) kp[i] = k[i < n ? i : 0];
+  v8 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = v8{};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const v8 qv = load8(q + d);
+    for (int i = 0; i < 8; ++i) a[i] += qv * load8(kp[i] + d);
+  }
+  const v8 r = hsum8(a);
+  for (int i = 0; i < n; ++i) {
+    float x = r[i];
+    for (int64_t e = d; e < D; ++e) x += q[e] * load(kp[i], e);
+    s[i] = x;
+  }
+}
+
+// exp of 8 lanes (Cephes' expf: exp(x) = 2^n exp(r), |r| <= ln2/2, a degree-7 polynomial; about
+// 1 ulp); below -87 (under FLT_MIN): 0; NaN stays NaN.
+inline v8 vexp(v8 x) {
+  const v8i tiny = x < -87.0f;
+  x = x > 88.0f ? 88.0f : x;
+  x = x < -88.0f ? -88.0f : x;
+  const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  v8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8 y = p * (r * r) + r + 1.0f;
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  const v8 out = y * reinterpret_cast<v8&>(e);
+  return tiny ? v8{} : out;
 }
 
 struct Shape {
@@ -127,10 +184,10 @@ inline void plan(const Shape& sh, const int32_t* kv_lens, const int32_t* cu_in, 
 
 // Per worker: the group's state (online softmax per token and query head).
 struct Scratch {
-  std::vector<float> qf, m, l, acc, sc;
+  std::vector<float> qf, m, l, acc;
   explicit Scratch(const Shape& sh)
       : qf(kQGroup * sh.Hq * sh.D), m(kQGroup * sh.Hq), l(kQGroup * sh.Hq),
-        acc(kQGroup * sh.Hq * sh.D), sc(kQGroup * sh.Hq * kChunk) {}
+        acc(kQGroup * sh.Hq * sh.D) {}
 };
 
 // One piece: each (token, query head) row is computed by the same operations in the same order
@@ -150,7 +207,6 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
   float* m = w.m.data();
   float* l = w.l.data();
   float* acc = w.acc.data();
-  float* sc = w.sc.data();
   const T* rows[kChunk];
   for (int64_t g = 0; g < ng; ++g)
     for (int64_t i = (g * Hq + qh0) * D; i < (g * Hq + qh1) * D; ++i)
@@ -170,30 +226,56 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
       const int64_t a = std::max(j0, window > 0 ? pos - window + 1 : int64_t(0));
       const int64_t b = std::min(j1, pos);
       if (a > b) continue;
+      const int n = static_cast<int>(b - a + 1);
       for (int64_t h = it.h0; h < it.h1; ++h) {
+        const T* kr[kChunk];
+        const T* vr[kChunk];
+        for (int j = 0; j < n; ++j) {
+          kr[j] = rows[a - j0 + j] + 2 * h * D;
+          vr[j] = kr[j] + D;
+        }
         for (int64_t gg = 0; gg < G; ++gg) {
           const int64_t qh = h * G + gg;
           const float* qv = &qf[(g * Hq + qh) * D];
-          float* s = &sc[(g * HG + qh) * kChunk];
+          // the chunk's scores, 8 keys at a time
+          alignas(32) float s[kChunk];
+          for (int j = 0; j < n; j += 8) dots8(qv, kr + j, std::min(8, n - j), D, s + j);
           float mx = kNeg;
-          for (int64_t j = a; j <= b; ++j) {
-            float x = dot(qv, rows[j - j0] + 2 * h * D, D) * scale;
+          for (int j = 0; j < n; ++j) {
+            float x = s[j] * scale;
             if (cap > 0) x = cap * std::tanh(x / cap);
-            s[j - a] = x;
+            s[j] = x;
             mx = std::max(mx, x);
           }
           float& mi = m[g * HG + qh];
           const float mnew = std::max(mi, mx);
           const float alpha = std::exp(mi - mnew);
-          float* ac = &acc[(g * Hq + qh) * D];
-          if (alpha != 1.0f) {
-            for (int64_t d = 0; d < D; ++d) ac[d] *= alpha;
+          // p = exp(s - mnew), the chunk's lanes past n zero; their sum by a fixed tree
+          alignas(32) float pr[kChunk];
+          v8 psum{};
+          for (int j = 0; j < kChunk; j += 8) {
+            v8 x = load8(s + j) - mnew;
+            for (int i = 0; i < 8; ++i)
+              if (j + i >= n) x[i] = kNeg;
+            const v8 e = vexp(x);
+            store8(pr + j, e);
+            psum += e;
           }
-          float sum = 0.0f;
-          for (int64_t j = a; j <= b; ++j) {
-            const float p = std::exp(s[j - a] - mnew);
-            sum += p;
-            axpy(ac, p, rows[j - j0] + (2 * h + 1) * D, D);
+          const v8 q4 = pairs(psum, psum);
+          const v8 q2 = pairs(q4, q4);
+          const float sum = q2[0] + q2[1];
+          // acc = acc * alpha + sum_j p_j v_j, 8 columns at a time over every key of the chunk
+          float* ac = &acc[(g * Hq + qh) * D];
+          int64_t d = 0;
+          for (; d + 8 <= D; d += 8) {
+            v8 o = load8(ac + d) * alpha;
+            for (int j = 0; j < n; ++j) o += pr[j] * load8(vr[j] + d);
+            store8(ac + d, o);
+          }
+          for (; d < D; ++d) {
+            float o = ac[d] * alpha;
+            for (int j = 0; j < n; ++j) o += pr[j] * load(vr[j], d);
+            ac[d] = o;
           }
           l[g * HG + qh] = l[g * HG + qh] * alpha + sum;
           mi = mnew;
@@ -236,12 +318,12 @@ inline __attribute__((always_inline)) int64_t drain(const Args& a, std::atomic<i
   return done;
 }
 
-__attribute__((target_clones("fma", "default"))) int64_t drain_f32(const Args& a,
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t drain_f32(const Args& a,
                                                                    std::atomic<int64_t>& next) {
   return drain<float>(a, next);
 }
 
-__attribute__((target_clones("fma", "default"))) int64_t drain_bf16(const Args& a,
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t drain_bf16(const Args& a,
                                                                     std::atomic<int64_t>& next) {
   return drain<uint16_t>(a, next);
 }
@@ -314,6 +396,8 @@ void attend(const Shape& sh, bool bf16, const void* q, const void* kv, const int
     job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) >= n; });
   }
 }
+
+#pragma GCC pop_options
 
 ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> cu,
