@@ -97,24 +97,33 @@ inline v8 hsum8(const v8* a) {
                pairs(pairs(a[4], a[5]), pairs(a[6], a[7])));
 }
 
-// s[i] = dot(q, k[i]) over D for the n <= 8 key rows k[i]: a vector of partial sums per row
-// (8 rows in flight), reduced together; the D % 8 tail added last, in order.
-template <typename T>
-inline void dots8(const float* q, const T* const* k, int n, int64_t D, float* s) {
+// s[h][i] = dot(q[h], k[i]) over D for the n <= 8 key rows k[i] and NQ query rows q[h] (each
+// key loaded once for all of them): a vector of partial sums per pair (8 rows in flight),
+// reduced together; the D % 8 tail added last, in order. Row (h, i)'s operations do not depend
+// on NQ.
+template <int NQ, typename T>
+inline void dots8(const float* const* q, const T* const* k, int n, int64_t D, float* const* s) {
   const T* kp[8];
   for (int i = 0; i < 8; ++i) kp[i] = k[i < n ? i : 0];
-  v8 a[8];
-  for (int i = 0; i < 8; ++i) a[i] = v8{};
+  v8 a[NQ][8];
+  for (int h = 0; h < NQ; ++h)
+    for (int i = 0; i < 8; ++i) a[h][i] = v8{};
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    const v8 qv = load8(q + d);
-    for (int i = 0; i < 8; ++i) a[i] += qv * load8(kp[i] + d);
+    v8 qv[NQ];
+    for (int h = 0; h < NQ; ++h) qv[h] = load8(q[h] + d);
+    for (int i = 0; i < 8; ++i) {
+      const v8 kv = load8(kp[i] + d);
+      for (int h = 0; h < NQ; ++h) a[h][i] += qv[h] * kv;
+    }
   }
-  const v8 r = hsum8(a);
-  for (int i = 0; i < n; ++i) {
-    float x = r[i];
-    for (int64_t e = d; e < D; ++e) x += q[e] * load(kp[i], e);
-    s[i] = x;
+  for (int h = 0; h < NQ; ++h) {
+    const v8 r = hsum8(a[h]);
+    for (int i = 0; i < n; ++i) {
+      float x = r[i];
+      for (int64_t e = d; e < D; ++e) x += q[h][e] * load(kp[i], e);
+      s[h][i] = x;
+    }
   }
 }
 
@@ -190,6 +199,87 @@ struct Scratch {
         acc(kQGroup * sh.Hq * sh.D) {}
 };
 
+// One chunk of n <= kChunk keys (rows kr, vr of one KV head) for NQ consecutive query heads of
+// it (their q rows, online-softmax state m, l and accumulators D apart): scores, then
+// acc = acc * alpha + sum_j p_j v_j; each key row is loaded once for the NQ heads, and every
+// head's operations are the same whatever NQ.
+template <int NQ, typename T>  // NQ: 1 or 2
+inline __attribute__((always_inline)) void heads(const float* qf, const T* const* kr,
+                                                 const T* const* vr, int n, int64_t D,
+                                                 float scale, float cap, float* m, float* l,
+                                                 float* acc) {
+  alignas(32) float s[NQ][kChunk];
+  alignas(32) float pr[NQ][kChunk];
+  const float* qs[NQ];
+  float* ss[NQ];
+  float alpha[NQ];
+  for (int h = 0; h < NQ; ++h) {
+    qs[h] = qf + h * D;
+    ss[h] = s[h];
+  }
+  for (int j = 0; j < n; j += 8) {
+    float* sj[NQ];
+    for (int h = 0; h < NQ; ++h) sj[h] = ss[h] + j;
+    dots8<NQ>(qs, kr + j, std::min(8, n - j), D, sj);
+  }
+  for (int h = 0; h < NQ; ++h) {
+    float mx = kNeg;
+    if (cap > 0) {
+      for (int j = 0; j < n; ++j) {
+        const float x = cap * std::tanh(s[h][j] * scale / cap);
+        s[h][j] = x;
+        mx = std::max(mx, x);
+      }
+    } else {  // the same, 8 lanes at a time (the lanes past n: kNeg; max is exact)
+      v8 vm = v8{} + kNeg;
+      for (int j = 0; j < n; j += 8) {
+        v8 x = load8(s[h] + j) * scale;
+        for (int i = 0; i < 8; ++i)
+          if (j + i >= n) x[i] = kNeg;
+        store8(s[h] + j, x);
+        vm = x > vm ? x : vm;
+      }
+      for (int i = 0; i < 8; ++i) mx = std::max(mx, vm[i]);
+    }
+    const float mnew = std::max(m[h], mx);
+    alpha[h] = std::exp(m[h] - mnew);
+    // p = exp(s - mnew), the chunk's lanes past n zero; their sum by a fixed tree
+    v8 psum{};
+    for (int j = 0; j < kChunk; j += 8) {
+      v8 x = load8(s[h] + j) - mnew;
+      for (int i = 0; i < 8; ++i)
+        if (j + i >= n) x[i] = kNeg;
+      const v8 e = vexp(x);
+      store8(pr[h] + j, e);
+      psum += e;
+    }
+    const v8 q4 = pairs(psum, psum);
+    const v8 q2 = pairs(q4, q4);
+    l[h] = l[h] * alpha[h] + (q2[0] + q2[1]);
+    m[h] = mnew;
+  }
+  // 8 columns at a time over every key of the chunk, each value row loaded once for the NQ heads
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    // (named variables, not an array: kept in registers over the loop)
+    v8 o0 = load8(acc + d) * alpha[0], o1{};
+    if constexpr (NQ == 2) o1 = load8(acc + D + d) * alpha[1];
+    for (int j = 0; j < n; ++j) {
+      const v8 v = load8(vr[j] + d);
+      o0 += pr[0][j] * v;
+      if constexpr (NQ == 2) o1 += pr[NQ - 1][j] * v;
+    }
+    store8(acc + d, o0);
+    if constexpr (NQ == 2) store8(acc + D + d, o1);
+  }
+  for (; d < D; ++d)
+    for (int h = 0; h < NQ; ++h) {
+      float o = acc[h * D + d] * alpha[h];
+      for (int j = 0; j < n; ++j) o += pr[h][j] * load(vr[j], d);
+      acc[h * D + d] = o;
+    }
+}
+
 // One piece: each (token, query head) row is computed by the same operations in the same order
 // whatever the split (the walk over the group's keys, kChunk at a time; per chunk its tokens,
 // per token its KV heads, per KV head its query heads), so the result does not depend on it.
@@ -234,52 +324,15 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
           kr[j] = rows[a - j0 + j] + 2 * h * D;
           vr[j] = kr[j] + D;
         }
-        for (int64_t gg = 0; gg < G; ++gg) {
-          const int64_t qh = h * G + gg;
-          const float* qv = &qf[(g * Hq + qh) * D];
-          // the chunk's scores, 8 keys at a time
-          alignas(32) float s[kChunk];
-          for (int j = 0; j < n; j += 8) dots8(qv, kr + j, std::min(8, n - j), D, s + j);
-          float mx = kNeg;
-          for (int j = 0; j < n; ++j) {
-            float x = s[j] * scale;
-            if (cap > 0) x = cap * std::tanh(x / cap);
-            s[j] = x;
-            mx = std::max(mx, x);
-          }
-          float& mi = m[g * HG + qh];
-          const float mnew = std::max(mi, mx);
-          const float alpha = std::exp(mi - mnew);
-          // p = exp(s - mnew), the chunk's lanes past n zero; their sum by a fixed tree
-          alignas(32) float pr[kChunk];
-          v8 psum{};
-          for (int j = 0; j < kChunk; j += 8) {
-            v8 x = load8(s + j) - mnew;
-            for (int i = 0; i < 8; ++i)
-              if (j + i >= n) x[i] = kNeg;
-            const v8 e = vexp(x);
-            store8(pr + j, e);
-            psum += e;
-          }
-          const v8 q4 = pairs(psum, psum);
-          const v8 q2 = pairs(q4, q4);
-          const float sum = q2[0] + q2[1];
-          // acc = acc * alpha + sum_j p_j v_j, 8 columns at a time over every key of the chunk
-          float* ac = &acc[(g * Hq + qh) * D];
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8) {
-            v8 o = load8(ac + d) * alpha;
-            for (int j = 0; j < n; ++j) o += pr[j] * load8(vr[j] + d);
-            store8(ac + d, o);
-          }
-          for (; d < D; ++d) {
-            float o = ac[d] * alpha;
-            for (int j = 0; j < n; ++j) o += pr[j] * load(vr[j], d);
-            ac[d] = o;
-          }
-          l[g * HG + qh] = l[g * HG + qh] * alpha + sum;
-          mi = mnew;
-        }
+        int64_t gg = 0;
+        for (; gg + 2 <= G; gg += 2)
+          heads<2>(&qf[(g * Hq + h * G + gg) * D], kr, vr, n, D, scale, cap,
+                   &m[g * HG + h * G + gg], &l[g * HG + h * G + gg],
+                   &acc[(g * Hq + h * G + gg) * D]);
+        for (; gg < G; ++gg)
+          heads<1>(&qf[(g * Hq + h * G + gg) * D], kr, vr, n, D, scale, cap,
+                   &m[g * HG + h * G + gg], &l[g * HG + h * G + gg],
+                   &acc[(g * Hq + h * G + gg) * D]);
       }
     }
   }
