@@ -20,8 +20,12 @@
 // consecutive tokens of one sequence (a decode token is a group of one); a group walks its
 // sequence's positions once, kChunk at a time (their cache rows, whatever the page size, stay in
 // L1 while every head and token of the group reads them), keeping an online softmax per
-// (token, query head). Page indices are clipped into the cache and positions past
-// the page table are not read, so malformed metadata never reads outside the buffers.
+// (token, query head). Per chunk and KV head its query heads are taken two at a time (each key
+// and value row loaded once for both): 8 keys scored at once (a vector of partial sums over D
+// per key, one reduction tree), the chunk's exp 8 lanes at a time (Cephes' expf polynomial),
+// the value rows accumulated in registers over the chunk. Page indices are clipped into the
+// cache and positions past the page table are not read, so malformed metadata never reads
+// outside the buffers.
 //
 // Threads: the groups (split further into single KV heads when there are few groups) are pieces
 // that write disjoint rows of the output; a call with enough work (kParallelMin) hands them out,
@@ -347,7 +351,7 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
 }
 
 // The pieces items[k] for k taken from `next` until none is left; one copy per instruction set,
-// picked when the library loads (AVX+FMA where the CPU has them).
+// picked when the library loads (x86-64-v4: AVX-512; v3: AVX2 and FMA; else the baseline).
 struct Args {
   Shape sh;
   const void* q;
