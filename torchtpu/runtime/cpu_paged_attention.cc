@@ -375,13 +375,13 @@ inline __attribute__((always_inline)) int64_t drain(const Args& a, std::atomic<i
   return done;
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t drain_f32(const Args& a,
-                                                                   std::atomic<int64_t>& next) {
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t
+drain_f32(const Args& a, std::atomic<int64_t>& next) {
   return drain<float>(a, next);
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t drain_bf16(const Args& a,
-                                                                    std::atomic<int64_t>& next) {
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t
+drain_bf16(const Args& a, std::atomic<int64_t>& next) {
   return drain<uint16_t>(a, next);
 }
 
