@@ -20,8 +20,12 @@
 // consecutive tokens of one sequence (a decode token is a group of one); a group walks its
 // sequence's positions once, kChunk at a time (their cache rows, whatever the page size, stay in
 // L1 while every head and token of the group reads them), keeping an online softmax per
-// (token, query head). Page indices are clipped into the cache and positions past
-// the page table are not read, so malformed metadata never reads outside the buffers.
+// (token, query head). Per chunk and KV head its query heads are taken two at a time (each key
+// and value row loaded once for both): 8 keys scored at once (a vector of partial sums over D
+// per key, one reduction tree), the chunk's exp 8 lanes at a time (Cephes' expf polynomial),
+// the value rows accumulated in registers over the chunk. Page indices are clipped into the
+// cache and positions past the page table are not read, so malformed metadata never reads
+// outside the buffers.
 //
 // Threads: the groups (split further into single KV heads when there are few groups) are pieces
 // that write disjoint rows of the output; a call with enough work (kParallelMin) hands them out,
@@ -44,6 +48,12 @@
 
 namespace ffi = xla::ffi;
 
+// a * b + c in one rounding where the instruction set has it (the kernel is built in ISO mode,
+// whose default is no contraction); every thread runs the same copy, so the bits still do not
+// depend on the split
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
 namespace {
 
 constexpr float kNeg = -0.7f * 3.4028234663852886e38f;  // the lowering's mask value
@@ -64,21 +74,81 @@ inline float load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
 inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
-// dot(q, k) over D with 8 independent partial sums (vectorizable without reassociation flags)
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    for (int i = 0; i < 8; ++i) s[i] += q[d + i] * load(k, d + i);
-  float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; d < D; ++d) r += q[d] * load(k, d);
-  return r;
+// Vectors of 8 floats (GCC vector extensions): one AVX register in the AVX2/AVX-512 copies of
+// the code, two SSE registers in the default one; unaligned loads through the aligned(4) types.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline v8 load8(const uint16_t* p) {
+  u32x8 w = __builtin_convertvector(*reinterpret_cast<const u16x8*>(p), u32x8) << 16;
+  return reinterpret_cast<v8&>(w);
+}
+inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+// lanes summed pairwise: the sum of each of x's pairs of lanes, then y's
+inline v8 pairs(v8 x, v8 y) {
+  return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-template <typename T>
-inline void axpy(float* acc, float a, const T* v, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] += a * load(v, d);
+// lane i: the sum of a[i]'s lanes (a fixed tree)
+inline v8 hsum8(const v8* a) {
+  return pairs(pairs(pairs(a[0], a[1]), pairs(a[2], a[3])),
+               pairs(pairs(a[4], a[5]), pairs(a[6], a[7])));
+}
+
+// s[h][i] = dot(q[h], k[i]) over D for the n <= 8 key rows k[i] and NQ query rows q[h] (each
+// key loaded once for all of them): a vector of partial sums per pair (8 rows in flight),
+// reduced together; the D % 8 tail added last, in order. Row (h, i)'s operations do not depend
+// on NQ.
+template <int NQ, typename T>
+inline void dots8(const float* const* q, const T* const* k, int n, int64_t D, float* const* s) {
+  const T* kp[8];
+  for (int i = 0; i < 8; ++i) kp[i] = k[i < n ? i : 0];
+  v8 a[NQ][8];
+  for (int h = 0; h < NQ; ++h)
+    for (int i = 0; i < 8; ++i) a[h][i] = v8{};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    v8 qv[NQ];
+    for (int h = 0; h < NQ; ++h) qv[h] = load8(q[h] + d);
+    for (int i = 0; i < 8; ++i) {
+      const v8 kv = load8(kp[i] + d);
+      for (int h = 0; h < NQ; ++h) a[h][i] += qv[h] * kv;
+    }
+  }
+  for (int h = 0; h < NQ; ++h) {
+    const v8 r = hsum8(a[h]);
+    for (int i = 0; i < n; ++i) {
+      float x = r[i];
+      for (int64_t e = d; e < D; ++e) x += q[h][e] * load(kp[i], e);
+      s[h][i] = x;
+    }
+  }
+}
+
+// exp of 8 lanes (Cephes' expf: exp(x) = 2^n exp(r), |r| <= ln2/2, a degree-7 polynomial; about
+// 1 ulp); below -87 (under FLT_MIN): 0; NaN stays NaN.
+inline v8 vexp(v8 x) {
+  const v8i tiny = x < -87.0f;
+  x = x > 88.0f ? 88.0f : x;
+  x = x < -88.0f ? -88.0f : x;
+  const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  v8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v8 y = p * (r * r) + r + 1.0f;
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  const v8 out = y * reinterpret_cast<v8&>(e);
+  return tiny ? v8{} : out;
 }
 
 struct Shape {
@@ -127,11 +197,92 @@ inline void plan(const Shape& sh, const int32_t* kv_lens, const int32_t* cu_in, 
 
 // Per worker: the group's state (online softmax per token and query head).
 struct Scratch {
-  std::vector<float> qf, m, l, acc, sc;
+  std::vector<float> qf, m, l, acc;
   explicit Scratch(const Shape& sh)
       : qf(kQGroup * sh.Hq * sh.D), m(kQGroup * sh.Hq), l(kQGroup * sh.Hq),
-        acc(kQGroup * sh.Hq * sh.D), sc(kQGroup * sh.Hq * kChunk) {}
+        acc(kQGroup * sh.Hq * sh.D) {}
 };
+
+// One chunk of n <= kChunk keys (rows kr, vr of one KV head) for NQ consecutive query heads of
+// it (their q rows, online-softmax state m, l and accumulators D apart): scores, then
+// acc = acc * alpha + sum_j p_j v_j; each key row is loaded once for the NQ heads, and every
+// head's operations are the same whatever NQ.
+template <int NQ, typename T>  // NQ: 1 or 2
+inline __attribute__((always_inline)) void heads(const float* qf, const T* const* kr,
+                                                 const T* const* vr, int n, int64_t D,
+                                                 float scale, float cap, float* m, float* l,
+                                                 float* acc) {
+  alignas(32) float s[NQ][kChunk];
+  alignas(32) float pr[NQ][kChunk];
+  const float* qs[NQ];
+  float* ss[NQ];
+  float alpha[NQ];
+  for (int h = 0; h < NQ; ++h) {
+    qs[h] = qf + h * D;
+    ss[h] = s[h];
+  }
+  for (int j = 0; j < n; j += 8) {
+    float* sj[NQ];
+    for (int h = 0; h < NQ; ++h) sj[h] = ss[h] + j;
+    dots8<NQ>(qs, kr + j, std::min(8, n - j), D, sj);
+  }
+  for (int h = 0; h < NQ; ++h) {
+    float mx = kNeg;
+    if (cap > 0) {
+      for (int j = 0; j < n; ++j) {
+        const float x = cap * std::tanh(s[h][j] * scale / cap);
+        s[h][j] = x;
+        mx = std::max(mx, x);
+      }
+    } else {  // the same, 8 lanes at a time (the lanes past n: kNeg; max is exact)
+      v8 vm = v8{} + kNeg;
+      for (int j = 0; j < n; j += 8) {
+        v8 x = load8(s[h] + j) * scale;
+        for (int i = 0; i < 8; ++i)
+          if (j + i >= n) x[i] = kNeg;
+        store8(s[h] + j, x);
+        vm = x > vm ? x : vm;
+      }
+      for (int i = 0; i < 8; ++i) mx = std::max(mx, vm[i]);
+    }
+    const float mnew = std::max(m[h], mx);
+    alpha[h] = std::exp(m[h] - mnew);
+    // p = exp(s - mnew), the chunk's lanes past n zero; their sum by a fixed tree
+    v8 psum{};
+    for (int j = 0; j < kChunk; j += 8) {
+      v8 x = load8(s[h] + j) - mnew;
+      for (int i = 0; i < 8; ++i)
+        if (j + i >= n) x[i] = kNeg;
+      const v8 e = vexp(x);
+      store8(pr[h] + j, e);
+      psum += e;
+    }
+    const v8 q4 = pairs(psum, psum);
+    const v8 q2 = pairs(q4, q4);
+    l[h] = l[h] * alpha[h] + (q2[0] + q2[1]);
+    m[h] = mnew;
+  }
+  // 8 columns at a time over every key of the chunk, each value row loaded once for the NQ heads
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    // (named variables, not an array: kept in registers over the loop)
+    v8 o0 = load8(acc + d) * alpha[0], o1{};
+    if constexpr (NQ == 2) o1 = load8(acc + D + d) * alpha[1];
+    for (int j = 0; j < n; ++j) {
+      const v8 v = load8(vr[j] + d);
+      o0 += pr[0][j] * v;
+      if constexpr (NQ == 2) o1 += pr[NQ - 1][j] * v;
+    }
+    store8(acc + d, o0);
+    if constexpr (NQ == 2) store8(acc + D + d, o1);
+  }
+  for (; d < D; ++d)
+    for (int h = 0; h < NQ; ++h) {
+      float o = acc[h * D + d] * alpha[h];
+      for (int j = 0; j < n; ++j) o += pr[h][j] * load(vr[j], d);
+      acc[h * D + d] = o;
+    }
+}
 
 // One piece: each (token, query head) row is computed by the same operations in the same order
 // whatever the split (the walk over the group's keys, kChunk at a time; per chunk its tokens,
@@ -150,7 +301,6 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
   float* m = w.m.data();
   float* l = w.l.data();
   float* acc = w.acc.data();
-  float* sc = w.sc.data();
   const T* rows[kChunk];
   for (int64_t g = 0; g < ng; ++g)
     for (int64_t i = (g * Hq + qh0) * D; i < (g * Hq + qh1) * D; ++i)
@@ -170,34 +320,23 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
       const int64_t a = std::max(j0, window > 0 ? pos - window + 1 : int64_t(0));
       const int64_t b = std::min(j1, pos);
       if (a > b) continue;
+      const int n = static_cast<int>(b - a + 1);
       for (int64_t h = it.h0; h < it.h1; ++h) {
-        for (int64_t gg = 0; gg < G; ++gg) {
-          const int64_t qh = h * G + gg;
-          const float* qv = &qf[(g * Hq + qh) * D];
-          float* s = &sc[(g * HG + qh) * kChunk];
-          float mx = kNeg;
-          for (int64_t j = a; j <= b; ++j) {
-            float x = dot(qv, rows[j - j0] + 2 * h * D, D) * scale;
-            if (cap > 0) x = cap * std::tanh(x / cap);
-            s[j - a] = x;
-            mx = std::max(mx, x);
-          }
-          float& mi = m[g * HG + qh];
-          const float mnew = std::max(mi, mx);
-          const float alpha = std::exp(mi - mnew);
-          float* ac = &acc[(g * Hq + qh) * D];
-          if (alpha != 1.0f) {
-            for (int64_t d = 0; d < D; ++d) ac[d] *= alpha;
-          }
-          float sum = 0.0f;
-          for (int64_t j = a; j <= b; ++j) {
-            const float p = std::exp(s[j - a] - mnew);
-            sum += p;
-            axpy(ac, p, rows[j - j0] + (2 * h + 1) * D, D);
-          }
-          l[g * HG + qh] = l[g * HG + qh] * alpha + sum;
-          mi = mnew;
+        const T* kr[kChunk];
+        const T* vr[kChunk];
+        for (int j = 0; j < n; ++j) {
+          kr[j] = rows[a - j0 + j] + 2 * h * D;
+          vr[j] = kr[j] + D;
         }
+        int64_t gg = 0;
+        for (; gg + 2 <= G; gg += 2)
+          heads<2>(&qf[(g * Hq + h * G + gg) * D], kr, vr, n, D, scale, cap,
+                   &m[g * HG + h * G + gg], &l[g * HG + h * G + gg],
+                   &acc[(g * Hq + h * G + gg) * D]);
+        for (; gg < G; ++gg)
+          heads<1>(&qf[(g * Hq + h * G + gg) * D], kr, vr, n, D, scale, cap,
+                   &m[g * HG + h * G + gg], &l[g * HG + h * G + gg],
+                   &acc[(g * Hq + h * G + gg) * D]);
       }
     }
   }
@@ -212,7 +351,7 @@ inline __attribute__((always_inline)) void attend_item(const Shape& sh, const T*
 }
 
 // The pieces items[k] for k taken from `next` until none is left; one copy per instruction set,
-// picked when the library loads (AVX+FMA where the CPU has them).
+// picked when the library loads (x86-64-v4: AVX-512; v3: AVX2 and FMA; else the baseline).
 struct Args {
   Shape sh;
   const void* q;
@@ -236,13 +375,13 @@ inline __attribute__((always_inline)) int64_t drain(const Args& a, std::atomic<i
   return done;
 }
 
-__attribute__((target_clones("fma", "default"))) int64_t drain_f32(const Args& a,
-                                                                   std::atomic<int64_t>& next) {
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t
+drain_f32(const Args& a, std::atomic<int64_t>& next) {
   return drain<float>(a, next);
 }
 
-__attribute__((target_clones("fma", "default"))) int64_t drain_bf16(const Args& a,
-                                                                    std::atomic<int64_t>& next) {
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int64_t
+drain_bf16(const Args& a, std::atomic<int64_t>& next) {
   return drain<uint16_t>(a, next);
 }
 
@@ -314,6 +453,8 @@ void attend(const Shape& sh, bool bf16, const void* q, const void* kv, const int
     job->cv.wait(lock, [&] { return job->done.load(std::memory_order_acquire) >= n; });
   }
 }
+
+#pragma GCC pop_options
 
 ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
                               ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> cu,
