@@ -724,27 +724,33 @@ def _aa_uint8_cases(n, seed):
     return out
 
 
-@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
 @pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
 def test_antialias_resize_uint8_bit_exact(kind, mode):
     # CPU's uint8 antialias kernel (torchvision's Resize on uint8 images) rounds each window's
     # float64 weights to int16 fixed point, adds half a unit, shifts and clamps after each pass:
     # the device gives the same bytes on random sizes and scales, contiguous and channels_last
     from torchtpu.runtime.metrics import COUNTERS
-    before = COUNTERS.get("cpu_fallbacks", 0)
+    keys = ("cpu_fallbacks", "compile_cpu_fallbacks")
+    before = [COUNTERS.get(k, 0) for k in keys]
     ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
            else torch.no_grad())
+    cases = _aa_uint8_cases(40, seed=70 + (kind == "bicubic"))
     with ctx:
-        for k, (n, c, h, w, ac, kw, s) in enumerate(_aa_uint8_cases(40, seed=70 + (kind == "bicubic"))):
+        for k, (n, c, h, w, ac, kw, s) in enumerate(cases[:6] if mode == "compiled" else cases):
             g = torch.Generator().manual_seed(s)
             x = torch.randint(0, 256, (n, c, h, w), generator=g, dtype=torch.uint8)
             if k % 2:
                 x = x.contiguous(memory_format=torch.channels_last)
-            want = F.interpolate(x, mode=kind, align_corners=ac, antialias=True, **kw)
-            got = F.interpolate(x.to(DEV), mode=kind, align_corners=ac, antialias=True, **kw).cpu()
+            fn = lambda t: F.interpolate(t, mode=kind, align_corners=ac, antialias=True, **kw)  # noqa: E731
+            want = fn(x)
+            if mode == "compiled":
+                torch._dynamo.reset()
+                fn = torch.compile(fn, backend="tpu")
+            got = fn(x.to(DEV)).cpu()
             assert got.dtype == torch.uint8
             assert torch.equal(got, want), (n, c, h, w, ac, kw, k % 2)
-    assert COUNTERS.get("cpu_fallbacks", 0) == before, "fell back to CPU"
+    assert [COUNTERS.get(k, 0) for k in keys] == before, "fell back to CPU"
 
 
 @pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
