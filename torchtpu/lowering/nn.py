@@ -813,12 +813,14 @@ def _gather_taps(y, axis, idx, w, dtype, valid=None):
     the cost grows with outputs x taps (a dense (out x in) weight matrix grew with out x in, and
     0 * inf spread one inf pixel over the whole row). Taps add left to right, as CPU's kernel.
     ``valid`` (taps, out_size) marks the taps an output really has (antialias windows are
-    shorter at the borders): a padding tap adds an exact 0, never 0 * inf."""
+    shorter at the borders): a padding tap adds an exact 0, never 0 * inf. Each tap is cast
+    to ``dtype`` after its gather (uint8 pixels into int32 sums without an int32 copy of the
+    whole image)."""
     shape = [1] * y.ndim
     shape[axis] = idx.shape[1]
     out = None
     for k in range(idx.shape[0]):
-        t = jnp.take(y, jnp.asarray(idx[k], jnp.int32), axis=axis, mode="clip")
+        t = jnp.take(y, jnp.asarray(idx[k], jnp.int32), axis=axis, mode="clip").astype(dtype)
         t = t * jnp.asarray(w[k], dtype).reshape(shape)
         if valid is not None and not valid[k].all():
             t = jnp.where(jnp.asarray(valid[k]).reshape(shape), t, jnp.zeros((), t.dtype))
@@ -902,7 +904,7 @@ def _separable_uint8(x, output_size, make, align_corners, scales):
     the pixels' taps, adds half a unit, shifts the precision away and clamps to [0, 255]."""
     taps_of = _uint8_cubic_taps if make is _cubic_taps else _uint8_linear_taps
     nd = len(output_size)
-    y = x.astype(jnp.int32)
+    y = x  # uint8 between passes (each pass clamps to [0, 255]); the sums are int32
     for j in reversed(range(nd)):
         axis = x.ndim - nd + j
         n, o = x.shape[axis], output_size[j]
@@ -911,8 +913,8 @@ def _separable_uint8(x, output_size, make, align_corners, scales):
         sc = scales[j] if scales is not None and j < len(scales) else None
         idx, wt, prec = _int16_weights(taps_of(n, o, align_corners, sc), o)
         y = _gather_taps(y, axis, idx, wt, jnp.int32)
-        y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255)
-    return y.astype(jnp.uint8)
+        y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
+    return y
 
 
 def _separable(x, output_size, make, align_corners, scales):
@@ -993,7 +995,7 @@ def _separable_aa(x, output_size, cubic, align_corners, scales):
             f'"compute_index_ranges_weights" not implemented for \'{_tname(x.dtype)}\'')
     u8 = x.dtype == jnp.uint8
     ftype = np.float64 if u8 or x.dtype == jnp.float64 else np.float32
-    y = x.astype(jnp.int32) if u8 else x
+    y = x  # uint8 stays uint8 between passes (each clamps to [0, 255]); the sums are int32
     for j in reversed(range(nd)):
         axis = x.ndim - nd + j
         n, o = x.shape[axis], output_size[j]
@@ -1005,7 +1007,7 @@ def _separable_aa(x, output_size, cubic, align_corners, scales):
             rows = np.broadcast_to(np.arange(o), idx.shape)
             iidx, iw, prec = _int16_weights([(rows[valid], idx[valid], w[valid])], o)
             y = _gather_taps(y, axis, iidx, iw, jnp.int32)
-            y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255)
+            y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
         else:
             y = _gather_taps(y, axis, idx, w, x.dtype, valid)
     return y.astype(x.dtype)
