@@ -781,3 +781,17 @@ def test_antialias_resize_dtypes_cpu_refuses_raise_like_cpu(dtype):
         F.interpolate(x, size=(3, 4), mode="bilinear", antialias=True)
     with pytest.raises(NotImplementedError, match="compute_index_ranges_weights"):
         F.interpolate(x.to(DEV), size=(3, 4), mode="bilinear", antialias=True).cpu()
+
+
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_inf_spoils_only_its_windows(kind):
+    # a window shorter at the border pads its taps with weight 0: the pad must add 0, not
+    # 0 * (the pixel it points at), or one inf pixel would be nan in border outputs
+    x = _r(1, 2, 24, 30, seed=69)
+    x[0, 0, 0, 0] = float("inf")
+    x[0, 1, 23, 29] = float("-inf")
+    with torch.no_grad():
+        want = F.interpolate(x, size=(7, 9), mode=kind, antialias=True)
+        got = F.interpolate(x.to(DEV), size=(7, 9), mode=kind, antialias=True).cpu()
+    assert int(torch.isfinite(want).sum()) > 0.8 * want.numel()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, equal_nan=True)
