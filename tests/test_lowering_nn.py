@@ -795,3 +795,24 @@ def test_antialias_resize_inf_spoils_only_its_windows(kind):
         got = F.interpolate(x.to(DEV), size=(7, 9), mode=kind, antialias=True).cpu()
     assert int(torch.isfinite(want).sum()) > 0.8 * want.numel()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_large_downscale(kind, mode):
+    # 1/60 downscales: 121 (bilinear) / 241 (bicubic) taps per output, summed by a loop (the
+    # unrolled gathers took XLA ~30 s to compile for 1080x1920 -> 4x4); same values, gradients,
+    # uint8 bytes, and an inf pixel still spoils only its windows
+    x = _r(1, 2, 181, 122, seed=71)
+    fn = lambda t: F.interpolate(t, size=(3, 2), mode=kind, antialias=True)  # noqa: E731
+    _compare_no_fallback(fn, (x,), mode, atol=1e-5, rtol=1e-4)
+    g = torch.Generator().manual_seed(72)
+    xu = torch.randint(0, 256, (1, 3, 181, 122), generator=g, dtype=torch.uint8)
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="tpu")
+    assert torch.equal(fn(xu.to(DEV)).cpu(), F.interpolate(xu, size=(3, 2), mode=kind, antialias=True))
+    x[0, 0, 0, 0] = float("inf")
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x.to(DEV)).cpu(), F.interpolate(x, size=(3, 2), mode=kind, antialias=True),
+                                   atol=1e-5, rtol=1e-4, equal_nan=True)
