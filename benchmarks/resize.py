@@ -6,8 +6,9 @@
 Each case resizes a batch-1, 3-channel image (``CASES`` below: up 2x from 540x960, down 4x and
 8x from 1080x1920, antialiased downscales). On "tpu" each output reads only its taps (2 per
 dimension linear, 4 cubic: lowering/nn.py ``_gather_taps``), so the cost grows with
-outputs x taps; the antialias rows run PyTorch's CPU kernel through the CPU fallback (no
-lowering for ``_upsample_bilinear2d_aa``/``_upsample_bicubic2d_aa``).
+outputs x taps; antialiased rows (``_upsample_bilinear2d_aa``/``_upsample_bicubic2d_aa``,
+torchvision's Resize default) read each output's window, 2 * ceil(support) + 1 taps per
+dimension (support = 1 linear / 2 cubic times the downscale factor: 17 taps at 1/8 bilinear).
 
 Time: medians of repeated calls, each ending with ``torch.tpu.synchronize()``, "tpu" and CPU
 interleaved in one process per case after a warm-up call (compilation excluded).
@@ -39,6 +40,9 @@ CASES = {
     "f32_bilinear_down4": ("float32", (1080, 1920), (270, 480), "bilinear", False),
     "f32_bilinear_aa_down8": ("float32", (1080, 1920), (135, 240), "bilinear", True),
     "u8_bilinear_aa_down8": ("uint8", (1080, 1920), (135, 240), "bilinear", True),
+    "f32_bicubic_aa_down4": ("float32", (1080, 1920), (270, 480), "bicubic", True),
+    "u8_bicubic_aa_down4": ("uint8", (1080, 1920), (270, 480), "bicubic", True),
+    "u8_bilinear_aa_down2": ("uint8", (1080, 1920), (540, 960), "bilinear", True),
 }
 
 

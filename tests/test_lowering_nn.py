@@ -661,3 +661,158 @@ def test_upsample_reads_only_its_taps(kind, mode):
         got = F.interpolate(x.to(DEV), size=(30, 41), mode=kind).cpu()
     assert int(torch.isfinite(want).sum()) > 0.9 * want.numel()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, equal_nan=True)
+
+
+# ------------------------------------------------------------------ antialiased resize
+
+AA = {}  # torchvision's Resize default: bilinear/bicubic with antialias=True
+for _kind in ("bilinear", "bicubic"):
+    for _ac in (False, True):
+        AA[f"{_kind}_down_ac{_ac}"] = (
+            lambda x, k=_kind, a=_ac: F.interpolate(x, size=(4, 3), mode=k, align_corners=a, antialias=True),
+            _r(2, 3, 19, 27, seed=60))
+        AA[f"{_kind}_mixed_ac{_ac}"] = (
+            lambda x, k=_kind, a=_ac: F.interpolate(x, size=(23, 5), mode=k, align_corners=a, antialias=True),
+            _r(1, 2, 9, 26, seed=61))
+    AA[f"{_kind}_scale"] = (
+        lambda x, k=_kind: F.interpolate(x, scale_factor=(0.3, 1.7), mode=k, antialias=True),
+        _r(1, 3, 20, 9, seed=62))
+    AA[f"{_kind}_up"] = (lambda x, k=_kind: F.interpolate(x, size=(17, 11), mode=k, antialias=True),
+                         _r(1, 3, 6, 5, seed=63))
+    AA[f"{_kind}_one_side"] = (lambda x, k=_kind: F.interpolate(x, size=(7, 12), mode=k, antialias=True),
+                               _r(1, 3, 30, 12, seed=64))
+    AA[f"{_kind}_float64"] = (lambda x, k=_kind: F.interpolate(x, size=(5, 4), mode=k, antialias=True),
+                              _r(1, 2, 33, 17, seed=65).double())
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+@pytest.mark.parametrize("case", sorted(AA))
+def test_antialias_resize_runs_on_device(case, mode):
+    # _upsample_bilinear2d_aa / _upsample_bicubic2d_aa (and their backward ops) were CPU
+    # fallbacks; each output reads its antialias window (support grows with the downscale)
+    fn, x = AA[case]
+    _compare_no_fallback(fn, (x,), mode, atol=1e-5 if "bilinear" in case else 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_fused(kind):
+    from torchtpu.runtime.metrics import COUNTERS
+    x = _r(2, 3, 40, 31, seed=66)
+    before = COUNTERS.get("cpu_fallbacks", 0)
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        got = F.interpolate(x.to(DEV) * 2, size=(9, 13), mode=kind, antialias=True) + 1
+        got = got.cpu()
+    assert COUNTERS.get("cpu_fallbacks", 0) == before, "fell back to CPU"
+    want = F.interpolate(x * 2, size=(9, 13), mode=kind, antialias=True) + 1
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+def _aa_uint8_cases(n, seed):
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        h, w = rng.randint(1, 40), rng.randint(1, 40)
+        ac = rng.random() < 0.3
+        if rng.random() < 0.5 or ac:
+            kw = dict(size=(rng.randint(1, 45), rng.randint(1, 45)))
+        else:
+            # scale factors that keep at least one output pixel
+            kw = dict(scale_factor=(rng.uniform(1.001 / h, 2.5), rng.uniform(1.001 / w, 2.5)),
+                      recompute_scale_factor=rng.random() < 0.5)
+        out.append((rng.randint(1, 2), rng.choice([1, 3, 4]), h, w, ac, kw, rng.randrange(1 << 30)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused", "compiled"])
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_uint8_bit_exact(kind, mode):
+    # CPU's uint8 antialias kernel (torchvision's Resize on uint8 images) rounds each window's
+    # float64 weights to int16 fixed point, adds half a unit, shifts and clamps after each pass:
+    # the device gives the same bytes on random sizes and scales, contiguous and channels_last
+    from torchtpu.runtime.metrics import COUNTERS
+    keys = ("cpu_fallbacks", "compile_cpu_fallbacks")
+    before = [COUNTERS.get(k, 0) for k in keys]
+    ctx = (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if mode == "fused"
+           else torch.no_grad())
+    cases = _aa_uint8_cases(40, seed=70 + (kind == "bicubic"))
+    with ctx:
+        for k, (n, c, h, w, ac, kw, s) in enumerate(cases[:6] if mode == "compiled" else cases):
+            g = torch.Generator().manual_seed(s)
+            x = torch.randint(0, 256, (n, c, h, w), generator=g, dtype=torch.uint8)
+            if k % 2:
+                x = x.contiguous(memory_format=torch.channels_last)
+            fn = lambda t: F.interpolate(t, mode=kind, align_corners=ac, antialias=True, **kw)  # noqa: E731
+            want = fn(x)
+            if mode == "compiled":
+                torch._dynamo.reset()
+                fn = torch.compile(fn, backend="tpu")
+            got = fn(x.to(DEV)).cpu()
+            assert got.dtype == torch.uint8
+            assert torch.equal(got, want), (n, c, h, w, ac, kw, k % 2)
+    assert [COUNTERS.get(k, 0) for k in keys] == before, "fell back to CPU"
+
+
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_to_one_column_resamples_the_rows(kind):
+    # PyTorch 2.13's float antialias CPU kernel gives every output row the first row's value when
+    # the output is one column wide (uint8 and a two-column output are right); the device
+    # resamples the rows: it matches CPU's own two-column result, column by column
+    x = _r(1, 2, 31, 1, seed=67)
+    got = F.interpolate(x.to(DEV), size=(6, 1), mode=kind, antialias=True).cpu()
+    want = F.interpolate(x.expand(1, 2, 31, 2).contiguous(), size=(6, 2), mode=kind,
+                         antialias=True)[..., :1]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert got[0, 0, 0, 0] != got[0, 0, 1, 0]
+    # uint8 with more than 4 channels takes CPU's generic kernel, with the same fault; its
+    # 4-channel kernel is right and the device gives its bytes for every channel
+    g = torch.Generator().manual_seed(68)
+    xu = torch.randint(0, 256, (1, 8, 31, 3), generator=g, dtype=torch.uint8)
+    got = F.interpolate(xu.to(DEV), size=(6, 1), mode=kind, antialias=True).cpu()
+    want = torch.cat([F.interpolate(xu[:, i:i + 4], size=(6, 1), mode=kind, antialias=True)
+                      for i in (0, 4)], 1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32])
+def test_antialias_resize_dtypes_cpu_refuses_raise_like_cpu(dtype):
+    x = torch.ones(1, 2, 6, 8, dtype=dtype)
+    with pytest.raises(NotImplementedError, match="compute_index_ranges_weights"):
+        F.interpolate(x, size=(3, 4), mode="bilinear", antialias=True)
+    with pytest.raises(NotImplementedError, match="compute_index_ranges_weights"):
+        F.interpolate(x.to(DEV), size=(3, 4), mode="bilinear", antialias=True).cpu()
+
+
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_inf_spoils_only_its_windows(kind):
+    # a window shorter at the border pads its taps with weight 0: the pad must add 0, not
+    # 0 * (the pixel it points at), or one inf pixel would be nan in border outputs
+    x = _r(1, 2, 24, 30, seed=69)
+    x[0, 0, 0, 0] = float("inf")
+    x[0, 1, 23, 29] = float("-inf")
+    with torch.no_grad():
+        want = F.interpolate(x, size=(7, 9), mode=kind, antialias=True)
+        got = F.interpolate(x.to(DEV), size=(7, 9), mode=kind, antialias=True).cpu()
+    assert int(torch.isfinite(want).sum()) > 0.8 * want.numel()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("mode", ["strict", "compiled"])
+@pytest.mark.parametrize("kind", ["bilinear", "bicubic"])
+def test_antialias_resize_large_downscale(kind, mode):
+    # 1/60 downscales: 121 (bilinear) / 241 (bicubic) taps per output, summed by a loop (the
+    # unrolled gathers took XLA ~30 s to compile for 1080x1920 -> 4x4); same values, gradients,
+    # uint8 bytes, and an inf pixel still spoils only its windows
+    x = _r(1, 2, 181, 122, seed=71)
+    fn = lambda t: F.interpolate(t, size=(3, 2), mode=kind, antialias=True)  # noqa: E731
+    _compare_no_fallback(fn, (x,), mode, atol=1e-5, rtol=1e-4)
+    g = torch.Generator().manual_seed(72)
+    xu = torch.randint(0, 256, (1, 3, 181, 122), generator=g, dtype=torch.uint8)
+    if mode == "compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="tpu")
+    assert torch.equal(fn(xu.to(DEV)).cpu(), F.interpolate(xu, size=(3, 2), mode=kind, antialias=True))
+    x[0, 0, 0, 0] = float("inf")
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x.to(DEV)).cpu(), F.interpolate(x, size=(3, 2), mode=kind, antialias=True),
+                                   atol=1e-5, rtol=1e-4, equal_nan=True)

@@ -808,17 +808,51 @@ def _cubic_taps(in_size, out_size, align_corners, scale, ftype):
             np.stack([w.astype(ftype) for w in ws]))
 
 
-def _gather_taps(y, axis, idx, w, dtype):
+def _gather_taps(y, axis, idx, w, dtype, valid=None):
     """sum_k w[k] * y.take(idx[k], axis): each output along ``axis`` reads only its own taps, so
     the cost grows with outputs x taps (a dense (out x in) weight matrix grew with out x in, and
-    0 * inf spread one inf pixel over the whole row). Taps add left to right, as CPU's kernel."""
+    0 * inf spread one inf pixel over the whole row). Taps add left to right, as CPU's kernel.
+    ``valid`` (taps, out_size) marks the taps an output really has (antialias windows are
+    shorter at the borders): a padding tap adds an exact 0, never 0 * inf. Each tap is cast
+    to ``dtype`` after its gather (uint8 pixels into int32 sums without an int32 copy of the
+    whole image)."""
     shape = [1] * y.ndim
     shape[axis] = idx.shape[1]
+    if idx.shape[0] > _UNROLLED_TAPS:
+        return _scan_taps(y, axis, idx, w, dtype, valid, shape)
     out = None
     for k in range(idx.shape[0]):
-        t = jnp.take(y, jnp.asarray(idx[k], jnp.int32), axis=axis, mode="clip")
+        t = jnp.take(y, jnp.asarray(idx[k], jnp.int32), axis=axis, mode="clip").astype(dtype)
         t = t * jnp.asarray(w[k], dtype).reshape(shape)
+        if valid is not None and not valid[k].all():
+            t = jnp.where(jnp.asarray(valid[k]).reshape(shape), t, jnp.zeros((), t.dtype))
         out = t if out is None else out + t
+    return out
+
+
+# past this many taps per output (an antialiased downscale by more than ~8x: 1080 rows to 4 is
+# 961 taps) the taps are summed by a loop instead of unrolled: XLA compiled the unrolled 961
+# gathers in ~30 s
+_UNROLLED_TAPS = 24
+
+
+def _scan_taps(y, axis, idx, w, dtype, valid, shape):
+    """``_gather_taps`` as a loop over the taps (same order, same sums)."""
+    if valid is None:
+        valid = np.ones(idx.shape, bool)
+    oshape = list(y.shape)
+    oshape[axis] = idx.shape[1]
+
+    def body(acc, tap):
+        i, wk, vk = tap
+        t = jnp.take(y, i, axis=axis, mode="clip").astype(dtype) * wk.reshape(shape)
+        return acc + jnp.where(vk.reshape(shape), t, jnp.zeros((), dtype)), None
+
+    first = jnp.take(y, jnp.asarray(idx[0], jnp.int32), axis=axis, mode="clip").astype(dtype)
+    first = jnp.where(jnp.asarray(valid[0]).reshape(shape),
+                      first * jnp.asarray(w[0], dtype).reshape(shape), jnp.zeros((), dtype))
+    out, _ = lax.scan(body, first, (jnp.asarray(idx[1:], jnp.int32), jnp.asarray(w[1:], dtype),
+                                    jnp.asarray(valid[1:])))
     return out
 
 
@@ -898,7 +932,7 @@ def _separable_uint8(x, output_size, make, align_corners, scales):
     the pixels' taps, adds half a unit, shifts the precision away and clamps to [0, 255]."""
     taps_of = _uint8_cubic_taps if make is _cubic_taps else _uint8_linear_taps
     nd = len(output_size)
-    y = x.astype(jnp.int32)
+    y = x  # uint8 between passes (each pass clamps to [0, 255]); the sums are int32
     for j in reversed(range(nd)):
         axis = x.ndim - nd + j
         n, o = x.shape[axis], output_size[j]
@@ -907,8 +941,8 @@ def _separable_uint8(x, output_size, make, align_corners, scales):
         sc = scales[j] if scales is not None and j < len(scales) else None
         idx, wt, prec = _int16_weights(taps_of(n, o, align_corners, sc), o)
         y = _gather_taps(y, axis, idx, wt, jnp.int32)
-        y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255)
-    return y.astype(jnp.uint8)
+        y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
+    return y
 
 
 def _separable(x, output_size, make, align_corners, scales):
@@ -934,6 +968,88 @@ def _separable(x, output_size, make, align_corners, scales):
         y = _gather_taps(y, axis, idx, w, acc)
     return y.astype(x.dtype)
 
+
+
+def _aa_filter(x, cubic, ftype):
+    """PyTorch's antialias filters (HelperInterpLinear/Cubic::aa_filter): the triangle, and the
+    cubic convolution with a = -0.5 (PIL's, not the -0.75 of plain bicubic)."""
+    x = np.abs(x)
+    if not cubic:
+        return np.where(x < 1, (1.0 - x.astype(np.float64)).astype(ftype), ftype(0)).astype(ftype)
+    A = ftype(-0.5)
+    c1 = ((A + 2) * x - (A + 3)) * x * x + 1
+    c2 = ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
+    return np.where(x < 1, c1, np.where(x < 2, c2, ftype(0))).astype(ftype)
+
+
+def _aa_window(in_size, out_size, align_corners, scale, cubic, ftype):
+    """PyTorch's antialias taps (``_compute_indices_min_size_weights_aa``): output i reads the
+    inputs [xmin, xmin + xsize) around its centre scale * (i + 0.5), the filter stretched by the
+    downscale factor (support 1 or 2 input pixels times max(scale, 1)), weights normalized per
+    output. ``ftype`` is CPU's scalar type: float32 or float64 (float64 for uint8's integer
+    weights), with the double-precision steps of the C++ expressions kept in float64. Returns
+    (indices, weights, valid), each (taps, out_size); taps past xsize are padding (weight 0)."""
+    interp = 4 if cubic else 2
+    s = ftype(_scale(in_size, out_size, align_corners, scale, ftype))
+    support = ftype(interp * 0.5 * np.float64(s)) if s >= 1 else ftype(interp * 0.5)
+    k = int(np.ceil(support)) * 2 + 1
+    invscale = ftype(1.0 / np.float64(s)) if s >= 1 else ftype(1.0)
+    i = np.arange(out_size, dtype=np.float64)
+    center = (np.float64(s) * (i + 0.5)).astype(ftype)
+    xmin = np.maximum(np.trunc((center - support).astype(np.float64) + 0.5), 0).astype(np.int64)
+    xend = np.minimum(np.trunc((center + support).astype(np.float64) + 0.5).astype(np.int64), in_size)
+    xsize = np.clip(xend - xmin, 0, k)
+    j = np.arange(k)[:, None]
+    valid = j < xsize[None, :]
+    arg = (((j + xmin[None, :]).astype(ftype) - center[None, :]).astype(np.float64) + 0.5)
+    w = _aa_filter((arg * np.float64(invscale)).astype(ftype), cubic, ftype)
+    w = np.where(valid, w, ftype(0)).astype(ftype)
+    total = np.zeros(out_size, ftype)
+    for r in range(k):  # summed tap by tap in CPU's scalar type
+        total = (total + w[r]).astype(ftype)
+    w = np.where(total != 0, w / np.where(total != 0, total, ftype(1)), w).astype(ftype)
+    idx = np.where(valid, j + xmin[None, :], np.minimum(xmin, in_size - 1)[None, :])
+    return idx, w, valid
+
+
+def _separable_aa(x, output_size, cubic, align_corners, scales):
+    """F.interpolate(..., antialias=True) on 2-d images, as CPU's separable kernel: one pass per
+    dimension whose size changes, the last first; float32/float64 sum each window's taps in
+    order in their own dtype, uint8 rounds the float64 weights to CPU's int16 fixed point
+    (``_int16_weights``) and clamps after each pass, bit for bit."""
+    nd = len(output_size)
+    if x.dtype not in (jnp.float32, jnp.float64, jnp.uint8):
+        raise NotImplementedError(
+            f'"compute_index_ranges_weights" not implemented for \'{_tname(x.dtype)}\'')
+    u8 = x.dtype == jnp.uint8
+    ftype = np.float64 if u8 or x.dtype == jnp.float64 else np.float32
+    y = x  # uint8 stays uint8 between passes (each clamps to [0, 255]); the sums are int32
+    for j in reversed(range(nd)):
+        axis = x.ndim - nd + j
+        n, o = x.shape[axis], output_size[j]
+        if n == o:
+            continue
+        sc = scales[j] if scales is not None and j < len(scales) else None
+        idx, w, valid = _aa_window(n, o, align_corners, sc, cubic, ftype)
+        if u8:
+            rows = np.broadcast_to(np.arange(o), idx.shape)
+            iidx, iw, prec = _int16_weights([(rows[valid], idx[valid], w[valid])], o)
+            y = _gather_taps(y, axis, iidx, iw, jnp.int32)
+            y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
+        else:
+            y = _gather_taps(y, axis, idx, w, x.dtype, valid)
+    return y.astype(x.dtype)
+
+
+def _aa_ops(cubic):
+    def fwd(self, output_size, align_corners, *scales):
+        return _separable_aa(self, tuple(output_size), cubic, align_corners, scales)
+
+    def bwd(grad_output, output_size, input_size, align_corners, *scales):
+        f = lambda x: _separable_aa(x, tuple(output_size), cubic, align_corners, scales)  # noqa: E731
+        return _transpose_of(f, input_size, grad_output.dtype, grad_output)
+
+    return fwd, bwd
 
 
 def _transpose_of(f, input_size, dtype, grad_output):
@@ -973,6 +1089,11 @@ def _interp_ops(make):
 for _name, _make in (("upsample_linear1d", _linear_taps), ("upsample_bilinear2d", _linear_taps),
                      ("upsample_trilinear3d", _linear_taps), ("upsample_bicubic2d", _cubic_taps)):
     _f, _b = _interp_ops(_make)
+    register(getattr(aten, _name).default)(_f)
+    register(getattr(aten, _name + "_backward").default)(_b)
+
+for _name, _cubic in (("_upsample_bilinear2d_aa", False), ("_upsample_bicubic2d_aa", True)):
+    _f, _b = _aa_ops(_cubic)
     register(getattr(aten, _name).default)(_f)
     register(getattr(aten, _name + "_backward").default)(_b)
 
