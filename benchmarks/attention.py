@@ -36,7 +36,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 H, E = 8, 64
 CASES = ["sdpa_causal", "sdpa_padmask", "flex_causal", "flex_window", "flex_document",
@@ -44,7 +43,7 @@ CASES = ["sdpa_causal", "sdpa_padmask", "flex_causal", "flex_window", "flex_docu
 REPEATS = {1024: 9, 4096: 5, 16384: 3, 32768: 1}
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import environment, proc_status, reset_peak  # noqa: E402
+from common import environment, interleaved_medians, proc_status, reset_peak  # noqa: E402
 
 
 def _rss_mib(field: str) -> float:
@@ -119,28 +118,14 @@ def _step(fn, q, k, v, do, sync):
     return step
 
 
-def _interleaved_medians(steps: dict, repeats: int) -> dict:
-    """Median seconds of each step after a warm-up call (compiles), the steps' calls
-    interleaved: every step sees the shared host in the same states."""
-    for s in steps.values():
-        s()
-    times = {k: [] for k in steps}
-    for _ in range(repeats):
-        for k, s in steps.items():
-            t0 = time.perf_counter()
-            s()
-            times[k].append(time.perf_counter() - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-
-
 def worker_time(case, L, repeats, devices):
-    return _interleaved_medians({d: make_step(case, L, d) for d in devices}, repeats)
+    return interleaved_medians({d: make_step(case, L, d) for d in devices}, repeats)
 
 
 def worker_pair(L, repeats, cases):
     """Each "tpu" case's median in one process: a ratio between them does not depend on which
     state the shared host was in for each process."""
-    return _interleaved_medians({c: make_step(c, L, "tpu") for c in cases}, repeats)
+    return interleaved_medians({c: make_step(c, L, "tpu") for c in cases}, repeats)
 
 
 def worker_mem(case, L, dev):

@@ -198,6 +198,20 @@ class Table:
         print(self.render(ratios), flush=True)
 
 
+def interleaved_medians(steps: dict, repeats: int) -> dict:
+    """Median seconds of each step after a warm-up call (compiles), the steps' calls
+    interleaved: every step sees the shared host in the same states."""
+    for s in steps.values():
+        s()
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, s in steps.items():
+            t0 = time.perf_counter()
+            s()
+            times[k].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
 def _fmt(v: float) -> str:
     if v >= 1000:
         return f"{v:,.0f}"

@@ -24,11 +24,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import environment, proc_status, reset_peak  # noqa: E402
+from common import environment, interleaved_medians, proc_status, reset_peak  # noqa: E402
 
 # name: (dtype, input (h, w), output (h, w), mode, antialias)
 CASES = {
@@ -68,16 +67,7 @@ def make_step(case: str, dev: str):
 
 
 def worker_time(case, repeats):
-    steps = {d: make_step(case, d) for d in ("tpu", "cpu")}
-    for s in steps.values():
-        s()
-    times = {k: [] for k in steps}
-    for _ in range(repeats):
-        for k, s in steps.items():
-            t0 = time.perf_counter()
-            s()
-            times[k].append(time.perf_counter() - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return interleaved_medians({d: make_step(case, d) for d in ("tpu", "cpu")}, repeats)
 
 
 def worker_mem(case, dev):

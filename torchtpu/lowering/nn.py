@@ -931,18 +931,28 @@ def _separable_uint8(x, output_size, make, align_corners, scales):
     first, skipping a dimension whose size does not change; each pass sums integer weights times
     the pixels' taps, adds half a unit, shifts the precision away and clamps to [0, 255]."""
     taps_of = _uint8_cubic_taps if make is _cubic_taps else _uint8_linear_taps
-    nd = len(output_size)
     y = x  # uint8 between passes (each pass clamps to [0, 255]); the sums are int32
+    for axis, n, o, sc in _resized_dims(x, output_size, scales):
+        y = _uint8_pass(y, axis, *_int16_weights(taps_of(n, o, align_corners, sc), o))
+    return y
+
+
+def _resized_dims(x, output_size, scales):
+    """(axis, input size, output size, scale) of each resized dimension whose size changes, the
+    last first (CPU's separable kernels' order)."""
+    nd = len(output_size)
     for j in reversed(range(nd)):
         axis = x.ndim - nd + j
         n, o = x.shape[axis], output_size[j]
-        if n == o:
-            continue
-        sc = scales[j] if scales is not None and j < len(scales) else None
-        idx, wt, prec = _int16_weights(taps_of(n, o, align_corners, sc), o)
-        y = _gather_taps(y, axis, idx, wt, jnp.int32)
-        y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
-    return y
+        if n != o:
+            yield axis, n, o, (scales[j] if scales is not None and j < len(scales) else None)
+
+
+def _uint8_pass(y, axis, idx, wt, prec):
+    """One uint8 pass: the integer weights times the taps, half a unit added, the precision
+    shifted away, clamped to [0, 255]."""
+    y = _gather_taps(y, axis, idx, wt, jnp.int32)
+    return jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
 
 
 def _separable(x, output_size, make, align_corners, scales):
@@ -1017,39 +1027,20 @@ def _separable_aa(x, output_size, cubic, align_corners, scales):
     dimension whose size changes, the last first; float32/float64 sum each window's taps in
     order in their own dtype, uint8 rounds the float64 weights to CPU's int16 fixed point
     (``_int16_weights``) and clamps after each pass, bit for bit."""
-    nd = len(output_size)
     if x.dtype not in (jnp.float32, jnp.float64, jnp.uint8):
         raise NotImplementedError(
             f'"compute_index_ranges_weights" not implemented for \'{_tname(x.dtype)}\'')
     u8 = x.dtype == jnp.uint8
     ftype = np.float64 if u8 or x.dtype == jnp.float64 else np.float32
     y = x  # uint8 stays uint8 between passes (each clamps to [0, 255]); the sums are int32
-    for j in reversed(range(nd)):
-        axis = x.ndim - nd + j
-        n, o = x.shape[axis], output_size[j]
-        if n == o:
-            continue
-        sc = scales[j] if scales is not None and j < len(scales) else None
+    for axis, n, o, sc in _resized_dims(x, output_size, scales):
         idx, w, valid = _aa_window(n, o, align_corners, sc, cubic, ftype)
         if u8:
             rows = np.broadcast_to(np.arange(o), idx.shape)
-            iidx, iw, prec = _int16_weights([(rows[valid], idx[valid], w[valid])], o)
-            y = _gather_taps(y, axis, iidx, iw, jnp.int32)
-            y = jnp.clip((y + (1 << (prec - 1) if prec > 0 else 0)) >> prec, 0, 255).astype(jnp.uint8)
+            y = _uint8_pass(y, axis, *_int16_weights([(rows[valid], idx[valid], w[valid])], o))
         else:
             y = _gather_taps(y, axis, idx, w, x.dtype, valid)
     return y.astype(x.dtype)
-
-
-def _aa_ops(cubic):
-    def fwd(self, output_size, align_corners, *scales):
-        return _separable_aa(self, tuple(output_size), cubic, align_corners, scales)
-
-    def bwd(grad_output, output_size, input_size, align_corners, *scales):
-        f = lambda x: _separable_aa(x, tuple(output_size), cubic, align_corners, scales)  # noqa: E731
-        return _transpose_of(f, input_size, grad_output.dtype, grad_output)
-
-    return fwd, bwd
 
 
 def _transpose_of(f, input_size, dtype, grad_output):
@@ -1075,15 +1066,25 @@ for _nd, _name in ((1, "1d"), (2, "2d"), (3, "3d")):
         register(getattr(aten, _prefix + _name + "_backward").default)(_b)
 
 
-def _interp_ops(make):
+def _aligned_ops(resize):
+    """The forward and backward lowerings of a resize op taking ``align_corners``:
+    ``resize(x, output_size, align_corners, scales)``; the backward is its linear transpose."""
     def fwd(self, output_size, align_corners, *scales):
-        return _separable(self, tuple(output_size), make, align_corners, scales)
+        return resize(self, tuple(output_size), align_corners, scales)
 
     def bwd(grad_output, output_size, input_size, align_corners, *scales):
-        f = lambda x: _separable(x, tuple(output_size), make, align_corners, scales)  # noqa: E731
+        f = lambda x: resize(x, tuple(output_size), align_corners, scales)  # noqa: E731
         return _transpose_of(f, input_size, grad_output.dtype, grad_output)
 
     return fwd, bwd
+
+
+def _interp_ops(make):
+    return _aligned_ops(lambda x, o, ac, sc: _separable(x, o, make, ac, sc))
+
+
+def _aa_ops(cubic):
+    return _aligned_ops(lambda x, o, ac, sc: _separable_aa(x, o, cubic, ac, sc))
 
 
 for _name, _make in (("upsample_linear1d", _linear_taps), ("upsample_bilinear2d", _linear_taps),
