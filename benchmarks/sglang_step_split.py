@@ -115,7 +115,17 @@ class _Probe:
         out = original(runner, forward_batch, *args, **kwargs)
         if (self.replay is None and forward_batch.batch_size == self.batch
                 and os.path.exists(os.path.join(self.folder, "replay"))):
+            cap = os.environ.get(ENV + "_CAPTURE")
+            if cap:
+                import sglang_program_ab
+                sglang_program_ab.install()
             self.replay = _replay(runner, forward_batch)
+            if cap:
+                sglang_program_ab.dump(cap)
+                # the same executable called directly here (no torch.compile path), beside
+                # the captured ones named by _CAPTURE_AB: program or process?
+                more = [f for f in os.environ.get(ENV + "_CAPTURE_AB", "").split(",") if f]
+                self.replay["in_scheduler"] = sglang_program_ab.time_programs([cap] + more)
         return out
 
     def extend(self, original, runner, forward_batch, key, *args, **kwargs):
@@ -304,6 +314,13 @@ def main():
                     "logits: SGLang's overlap as it runs unprobed)")
     ap.add_argument("--engine-args", default="{}",
                     help="JSON: more sgl.Engine arguments (e.g. {\"page_size\": 16})")
+    ap.add_argument("--capture", metavar="OUT",
+                    help="also write the replayed decode program's executable and inputs to "
+                    "the folder OUT (for sglang_program_ab.py ab), and time it called directly "
+                    "in the scheduler process")
+    ap.add_argument("--capture-ab", nargs="*", default=[], metavar="DIR",
+                    help="with --capture: other captured programs (sglang_program_ab.py) timed "
+                    "alternately with it in the scheduler process")
     a = ap.parse_args()
     import sglang as sgl
     import sglang_serving as bench
@@ -311,6 +328,9 @@ def main():
 
     folder = tempfile.mkdtemp(prefix="sglang-step-split-")
     os.environ[ENV], os.environ[ENV + "_BATCH"] = folder, str(a.requests)
+    if a.capture:
+        os.environ[ENV + "_CAPTURE"] = os.path.abspath(a.capture)
+        os.environ[ENV + "_CAPTURE_AB"] = ",".join(os.path.abspath(f) for f in a.capture_ab)
     if a.no_extend_wait:
         os.environ[ENV + "_NO_EXTEND_WAIT"] = "1"
     os.environ.setdefault("TORCHTPU_CACHE_DIR", tempfile.mkdtemp(prefix="bench-cache-"))
@@ -367,6 +387,11 @@ def main():
             f"{k} {v:g}" for k, v in sorted(replay.get("counters", {}).items())))
         print("  CPU ms per call by thread name: " + ", ".join(
             f"{k} {v * 1e3:.2f}" for k, v in replay.get("threads_cpu_s", {}).items()))
+    if replay and replay.get("in_scheduler"):
+        import sglang_program_ab
+
+        sglang_program_ab.report(replay["in_scheduler"], "the captured programs called "
+                                 "directly in the scheduler process, alternately")
     for i, r in enumerate(runs):
         print(f"  round {i}: compiled extends (tokens, bucket, ms to logits on the host, or to the launch with "
               "--no-extend-wait): "
