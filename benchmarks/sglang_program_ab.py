@@ -28,7 +28,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-_SEEN: dict = {}  # id(graph) -> [calls, graph, entry, arrays spec]
+_SEEN: dict = {}  # id(graph) -> [calls, graph, entry, arrays spec, donated positions]
+_ORIG: list = []  # the method install() replaced
 
 
 def install():
@@ -51,6 +52,16 @@ def install():
         return out
 
     backend.CompiledGraph._run_entry = run_entry
+    _ORIG.append(orig)
+
+
+def uninstall():
+    """Undo ``install``."""
+    from torchtpu.compile import backend
+
+    if _ORIG:
+        backend.CompiledGraph._run_entry = _ORIG.pop(0)
+        _ORIG.clear()
 
 
 def dump(out: str) -> str:

@@ -301,6 +301,15 @@ def _py_spy(out):
                             stderr=subprocess.DEVNULL)
 
 
+def _plain_ab(folders):
+    """sglang_program_ab.py ab on ``folders`` in a plain process of this venv (the engine
+    idle meanwhile): its report."""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "sglang_program_ab.py"), "ab",
+                        *folders], capture_output=True, text=True, timeout=600)
+    out = p.stdout
+    return out[out.index("## "):] if "## " in out else p.stderr[-2000:]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -360,9 +369,14 @@ def main():
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
             spy.wait(timeout=120)
+        plain = []  # the captured programs timed in a plain process just before and after
+        if a.capture_ab:
+            plain.append(_plain_ab(a.capture_ab))
         open(os.path.join(folder, "replay"), "w").close()
         llm.generate(input_ids=reqs, sampling_params=sp)
         last = _ask(folder)
+        if a.capture_ab:
+            plain.append(_plain_ab(a.capture_ab))
         replay, extend_replay = last["replay"], last["extend_replay"]
     finally:
         llm.shutdown()
@@ -390,8 +404,12 @@ def main():
     if replay and replay.get("in_scheduler"):
         import sglang_program_ab
 
+        if plain:
+            print("\n" + plain[0])
         sglang_program_ab.report(replay["in_scheduler"], "the captured programs called "
                                  "directly in the scheduler process, alternately")
+        if len(plain) > 1:
+            print("\n" + plain[1])
     for i, r in enumerate(runs):
         print(f"  round {i}: compiled extends (tokens, bucket, ms to logits on the host, or to the launch with "
               "--no-extend-wait): "
