@@ -115,7 +115,17 @@ class _Probe:
         out = original(runner, forward_batch, *args, **kwargs)
         if (self.replay is None and forward_batch.batch_size == self.batch
                 and os.path.exists(os.path.join(self.folder, "replay"))):
+            cap = os.environ.get(ENV + "_CAPTURE")
+            if cap:
+                import sglang_program_ab
+                sglang_program_ab.install()
             self.replay = _replay(runner, forward_batch)
+            if cap:
+                sglang_program_ab.dump(cap)
+                # the same executable called directly here (no torch.compile path), beside
+                # the captured ones named by _CAPTURE_AB: program or process?
+                more = [f for f in os.environ.get(ENV + "_CAPTURE_AB", "").split(",") if f]
+                self.replay["in_scheduler"] = sglang_program_ab.time_programs([cap] + more)
         return out
 
     def extend(self, original, runner, forward_batch, key, *args, **kwargs):
@@ -291,6 +301,15 @@ def _py_spy(out):
                             stderr=subprocess.DEVNULL)
 
 
+def _plain_ab(folders):
+    """sglang_program_ab.py ab on ``folders`` in a plain process of this venv (the engine
+    idle meanwhile): its report."""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "sglang_program_ab.py"), "ab",
+                        *folders], capture_output=True, text=True, timeout=600)
+    out = p.stdout
+    return out[out.index("## "):] if "## " in out else p.stderr[-2000:]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=16)
@@ -304,6 +323,13 @@ def main():
                     "logits: SGLang's overlap as it runs unprobed)")
     ap.add_argument("--engine-args", default="{}",
                     help="JSON: more sgl.Engine arguments (e.g. {\"page_size\": 16})")
+    ap.add_argument("--capture", metavar="OUT",
+                    help="also write the replayed decode program's executable and inputs to "
+                    "the folder OUT (for sglang_program_ab.py ab), and time it called directly "
+                    "in the scheduler process")
+    ap.add_argument("--capture-ab", nargs="*", default=[], metavar="DIR",
+                    help="with --capture: other captured programs (sglang_program_ab.py) timed "
+                    "alternately with it in the scheduler process")
     a = ap.parse_args()
     import sglang as sgl
     import sglang_serving as bench
@@ -311,6 +337,9 @@ def main():
 
     folder = tempfile.mkdtemp(prefix="sglang-step-split-")
     os.environ[ENV], os.environ[ENV + "_BATCH"] = folder, str(a.requests)
+    if a.capture:
+        os.environ[ENV + "_CAPTURE"] = os.path.abspath(a.capture)
+        os.environ[ENV + "_CAPTURE_AB"] = ",".join(os.path.abspath(f) for f in a.capture_ab)
     if a.no_extend_wait:
         os.environ[ENV + "_NO_EXTEND_WAIT"] = "1"
     os.environ.setdefault("TORCHTPU_CACHE_DIR", tempfile.mkdtemp(prefix="bench-cache-"))
@@ -340,9 +369,14 @@ def main():
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file when interrupted
             spy.wait(timeout=120)
+        plain = []  # the captured programs timed in a plain process just before and after
+        if a.capture_ab:
+            plain.append(_plain_ab(a.capture_ab))
         open(os.path.join(folder, "replay"), "w").close()
         llm.generate(input_ids=reqs, sampling_params=sp)
         last = _ask(folder)
+        if a.capture_ab:
+            plain.append(_plain_ab(a.capture_ab))
         replay, extend_replay = last["replay"], last["extend_replay"]
     finally:
         llm.shutdown()
@@ -367,6 +401,15 @@ def main():
             f"{k} {v:g}" for k, v in sorted(replay.get("counters", {}).items())))
         print("  CPU ms per call by thread name: " + ", ".join(
             f"{k} {v * 1e3:.2f}" for k, v in replay.get("threads_cpu_s", {}).items()))
+    if replay and replay.get("in_scheduler"):
+        import sglang_program_ab
+
+        if plain:
+            print("\n" + plain[0])
+        sglang_program_ab.report(replay["in_scheduler"], "the captured programs called "
+                                 "directly in the scheduler process, alternately")
+        if len(plain) > 1:
+            print("\n" + plain[1])
     for i, r in enumerate(runs):
         print(f"  round {i}: compiled extends (tokens, bucket, ms to logits on the host, or to the launch with "
               "--no-extend-wait): "

@@ -538,3 +538,55 @@ def test_serving_benchmark_compares_the_same_prompts_as_the_vllm_rows():
         del sys.path[:2]
     for n in (16, 32):
         assert sglang_serving._requests(n) == vllm_serving._requests(n)
+
+
+def test_program_capture_replays_the_graph_it_captured(tmp_path):
+    """benchmarks/sglang_program_ab.py (program or process? the engines' decode programs timed
+    side by side in one process): the executable it captures from a compiled graph's calls,
+    reloaded with the captured inputs, computes what the graph computed, and its donated input
+    (a buffer the graph writes, like a KV cache) is passed back from call to call."""
+    import jax
+    import numpy as np
+    import torch
+
+    import torchtpu  # noqa: F401
+
+    bench = os.path.join(ROOT, "benchmarks")
+    sys.path[:0] = [bench]
+    try:
+        import sglang_program_ab as ab
+    finally:
+        del sys.path[:1]
+    ab._SEEN.clear()
+    ab.install()
+    try:
+        _capture_and_replay(ab, tmp_path, jax, np, torch)
+    finally:
+        ab.uninstall()
+        ab._SEEN.clear()
+
+
+def _capture_and_replay(ab, tmp_path, jax, np, torch):
+
+    def step(x, w, cache):
+        cache.add_(1.0)  # written in place: donated to the program
+        return torch.tanh(x @ w) + cache.sum()
+
+    f = torch.compile(step, backend="tpu")
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    cache = torch.zeros(16, device="tpu")
+    for _ in range(3):
+        got = f(x.to("tpu"), w.to("tpu"), cache)
+    ab.dump(str(tmp_path))
+    prog = ab._Loaded(str(tmp_path))
+    assert list(prog.d["donate"]) and prog.d["calls"] == 3
+    prog.first()  # the donated cache starts as zeros: its sum is 16 after the first call
+    for k in (1, 2):
+        out = [leaf for leaf in jax.tree_util.tree_leaves(prog.call(prog.args()))
+               if leaf.shape == (4, 3)]
+        want = torch.tanh(x @ w) + 16.0 * k
+        assert len(out) == 1
+        torch.testing.assert_close(torch.from_numpy(np.array(out[0])), want)
+    assert got.shape == (4, 3)
+    r = ab.time_programs([str(tmp_path)], calls=2, repeats=1)
+    assert r["programs"][0]["wall_s"] > 0
