@@ -212,6 +212,22 @@ def interleaved_medians(steps: dict, repeats: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def thread_cpu() -> dict:
+    """CPU seconds (user + system) of each thread of this process: {tid: (name, seconds)}."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def _fmt(v: float) -> str:
     if v >= 1000:
         return f"{v:,.0f}"

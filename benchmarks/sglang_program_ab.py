@@ -27,6 +27,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import thread_cpu  # noqa: E402
 
 _SEEN: dict = {}  # id(graph) -> [calls, graph, entry, arrays spec, donated positions]
 _ORIG: list = []  # the method install() replaced
@@ -90,21 +92,6 @@ def dump(out: str) -> str:
                          shapes=[(tuple(np.shape(a[1])) if a[0] == "value" else tuple(a[1]),
                                   str(a[1].dtype) if a[0] == "value" else a[2])
                                  for a in args]), f)
-    return out
-
-
-def _thread_cpu() -> dict:
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 
@@ -184,11 +171,11 @@ def time_programs(folders, calls=20, repeats=9):
     others0, t_all = _others_cpu(), time.perf_counter()
     for _ in range(repeats):
         for j, p in enumerate(progs):
-            t0, th0 = time.perf_counter(), _thread_cpu()
+            t0, th0 = time.perf_counter(), thread_cpu()
             for _ in range(calls):
                 p.call(p.args())
             dt = (time.perf_counter() - t0) / calls
-            th1 = _thread_cpu()
+            th1 = thread_cpu()
             per = collections.Counter()
             for tid, (name, c1) in th1.items():
                 per[name] += (c1 - th0.get(tid, (name, 0.0))[1]) / calls

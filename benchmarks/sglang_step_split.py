@@ -47,6 +47,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
 sys.path.insert(0, HERE)
+from common import thread_cpu  # noqa: E402
 
 ENV = "TORCHTPU_SGLANG_STEP_SPLIT_DIR"  # the parent's folder: flags in, results out
 SCHED = "sglang.srt.managers.scheduler.Scheduler."
@@ -182,7 +183,7 @@ def _replay(runner, forward_batch, calls=20, repeats=10):
     key = (runner.bs, kv_width(forward_batch, runner.page_size, runner.kv_full))
     fb = runner.batches[key]
     wall, cpu, pcpu, launch = [], [], [], []
-    threads0, m0 = _thread_cpu(), torch.tpu.metrics()["counters"]
+    threads0, m0 = thread_cpu(), torch.tpu.metrics()["counters"]
     with DynamicGradMode():
         for _ in range(repeats):
             t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
@@ -196,7 +197,7 @@ def _replay(runner, forward_batch, calls=20, repeats=10):
             cpu.append((time.thread_time() - c) / calls)
             pcpu.append((time.process_time() - pc) / calls)
             launch.append(lt / calls)
-    threads1, m1 = _thread_cpu(), torch.tpu.metrics()["counters"]
+    threads1, m1 = thread_cpu(), torch.tpu.metrics()["counters"]
     n = calls * repeats
     per_thread = collections.Counter()
     for tid, (name, t1) in threads1.items():
@@ -220,7 +221,7 @@ def _replay_extend(runner, key, calls=3, repeats=3):
     fb = runner.batches[key]
     ctx = ForwardContext(attn_backend=runner.model_runner.attn_backend)
     wall, pcpu = [], []
-    threads0 = _thread_cpu()
+    threads0 = thread_cpu()
     with DynamicGradMode():
         for _ in range(repeats):
             t, pc = time.perf_counter(), time.process_time()
@@ -228,29 +229,13 @@ def _replay_extend(runner, key, calls=3, repeats=3):
                 runner._call(fb, key, ctx).next_token_logits.cpu()
             wall.append((time.perf_counter() - t) / calls)
             pcpu.append((time.process_time() - pc) / calls)
-    threads1 = _thread_cpu()
+    threads1 = thread_cpu()
     per_thread = collections.Counter()
     for tid, (name, t1) in threads1.items():
         per_thread[name] += (t1 - threads0.get(tid, (name, 0.0))[1]) / (calls * repeats)
     return dict(bucket="x".join(str(k) for k in key), wall_s=statistics.median(wall),
                 process_cpu_s=statistics.median(pcpu),
                 threads_cpu_s={k: v for k, v in per_thread.most_common(6) if v > 0})
-
-
-def _thread_cpu() -> dict:
-    """CPU seconds (user + system) of each thread of this process: {tid: (name, seconds)}."""
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return out
 
 
 def _install_probe(folder, batch):
